@@ -1,0 +1,51 @@
+"""A tiny GPT on simulated CPU devices: the README's main job and the tests' model.
+
+Run:
+  python -m launch.train --config=configs/gpt_tiny.py --workdir=/tmp/run \
+      --config.mesh.dp=2 --config.mesh.pp=4 --config.pipeline.schedule=zb-h1
+
+Variants (`--config=configs/gpt_tiny.py:NAME`):
+  default   4 layers, d=64, synthetic data, 2x2 grid.
+  text      byte-level training on the Python reference text shipped with the package.
+  runlocal  the smallest thing that exercises every code path (tests use it).
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = dict(
+    vocab_size=256,
+    seq_len=32,
+    num_layers=4,
+    num_heads=2,
+    d_model=64,
+    mlp_ratio=4,
+    tied_head=False,
+  )
+  c.mesh = dict(dp=2, pp=2)
+  c.pipeline = dict(schedule="1f1b", microbatches=4, partition="")
+  c.train = dict(
+    steps=20,
+    global_batch=32,
+    seed=0,
+    data="synthetic",
+    learning_rate=3e-3,
+    warmup_steps=4,
+    min_lr_ratio=0.1,
+    weight_decay=0.01,
+    b1=0.9,
+    b2=0.95,
+  )
+  c.faults = dict(schedule="")
+  c = ml_collections.ConfigDict(c)
+  if arg == "text":
+    c.train.data = "text"
+    c.model.seq_len = 64
+  elif arg == "runlocal":
+    c.model.update(seq_len=16, d_model=32, num_heads=2)
+    c.train.update(steps=3, global_batch=16)
+  elif arg:
+    raise ValueError(f"unknown variant {arg!r} of configs/gpt_tiny.py (choose text or runlocal)")
+  return c

@@ -1,0 +1,83 @@
+"""Train a model on a DP x PP grid: `python -m launch.train --config=configs/gpt_tiny.py ...`.
+
+On a machine without accelerators the launcher creates `mesh.dp * mesh.pp` simulated CPU
+devices itself. Exit codes: 0 done, 2 bad configuration or flags, 3 every worker of a stage
+failed (re-routing cannot continue).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Path to a configs/*.py file.", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, timelines, schedules.")
+
+EXIT_BAD_CONFIG = 2
+
+
+def _fail(message: str, code: int) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(code)
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    _fail(f"unexpected arguments {' '.join(argv[1:])}", EXIT_BAD_CONFIG)
+  if _CONFIG.value is None:
+    _fail("--config is required (e.g. --config=configs/gpt_tiny.py)", EXIT_BAD_CONFIG)
+  if not _WORKDIR.value:
+    _fail("--workdir is required", EXIT_BAD_CONFIG)
+
+  from resilient_jax.config import ConfigError, from_config_dict
+
+  try:
+    cfg = from_config_dict(_CONFIG.value)
+  except ConfigError as e:
+    _fail(str(e), EXIT_BAD_CONFIG)
+
+  from resilient_jax import runtime_setup
+
+  runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_workers)
+
+  from resilient_jax.coordinator import EXIT_STAGE_LOST, StageLost
+  from resilient_jax.trainer import train
+
+  workdir = os.path.abspath(_WORKDIR.value)
+  print(
+    f"training {cfg.mesh.dp}x{cfg.mesh.pp} (dp x pp), schedule {cfg.pipeline.schedule}, "
+    f"{cfg.train.steps} steps; outputs in {workdir}",
+    flush=True,
+  )
+  try:
+    result = train(cfg, workdir, log=lambda line: print(line, flush=True))
+  except StageLost as e:
+    _fail(str(e), EXIT_STAGE_LOST)
+  except RuntimeError as e:
+    if "devices" in str(e) and "need" in str(e):
+      _fail(str(e), EXIT_BAD_CONFIG)
+    raise
+  last = result.metrics[-1]
+  print(f"done: {len(result.metrics)} steps, final loss {last['loss']:.4f}")
+  for name in ("metrics.jsonl", "timeline.png", "timeline.json", "schedule.txt"):
+    if os.path.exists(os.path.join(workdir, name)):
+      print(f"  {os.path.join(workdir, name)}")
+
+
+def run(argv: list[str] | None = None) -> None:
+  """Parses flags (a bad flag or config override is a one-line error, exit 2), then trains."""
+  argv = sys.argv if argv is None else argv
+  try:
+    remaining = flags.FLAGS(argv)
+  except (flags.Error, FileNotFoundError, ValueError, TypeError, AttributeError, KeyError) as e:
+    _fail(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__, EXIT_BAD_CONFIG)
+  main(remaining)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,206 @@
+"""Typed, validated run configuration.
+
+Config files (`configs/*.py`) return an `ml_collections.ConfigDict`; `from_config_dict` turns it
+into frozen dataclasses once, at the boundary, and every check that can be made before JAX
+starts is made here. A bad value raises `ConfigError` whose message names the key; the
+launcher prints that one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from models.gpt import GPTConfig, partition_layers
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+DATA_KINDS = ("synthetic", "text")
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  dp: int = 1
+  pp: int = 1
+
+  def __post_init__(self):
+    for key in ("dp", "pp"):
+      if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+        raise ConfigError(f"mesh.{key} must be a positive integer, got {getattr(self, key)!r}")
+
+  @property
+  def num_workers(self) -> int:
+    return self.dp * self.pp
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  schedule: str = "1f1b"
+  microbatches: int = 4
+  partition: tuple[int, ...] = ()
+  """Layers per stage; empty means an even split."""
+
+  def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ConfigError(f"pipeline.schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if not isinstance(self.microbatches, int) or self.microbatches < 1:
+      raise ConfigError(
+        f"pipeline.microbatches must be a positive integer, got {self.microbatches!r}"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 10
+  global_batch: int = 16
+  seed: int = 0
+  data: str = "synthetic"
+  learning_rate: float = 3e-3
+  warmup_steps: int = 2
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.95
+
+  def __post_init__(self):
+    for key in ("steps", "global_batch"):
+      if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+        raise ConfigError(f"train.{key} must be a positive integer, got {getattr(self, key)!r}")
+    if self.data not in DATA_KINDS:
+      raise ConfigError(f"train.data={self.data!r} is not one of {', '.join(DATA_KINDS)}")
+    if not self.learning_rate > 0:
+      raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate}")
+    if self.warmup_steps < 0:
+      raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if not 0 <= self.min_lr_ratio <= 1:
+      raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+_FAULT_RE = re.compile(r"^(\d+):(\d+)\.(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+  """Worker `(dp, stage)` fails permanently at the start of 1-based `step`."""
+
+  step: int
+  dp: int
+  stage: int
+
+
+def parse_faults(spec: str) -> tuple[Fault, ...]:
+  """Parses `STEP:DP.STAGE[,STEP:DP.STAGE...]`, e.g. `2:1.1,4:0.3`.
+
+  Raises:
+    ConfigError: a malformed entry.
+  """
+  faults = []
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    m = _FAULT_RE.match(part)
+    if not m:
+      raise ConfigError(f"faults.schedule entry {part!r} is not STEP:DP.STAGE (e.g. 2:1.1)")
+    faults.append(Fault(*(int(g) for g in m.groups())))
+  return tuple(faults)
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultsConfig:
+  schedule: tuple[Fault, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  model: GPTConfig
+  mesh: MeshConfig
+  pipeline: PipelineConfig
+  train: TrainConfig
+  faults: FaultsConfig = FaultsConfig()
+
+  def __post_init__(self):
+    m, mesh, pipe, train = self.model, self.mesh, self.pipeline, self.train
+    try:
+      partition_layers(m.num_layers, mesh.pp, pipe.partition or None)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    per_step = mesh.dp * pipe.microbatches
+    if train.global_batch % per_step:
+      raise ConfigError(
+        f"train.global_batch={train.global_batch} is not divisible by "
+        f"mesh.dp * pipeline.microbatches = {mesh.dp} * {pipe.microbatches}"
+      )
+    if train.data == "text" and m.vocab_size < 256:
+      raise ConfigError(f"model.vocab_size={m.vocab_size} is below 256, needed by train.data=text")
+    for f in self.faults.schedule:
+      if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
+        raise ConfigError(
+          f"faults.schedule entry {f.step}:{f.dp}.{f.stage} is outside steps 1..{train.steps} "
+          f"or the {mesh.dp}x{mesh.pp} grid"
+        )
+
+  @property
+  def microbatch_size(self) -> int:
+    return self.train.global_batch // (self.mesh.dp * self.pipeline.microbatches)
+
+  @property
+  def partition(self) -> list[range]:
+    return partition_layers(self.model.num_layers, self.mesh.pp, self.pipeline.partition or None)
+
+
+def _section(cd: Mapping[str, Any], name: str, cls: type, convert=None) -> Any:
+  raw = dict(cd.get(name, {}) or {})
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(raw) - fields)
+  if unknown:
+    raise ConfigError(f"unknown config key {name}.{unknown[0]}")
+  if convert:
+    raw = convert(raw)
+  for f in dataclasses.fields(cls):
+    if f.name in raw and isinstance(f.default, bool) and not isinstance(raw[f.name], bool):
+      raise ConfigError(f"{name}.{f.name} must be true or false, got {raw[f.name]!r}")
+  try:
+    return cls(**raw)
+  except ConfigError:
+    raise
+  except (TypeError, ValueError) as e:
+    raise ConfigError(str(e) if name in str(e) else f"{name}: {e}") from None
+
+
+def _pipeline(raw: dict) -> dict:
+  part = raw.get("partition", ())
+  if isinstance(part, str):
+    try:
+      part = tuple(int(x) for x in part.split(",") if x.strip())
+    except ValueError:
+      raise ConfigError(f"pipeline.partition={part!r} is not a comma-separated list") from None
+  raw["partition"] = tuple(part or ())
+  return raw
+
+
+def _faults(raw: dict) -> dict:
+  spec = raw.get("schedule", "")
+  raw["schedule"] = parse_faults(spec) if isinstance(spec, str) else tuple(spec)
+  return raw
+
+
+def from_config_dict(cd: Mapping[str, Any]) -> RunConfig:
+  """Converts and validates a config (a ConfigDict or nested dict).
+
+  Raises:
+    ConfigError: the first invalid or unknown key.
+  """
+  known = {"model", "mesh", "pipeline", "train", "faults"}
+  unknown = sorted(set(cd) - known)
+  if unknown:
+    raise ConfigError(f"unknown config section {unknown[0]!r}")
+  return RunConfig(
+    model=_section(cd, "model", GPTConfig),
+    mesh=_section(cd, "mesh", MeshConfig),
+    pipeline=_section(cd, "pipeline", PipelineConfig, _pipeline),
+    train=_section(cd, "train", TrainConfig),
+    faults=_section(cd, "faults", FaultsConfig, _faults),
+  )

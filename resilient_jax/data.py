@@ -1,0 +1,327 @@
+"""Deterministic, id-addressed training data.
+
+Every training step consumes a known set of *sample ids*, and every sample id maps to the same
+tokens no matter which other ids are requested with it, in what order, or on which worker. Two
+pure functions make this work:
+
+* `DataSource.get(ids)`: id -> tokens, a function of the id alone (and the source's seed);
+* `BatchPlan.ids_for_step(step)`: step -> ids, a function of `(seed, step)` alone.
+
+So the data position saved in a checkpoint is just the step number: resuming at step `t` asks the
+plan for `ids_for_step(t)` and gets exactly the samples the uninterrupted run would have seen, and
+when the coordinator re-routes micro-batches to surviving peers after a failure, those peers
+fetch the same samples by id instead of receiving them from the failed worker. `sample_digest`
+turns a step's ids into a short fingerprint so logs and tests can check "same samples" cheaply.
+
+Shipped corpus: `resilient_jax/corpus/python_reference.txt` is the Python language reference
+topic text from CPython 3.11's `Lib/pydoc_data/topics.py` (Copyright Python Software Foundation,
+distributed under the PSF License Agreement, which permits redistribution). It was built by
+joining `topics[k]` for `k` in sorted key order with a blank line between topics, mapping the few
+typographic characters (curly quotes, dashes, ellipsis, ...) to ASCII, stripping trailing
+whitespace, and truncating at the last line boundary before 256 KiB. The file is pure ASCII, so
+byte-level tokens are exactly its characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+  "BatchPlan",
+  "DataSource",
+  "SyntheticSource",
+  "TextSource",
+  "make_source",
+  "sample_digest",
+  "split_microbatches",
+]
+
+SOURCE_KINDS = ("synthetic", "text")
+TEXT_VOCAB_SIZE = 256  # byte-level
+
+
+@runtime_checkable
+class DataSource(Protocol):
+  """A deterministic map from sample id to one `(inputs, targets)` token sequence pair.
+
+  Attributes:
+    num_samples: Number of distinct samples, or None for an infinite id space.
+    seq_len: Tokens per sample.
+    vocab_size: Every token lies in `[0, vocab_size)`.
+  """
+
+  num_samples: int | None
+  seq_len: int
+  vocab_size: int
+
+  def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Returns int32 `(inputs, targets)`, each `[len(ids), seq_len]`; row k belongs to `ids[k]`."""
+    ...
+
+
+def _as_ids(ids: np.ndarray) -> np.ndarray:
+  """Validates and flattens a batch of sample ids to int64."""
+  arr = np.asarray(ids)
+  if arr.ndim != 1:
+    raise ValueError(f"sample ids must be 1-D, got shape {arr.shape}")
+  if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    raise TypeError(f"sample ids must be integers, got dtype {arr.dtype}")
+  arr = arr.astype(np.int64, copy=False)
+  if arr.size and arr.min() < 0:
+    raise ValueError(f"sample ids must be non-negative, got min {arr.min()}")
+  return arr
+
+
+class SyntheticSource:
+  """Infinite synthetic sequences with learnable structure.
+
+  Sample `i` draws everything from `np.random.default_rng([seed, i])`: a start token, a stride in
+  `1..max_stride`, and a noise mask. The clean sequence is the arithmetic progression
+  `start + stride * t (mod vocab_size)`; each position is then replaced by a uniformly random token
+  with probability `noise`. A model that infers the stride from context predicts most next tokens,
+  so the loss drops visibly well below `log(vocab_size)`, while the noise keeps it from reaching 0.
+  """
+
+  def __init__(
+    self, vocab_size: int, seq_len: int, seed: int, *, noise: float = 0.1, max_stride: int = 4
+  ) -> None:
+    """Creates the source.
+
+    Args:
+      vocab_size: Token range `[0, vocab_size)`; at least 2.
+      seq_len: Tokens per sample; at least 1.
+      seed: Non-negative seed; with the id it fully determines a sample.
+      noise: Probability that a position is replaced by a random token.
+      max_stride: Largest progression stride (clipped to `vocab_size - 1`).
+    """
+    if vocab_size < 2:
+      raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    if seq_len < 1:
+      raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if seed < 0:
+      raise ValueError(f"seed must be non-negative, got {seed}")
+    if not 0.0 <= noise <= 1.0:
+      raise ValueError(f"noise must be in [0, 1], got {noise}")
+    self.vocab_size = int(vocab_size)
+    self.seq_len = int(seq_len)
+    self.seed = int(seed)
+    self.noise = float(noise)
+    self.max_stride = max(1, min(int(max_stride), self.vocab_size - 1))
+    self.num_samples: int | None = None
+
+  def _sequence(self, sample_id: int) -> np.ndarray:
+    """The `seq_len + 1` tokens of one sample; inputs and targets are its two shifted views."""
+    rng = np.random.default_rng([self.seed, sample_id])
+    n = self.seq_len + 1
+    start = rng.integers(self.vocab_size)
+    stride = rng.integers(1, self.max_stride + 1)
+    seq = (start + stride * np.arange(n, dtype=np.int64)) % self.vocab_size
+    # Draw mask and replacements unconditionally so the stream layout never depends on `noise`
+    # hitting zero, keeping samples comparable across noise settings.
+    mask = rng.random(n) < self.noise
+    random_tokens = rng.integers(self.vocab_size, size=n)
+    return np.where(mask, random_tokens, seq)
+
+  def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Returns int32 `(inputs, targets)` of shape `[len(ids), seq_len]`."""
+    ids = _as_ids(ids)
+    seqs = np.empty((ids.size, self.seq_len + 1), dtype=np.int32)
+    for row, sample_id in enumerate(ids.tolist()):
+      seqs[row] = self._sequence(sample_id)
+    return seqs[:, :-1].copy(), seqs[:, 1:].copy()
+
+
+def default_text_path() -> Path:
+  """Path of the shipped corpus (the Python language reference text)."""
+  return Path(str(importlib.resources.files("resilient_jax") / "corpus" / "python_reference.txt"))
+
+
+class TextSource:
+  """Byte-level (vocab 256) windows over a text file, by default the shipped corpus.
+
+  Sample `i` starts at byte `(i * seq_len) % (len(text) - seq_len - 1)`; its inputs are
+  `text[start:start + seq_len]` and its targets the same window shifted by one byte. Ids
+  `0 .. num_samples - 1` are the non-overlapping windows; larger ids wrap around (by the formula
+  above) rather than fail, so an id is always valid, but a `BatchPlan` never produces them.
+  """
+
+  def __init__(self, seq_len: int, path: str | Path | None = None) -> None:
+    """Loads the text.
+
+    Args:
+      seq_len: Bytes per sample; at least 1.
+      path: Text file to read; None for the shipped corpus.
+    """
+    if seq_len < 1:
+      raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    self.path = Path(path) if path is not None else default_text_path()
+    self.data = np.frombuffer(self.path.read_bytes(), dtype=np.uint8)
+    # The modulus below must be positive, i.e. at least one full (inputs, targets) window plus one.
+    if self.data.size < seq_len + 2:
+      raise ValueError(
+        f"text {self.path} has {self.data.size} bytes; seq_len={seq_len} needs at least "
+        f"{seq_len + 2}"
+      )
+    self.seq_len = int(seq_len)
+    self.vocab_size = TEXT_VOCAB_SIZE
+    self._modulus = self.data.size - self.seq_len - 1
+    # Number of ids whose start `i * seq_len` is below the modulus, i.e. is not wrapped.
+    self.num_samples: int | None = -(-self._modulus // self.seq_len)
+
+  def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Returns int32 `(inputs, targets)` of shape `[len(ids), seq_len]`."""
+    ids = _as_ids(ids)
+    starts = (ids * self.seq_len) % self._modulus
+    idx = starts[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)[None, :]
+    windows = self.data[idx].astype(np.int32)
+    return windows[:, :-1].copy(), windows[:, 1:].copy()
+
+
+class BatchPlan:
+  """The order in which sample ids are consumed, as a pure function of `(seed, step)`.
+
+  Think of an endless stream of ids: epoch `e` of a finite source contributes a permutation of
+  `range(num_samples)` drawn from `np.random.default_rng([seed, e])` (the identity if
+  `shuffle=False`), and step `t` takes stream positions `t * global_batch .. + global_batch`, so
+  a step may straddle two epochs (tail of `e`, head of `e + 1`). For an infinite source step `t`
+  simply takes ids `t * global_batch .. + global_batch`.
+
+  Nothing is stateful: the data position to checkpoint is only the step number, and any worker
+  (including one that takes over a failed peer's micro-batches) can recompute any step's ids.
+  """
+
+  _CACHE_EPOCHS = 4  # a step touches at most a couple of epochs; keep a few permutations warm
+
+  def __init__(
+    self, num_samples: int | None, global_batch: int, seed: int, shuffle: bool = True
+  ) -> None:
+    """Creates the plan.
+
+    Args:
+      num_samples: Size of the finite id space, or None for an infinite source.
+      global_batch: Ids per step (all data-parallel workers and micro-batches together).
+      seed: Non-negative shuffle seed.
+      shuffle: Permute each epoch; ignored for infinite sources.
+    """
+    if num_samples is not None and num_samples < 1:
+      raise ValueError(f"num_samples must be >= 1 or None, got {num_samples}")
+    if global_batch < 1:
+      raise ValueError(f"train.global_batch must be >= 1, got {global_batch}")
+    if seed < 0:
+      raise ValueError(f"seed must be non-negative, got {seed}")
+    self.num_samples = None if num_samples is None else int(num_samples)
+    self.global_batch = int(global_batch)
+    self.seed = int(seed)
+    self.shuffle = bool(shuffle)
+    self._perms: dict[int, np.ndarray] = {}
+
+  @property
+  def steps_per_epoch(self) -> float | None:
+    """Steps per pass over the data (fractional when steps straddle epochs); None if infinite."""
+    if self.num_samples is None:
+      return None
+    return self.num_samples / self.global_batch
+
+  def epoch_permutation(self, epoch: int) -> np.ndarray:
+    """The int64 order of ids in `epoch` (finite sources only)."""
+    if self.num_samples is None:
+      raise ValueError("an infinite source has no epochs")
+    if epoch < 0:
+      raise ValueError(f"epoch must be non-negative, got {epoch}")
+    perm = self._perms.get(epoch)
+    if perm is None:
+      if self.shuffle:
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+      else:
+        perm = np.arange(self.num_samples)
+      perm = perm.astype(np.int64)
+      perm.flags.writeable = False  # handed out by reference; callers must not corrupt the cache
+      if len(self._perms) >= self._CACHE_EPOCHS:
+        self._perms.pop(next(iter(self._perms)))
+      self._perms[epoch] = perm
+    return perm
+
+  def ids_for_step(self, step: int) -> np.ndarray:
+    """The int64 sample ids, length `global_batch`, consumed by 0-based `step`."""
+    if step < 0:
+      raise ValueError(f"step must be non-negative, got {step}")
+    positions = step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)
+    if self.num_samples is None:
+      return positions
+    epochs = positions // self.num_samples
+    offsets = positions % self.num_samples
+    ids = np.empty(self.global_batch, dtype=np.int64)
+    for epoch in np.unique(epochs).tolist():
+      sel = epochs == epoch
+      ids[sel] = self.epoch_permutation(epoch)[offsets[sel]]
+    return ids
+
+
+def sample_digest(ids: np.ndarray) -> str:
+  """A 16-hex-char fingerprint of a set of sample ids, insensitive to their order.
+
+  Two batches get the same digest iff they hold the same ids (as a multiset), up to sha256
+  collisions on the 64-bit prefix.
+  """
+  arr = np.sort(np.asarray(ids).astype("<i8").ravel())  # fixed endianness: portable digests
+  return hashlib.sha256(arr.tobytes()).hexdigest()[:16]
+
+
+def make_source(kind: str, *, vocab_size: int, seq_len: int, seed: int) -> DataSource:
+  """Builds a data source from config values.
+
+  Args:
+    kind: "synthetic" or "text".
+    vocab_size: The model's vocabulary size; the text source needs at least 256.
+    seq_len: Tokens per sample.
+    seed: Seed of the synthetic source (the text source has no randomness).
+
+  Returns:
+    The source.
+  """
+  if kind == "synthetic":
+    return SyntheticSource(vocab_size=vocab_size, seq_len=seq_len, seed=seed)
+  if kind == "text":
+    if vocab_size < TEXT_VOCAB_SIZE:
+      raise ValueError(
+        f"data source 'text' is byte-level and needs model.vocab_size >= {TEXT_VOCAB_SIZE}, "
+        f"got {vocab_size}"
+      )
+    return TextSource(seq_len=seq_len)
+  raise ValueError(f"unknown data source {kind!r}; choose one of {', '.join(SOURCE_KINDS)}")
+
+
+def split_microbatches(ids: np.ndarray, dp: int, microbatches: int) -> np.ndarray:
+  """Splits one step's ids into the global micro-batches, `[dp * microbatches, mb_size]`.
+
+  Micro-batch `j` gets `ids[j * mb_size:(j + 1) * mb_size]`, and pipeline `d` owns micro-batches
+  `d * microbatches .. d * microbatches + microbatches - 1`, matching the schedule's numbering.
+
+  Args:
+    ids: One step's sample ids, length `train.global_batch`.
+    dp: Data-parallel width (`mesh.dp`).
+    microbatches: Micro-batches per pipeline (`pipeline.microbatches`).
+
+  Returns:
+    The int64 id matrix; row j is micro-batch j.
+  """
+  ids = np.asarray(ids, dtype=np.int64)
+  if ids.ndim != 1:
+    raise ValueError(f"sample ids must be 1-D, got shape {ids.shape}")
+  if dp < 1 or microbatches < 1:
+    raise ValueError(
+      f"mesh.dp and pipeline.microbatches must be >= 1, got mesh.dp={dp}, "
+      f"pipeline.microbatches={microbatches}"
+    )
+  total = dp * microbatches
+  if ids.size == 0 or ids.size % total:
+    raise ValueError(
+      f"train.global_batch={ids.size} must be a positive multiple of "
+      f"mesh.dp * pipeline.microbatches = {dp} * {microbatches} = {total}"
+    )
+  return ids.reshape(total, ids.size // total)

@@ -1,0 +1,29 @@
+"""Process-level JAX set-up: simulated CPU devices and the persistent compilation cache.
+
+Must run before JAX initialises its backends (the first device query); later changes to the
+device count have no effect.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "resilient_jax", "xla")
+
+
+def configure_jax(num_cpu_devices: int, cache_dir: str | None = None) -> None:
+  """Simulates `num_cpu_devices` CPU devices and turns on the compilation cache.
+
+  The CPU device count only matters where the CPU is the backend; on GPU/TPU hosts the real
+  devices are used. Compilation dominates small runs, so programs are cached on disk
+  (`RESILIENT_JAX_CACHE`, default ~/.cache/resilient_jax/xla; set it to "" to disable).
+  """
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", max(num_cpu_devices, 1))
+  cache = os.environ.get("RESILIENT_JAX_CACHE", DEFAULT_CACHE) if cache_dir is None else cache_dir
+  if cache:
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,71 @@
+"""Pipeline schedules as plain data: build, validate, cost and replay them (no JAX here)."""
+
+from resilient_jax.schedule.core import (
+  ALL_KINDS,
+  AR,
+  BW,
+  COMPUTE_KINDS,
+  OPT,
+  B,
+  F,
+  Op,
+  Schedule,
+  W,
+  Worker,
+  dependencies,
+  fault_free_route,
+  make_schedule,
+)
+from resilient_jax.schedule.cost import (
+  DurationFn,
+  OpCosts,
+  PerStage,
+  Span,
+  Timeline,
+  lower_bound,
+  replay,
+  simulate,
+)
+from resilient_jax.schedule.errors import ScheduleError
+from resilient_jax.schedule.generators import GENERATORS, generate, gpipe, one_f_one_b, zb_h1
+from resilient_jax.schedule.validate import (
+  ValidationReport,
+  peak_activations,
+  peak_inflight,
+  validate,
+)
+
+__all__ = [
+  "ALL_KINDS",
+  "AR",
+  "B",
+  "BW",
+  "COMPUTE_KINDS",
+  "DurationFn",
+  "F",
+  "GENERATORS",
+  "OPT",
+  "Op",
+  "OpCosts",
+  "PerStage",
+  "Schedule",
+  "ScheduleError",
+  "Span",
+  "Timeline",
+  "ValidationReport",
+  "W",
+  "Worker",
+  "dependencies",
+  "fault_free_route",
+  "generate",
+  "gpipe",
+  "lower_bound",
+  "make_schedule",
+  "one_f_one_b",
+  "peak_activations",
+  "peak_inflight",
+  "replay",
+  "simulate",
+  "validate",
+  "zb_h1",
+]

@@ -1,0 +1,184 @@
+"""Pipeline schedules as plain data.
+
+A `Schedule` says, for every live worker `(dp, stage)`, the ordered list of ops it runs in one
+training step, and for every micro-batch which data-parallel worker runs each of its stages (its
+*route*). Nothing here imports JAX: the same objects are printed, validated, costed, executed by
+the runtime, replanned by the coordinator and replayed by the simulator.
+
+Micro-batch ids run over the whole global batch: pipeline `d` owns ids `d*m .. d*m + m - 1`
+(m = micro-batches per pipeline). In a fault-free schedule every stage of micro-batch `mb` runs in
+its owner's pipeline; after failures the planner re-routes some stages to peers, so a route like
+`(0, 1, 0)` means stage 1 of that micro-batch runs on worker (1, 1) and the activations travel
+(0, 0) -> (1, 1) -> (0, 2) and the gradients back the same way.
+
+Communication is implicit: every dependency between ops of two different workers is a transfer
+(activation forward, activation-gradient backward), costed by the cost model and carried out by
+the runtime when the consumer's op is dispatched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Iterator, Mapping
+
+Worker = tuple[int, int]
+"""A worker is `(dp, stage)`: one device (or sub-mesh) of the DP x PP grid."""
+
+F = "F"  # forward: keeps what the backward needs
+B = "B"  # input gradient only (activation gradient for the previous stage)
+W = "W"  # weight gradient only, from what B captured; deferrable
+BW = "BW"  # fused backward (B then W as one program): what GPipe and 1F1B run
+AR = "AR"  # all-reduce of this stage's weight gradients over its live data-parallel peers
+OPT = "OPT"  # this stage's optimizer step
+
+COMPUTE_KINDS = (F, B, W, BW)
+ALL_KINDS = (F, B, W, BW, AR, OPT)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Op:
+  """One op in a worker's list. `mb` is the micro-batch id for F/B/W/BW and -1 otherwise."""
+
+  kind: str
+  mb: int = -1
+
+  def __post_init__(self):
+    if self.kind not in ALL_KINDS:
+      raise ValueError(f"unknown op kind {self.kind!r}")
+    if (self.kind in COMPUTE_KINDS) != (self.mb >= 0):
+      raise ValueError(f"op {self.kind} needs mb >= 0 exactly when it is a compute op")
+
+  def __str__(self) -> str:
+    return f"{self.kind}{self.mb}" if self.mb >= 0 else self.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """One training step for a DP x PP grid, possibly with failed workers.
+
+  Attributes:
+    name: the generator or planner that made it (`gpipe`, `1f1b`, `zb-h1`, `adaptive`, ...).
+    dp: number of data-parallel pipelines in the grid (failed ones included).
+    pp: number of pipeline stages.
+    microbatches: micro-batches per pipeline (m); the step has `dp * m` micro-batches.
+    route: `route[mb][stage]` is the dp index of the worker running that stage of `mb`.
+    ops: ordered ops of every live worker.
+  """
+
+  name: str
+  dp: int
+  pp: int
+  microbatches: int
+  route: tuple[tuple[int, ...], ...]
+  ops: Mapping[Worker, tuple[Op, ...]]
+
+  @property
+  def num_microbatches(self) -> int:
+    return self.dp * self.microbatches
+
+  def owner(self, mb: int) -> int:
+    """The pipeline whose share of the global batch `mb` is."""
+    return mb // self.microbatches
+
+  def worker_of(self, mb: int, stage: int) -> Worker:
+    return (self.route[mb][stage], stage)
+
+  @property
+  def workers(self) -> list[Worker]:
+    return sorted(self.ops)
+
+  def stage_workers(self, stage: int) -> list[Worker]:
+    """Live workers of `stage`: the data-parallel group its gradients are reduced over."""
+    return [w for w in self.workers if w[1] == stage]
+
+  def microbatches_of(self, worker: Worker) -> list[int]:
+    """Micro-batches whose stage `worker[1]` runs on `worker`, in id order."""
+    d, s = worker
+    return [mb for mb in range(self.num_microbatches) if self.route[mb][s] == d]
+
+  def backward_op(self, mb: int, stage: int) -> Op:
+    """The op that produces the activation gradient of `mb` at `stage` (B or BW)."""
+    op = self._backward_index[self.worker_of(mb, stage)].get(mb)
+    if op is None:
+      raise KeyError(f"no backward for micro-batch {mb} at stage {stage}")
+    return op
+
+  @functools.cached_property
+  def _backward_index(self) -> dict[Worker, dict[int, Op]]:
+    # Built once per schedule so that `dependencies()` stays O(1) per op: the cost model walks
+    # every op of 1000s of workers. The first B/BW of a micro-batch wins, as a list scan would.
+    index: dict[Worker, dict[int, Op]] = {}
+    for w, ops in self.ops.items():
+      index[w] = per_mb = {}
+      for op in ops:
+        if op.kind in (B, BW):
+          per_mb.setdefault(op.mb, op)
+    return index
+
+  def to_text(self) -> str:
+    """A printable form: one line per worker, plus the routes that leave their pipeline."""
+    lines = [f"schedule {self.name}: dp={self.dp} pp={self.pp} m={self.microbatches}"]
+    for w in self.workers:
+      lines.append(f"  d{w[0]} s{w[1]} | " + " ".join(str(op) for op in self.ops[w]))
+    moved = [
+      f"  mb{mb}: " + " -> ".join(f"({d},{s})" for s, d in enumerate(r))
+      for mb, r in enumerate(self.route)
+      if any(d != self.owner(mb) for d in r)
+    ]
+    if moved:
+      lines.append("re-routed micro-batches:")
+      lines.extend(moved)
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.to_text()
+
+
+def dependencies(schedule: Schedule, worker: Worker, op: Op) -> Iterator[tuple[Worker, Op]]:
+  """The ops (on any worker) that must finish before `op` can start on `worker`.
+
+  The order within a worker's own list is an extra, implicit dependency. AR is a collective
+  over `schedule.stage_workers(stage)`; its dependencies here are the local ones only (every
+  weight-gradient op of this worker), the cost model and runtime add the synchronisation.
+  """
+  d, s = worker
+  if op.kind == F:
+    if s > 0:
+      yield schedule.worker_of(op.mb, s - 1), Op(F, op.mb)
+  elif op.kind in (B, BW):
+    yield worker, Op(F, op.mb)
+    if s < schedule.pp - 1:
+      yield schedule.worker_of(op.mb, s + 1), schedule.backward_op(op.mb, s + 1)
+  elif op.kind == W:
+    yield worker, Op(B, op.mb)
+  elif op.kind == AR:
+    for other in schedule.ops[worker]:
+      if other.kind in (W, BW):
+        yield worker, other
+  elif op.kind == OPT:
+    yield worker, Op(AR)
+
+
+def fault_free_route(dp: int, pp: int, microbatches: int) -> tuple[tuple[int, ...], ...]:
+  """Every micro-batch runs all its stages in its owner's pipeline."""
+  return tuple((mb // microbatches,) * pp for mb in range(dp * microbatches))
+
+
+def make_schedule(
+  name: str,
+  dp: int,
+  pp: int,
+  microbatches: int,
+  per_worker: Mapping[Worker, Iterable[Op]],
+  route: tuple[tuple[int, ...], ...] | None = None,
+) -> Schedule:
+  """Builds a `Schedule`, freezing the per-worker lists."""
+  return Schedule(
+    name=name,
+    dp=dp,
+    pp=pp,
+    microbatches=microbatches,
+    route=route if route is not None else fault_free_route(dp, pp, microbatches),
+    ops={w: tuple(ops) for w, ops in sorted(per_worker.items())},
+  )
