@@ -26,20 +26,28 @@ def _fail(message: str, code: int) -> None:
   sys.exit(code)
 
 
+def _last_line(e: BaseException) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return lines[-1] if lines else type(e).__name__
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     _fail(f"unexpected arguments {' '.join(argv[1:])}", EXIT_BAD_CONFIG)
-  if _CONFIG.value is None:
-    _fail("--config is required (e.g. --config=configs/gpt_tiny.py)", EXIT_BAD_CONFIG)
   if not _WORKDIR.value:
     _fail("--workdir is required", EXIT_BAD_CONFIG)
 
   from resilient_jax.config import ConfigError, from_config_dict
 
   try:
+    # The config file is loaded lazily, on first access: its errors surface here.
+    if _CONFIG.value is None:
+      _fail("--config is required (e.g. --config=configs/gpt_tiny.py)", EXIT_BAD_CONFIG)
     cfg = from_config_dict(_CONFIG.value)
   except ConfigError as e:
     _fail(str(e), EXIT_BAD_CONFIG)
+  except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
+    _fail(f"--config: {_last_line(e)}", EXIT_BAD_CONFIG)
 
   from resilient_jax import runtime_setup
 

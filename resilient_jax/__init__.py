@@ -1,0 +1,33 @@
+"""resilient_jax: DP x PP training in JAX that keeps running when workers fail.
+
+The public API is re-exported here lazily, so `import resilient_jax.schedule` (pure Python:
+schedules, planners, cost model) stays free of JAX for the simulator and fast tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+  "RunConfig": "resilient_jax.config",
+  "ConfigError": "resilient_jax.config",
+  "from_config_dict": "resilient_jax.config",
+  "Trainer": "resilient_jax.trainer",
+  "TrainResult": "resilient_jax.trainer",
+  "train": "resilient_jax.trainer",
+  "Coordinator": "resilient_jax.coordinator",
+  "StageLost": "resilient_jax.coordinator",
+  "Executor": "resilient_jax.runtime.executor",
+  "StagePrograms": "resilient_jax.stages",
+  "Schedule": "resilient_jax.schedule.core",
+  "Op": "resilient_jax.schedule.core",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+  raise AttributeError(f"module 'resilient_jax' has no attribute {name!r}")

@@ -1,0 +1,74 @@
+"""Shared test helpers: tiny configs and a cached single-device reference."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from configs.gpt_tiny import get_config
+from resilient_jax.config import RunConfig, from_config_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Summation order differs between micro-batched pipelines and one big batch; float32 noise on
+# these sizes stays around 1e-7 relative. The bounds leave room for AdamW amplifying it over a
+# few steps, and stay far below any real bug (a wrong or missing micro-batch moves the loss by
+# ~1e-2 and parameters by ~1e-3).
+LOSS_RTOL = 2e-6
+PARAM_ATOL = 2e-5
+
+
+def tiny_config(**overrides) -> RunConfig:
+  """The `runlocal` variant with dotted-key overrides, e.g. `mesh__dp=2`."""
+  cd = get_config("runlocal")
+  for key, value in overrides.items():
+    section, name = key.split("__")
+    cd[section][name] = value
+  return from_config_dict(cd)
+
+
+@functools.cache
+def _reference(tied: bool, steps: int, global_batch: int, seed: int):
+  from resilient_jax.reference import train_reference
+
+  cfg = tiny_config(
+    model__tied_head=tied,
+    train__steps=steps,
+    train__global_batch=global_batch,
+    train__seed=seed,
+    mesh__dp=1,
+    mesh__pp=1,
+  )
+  return train_reference(cfg)
+
+
+def reference_for(cfg: RunConfig):
+  """Losses and final parameters of the single-device run of `cfg`'s model and data."""
+  return _reference(cfg.model.tied_head, cfg.train.steps, cfg.train.global_batch, cfg.train.seed)
+
+
+def assert_matches_reference(metrics: list[dict], params: dict, cfg: RunConfig) -> None:
+  ref_losses, ref_params = reference_for(cfg)
+  losses = [m["loss"] for m in metrics]
+  np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+  assert sorted(params) == sorted(ref_params)
+  for name, value in ref_params.items():
+    np.testing.assert_allclose(params[name], value, atol=PARAM_ATOL, err_msg=name)
+
+
+def run_launcher(*args: str, env: dict | None = None, timeout: int = 300):
+  """Runs `python -m launch.train ARGS` from the repo root; returns the CompletedProcess."""
+  full_env = dict(os.environ)
+  full_env.update(env or {})
+  return subprocess.run(
+    [sys.executable, "-m", "launch.train", *args],
+    cwd=ROOT,
+    env=full_env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
