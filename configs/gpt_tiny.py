@@ -37,8 +37,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     weight_decay=0.01,
     b1=0.9,
     b2=0.95,
+    stop_after=0,
   )
   c.faults = dict(schedule="")
+  c.resilience = dict(policy="recycle", memory_cap=0)
+  c.checkpoint = dict(every_steps=0, keep=3)
   c = ml_collections.ConfigDict(c)
   if arg == "text":
     c.train.data = "text"

@@ -1,8 +1,9 @@
 """Train a model on a DP x PP grid: `python -m launch.train --config=configs/gpt_tiny.py ...`.
 
 On a machine without accelerators the launcher creates `mesh.dp * mesh.pp` simulated CPU
-devices itself. Exit codes: 0 done, 2 bad configuration or flags, 3 every worker of a stage
-failed (re-routing cannot continue).
+devices itself. A workdir with checkpoints is resumed from, on whatever layout is configured.
+Exit codes: 0 done, 2 bad configuration or flags, 3 failures left no device to continue on,
+4 a checkpoint could not be written.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, timelines, schedules.")
 
 EXIT_BAD_CONFIG = 2
+EXIT_CHECKPOINT = 4
 
 
 def _fail(message: str, code: int) -> None:
@@ -53,7 +55,8 @@ def main(argv: list[str]) -> None:
 
   runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_workers)
 
-  from resilient_jax.coordinator import EXIT_STAGE_LOST, StageLost
+  from resilient_jax.checkpoint import CheckpointError
+  from resilient_jax.coordinator import EXIT_NO_DEVICES, NoDevicesLeft
   from resilient_jax.trainer import train
 
   workdir = os.path.abspath(_WORKDIR.value)
@@ -64,8 +67,12 @@ def main(argv: list[str]) -> None:
   )
   try:
     result = train(cfg, workdir, log=lambda line: print(line, flush=True))
-  except StageLost as e:
-    _fail(str(e), EXIT_STAGE_LOST)
+  except NoDevicesLeft as e:
+    _fail(str(e), EXIT_NO_DEVICES)
+  except ConfigError as e:  # e.g. a checkpoint in the workdir from another model or batch
+    _fail(str(e), EXIT_BAD_CONFIG)
+  except CheckpointError as e:
+    _fail(str(e), EXIT_CHECKPOINT)
   except RuntimeError as e:
     if "devices" in str(e) and "need" in str(e):
       _fail(str(e), EXIT_BAD_CONFIG)

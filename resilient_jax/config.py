@@ -66,6 +66,9 @@ class TrainConfig:
   weight_decay: float = 0.01
   b1: float = 0.9
   b2: float = 0.95
+  stop_after: int = 0
+  """End the run cleanly after this step (checkpointing first); 0: run all `steps`. The
+  learning-rate schedule still follows `steps`, so a resumed run continues it exactly."""
 
   def __post_init__(self):
     for key in ("steps", "global_batch"):
@@ -77,6 +80,8 @@ class TrainConfig:
       raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate}")
     if self.warmup_steps < 0:
       raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if not isinstance(self.stop_after, int) or self.stop_after < 0:
+      raise ConfigError(f"train.stop_after must be an integer >= 0, got {self.stop_after!r}")
     if not 0 <= self.min_lr_ratio <= 1:
       raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -114,12 +119,45 @@ class FaultsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 0
+  """Save every this many steps (and at the end of the run); 0: only when stopping early."""
+  keep: int = 3
+  """Committed checkpoints to keep; 0 keeps all."""
+
+  def __post_init__(self):
+    for key in ("every_steps", "keep"):
+      v = getattr(self, key)
+      if not isinstance(v, int) or v < 0:
+        raise ConfigError(f"checkpoint.{key} must be an integer >= 0, got {v!r}")
+
+
+POLICIES = ("recycle", "naive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResilienceConfig:
+  policy: str = "recycle"
+  """`recycle`: re-route and replan so extra work fills bubbles; `naive`: re-route only."""
+  memory_cap: int = 0
+  """Per-worker cap on in-flight micro-batches for the replanned schedule; 0: planner default."""
+
+  def __post_init__(self):
+    if self.policy not in POLICIES:
+      raise ConfigError(f"resilience.policy={self.policy!r} is not one of {', '.join(POLICIES)}")
+    if not isinstance(self.memory_cap, int) or self.memory_cap < 0:
+      raise ConfigError(f"resilience.memory_cap must be an integer >= 0, got {self.memory_cap!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   model: GPTConfig
   mesh: MeshConfig
   pipeline: PipelineConfig
   train: TrainConfig
   faults: FaultsConfig = FaultsConfig()
+  resilience: ResilienceConfig = ResilienceConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
 
   def __post_init__(self):
     m, mesh, pipe, train = self.model, self.mesh, self.pipeline, self.train
@@ -193,7 +231,7 @@ def from_config_dict(cd: Mapping[str, Any]) -> RunConfig:
   Raises:
     ConfigError: the first invalid or unknown key.
   """
-  known = {"model", "mesh", "pipeline", "train", "faults"}
+  known = {"model", "mesh", "pipeline", "train", "faults", "resilience", "checkpoint"}
   unknown = sorted(set(cd) - known)
   if unknown:
     raise ConfigError(f"unknown config section {unknown[0]!r}")
@@ -203,4 +241,6 @@ def from_config_dict(cd: Mapping[str, Any]) -> RunConfig:
     pipeline=_section(cd, "pipeline", PipelineConfig, _pipeline),
     train=_section(cd, "train", TrainConfig),
     faults=_section(cd, "faults", FaultsConfig, _faults),
+    resilience=_section(cd, "resilience", ResilienceConfig),
+    checkpoint=_section(cd, "checkpoint", CheckpointConfig),
   )

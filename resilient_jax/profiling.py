@@ -27,8 +27,10 @@ def replay_records(schedule: Schedule, records: Sequence[OpRecord]) -> Timeline:
   return replay(schedule, measured_durations(records))
 
 
-def rerouted_microbatches(schedule: Schedule) -> set[int]:
-  return {mb for mb, r in enumerate(schedule.route) if any(d != schedule.owner(mb) for d in r)}
+def rerouted_work(schedule: Schedule) -> set[tuple[Worker, int]]:
+  """`(worker, mb)` of every stage that runs outside its micro-batch's own pipeline."""
+  return {((d, s), mb) for mb, r in enumerate(schedule.route) for s, d in enumerate(r)
+          if d != schedule.owner(mb)}
 
 
 def write_step_timeline(
@@ -62,6 +64,6 @@ def write_step_timeline(
     tl.spans,
     out_dir / f"{stem}.png",
     title=label,
-    highlight_mbs=rerouted_microbatches(schedule) or None,
+    highlight_mbs=rerouted_work(schedule) or None,
   )
   return tl

@@ -7,6 +7,10 @@ Order of a run:
      micro-batches, executed; one metrics line and one log line;
   4. the last step runs in profile mode and its timeline is written.
 
+Resume order: the newest checkpoint in `WORKDIR/checkpoints` that verifies (any layout), else
+the initial parameters from the seed. When failures leave a stage with no worker, the run is
+rebuilt on the largest layout the surviving devices support and restored the same way.
+
 Workdir outputs: `metrics.jsonl` (one object per completed step), `timeline.json`
 (Chrome/Perfetto trace of the last step), `timeline.png` (its Gantt chart), `schedule.txt`
 (the schedules used), `config.json` (the resolved configuration).
@@ -17,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -27,13 +31,24 @@ from flax import nnx
 
 from models.gpt import GPT
 from resilient_jax import data as data_lib
-from resilient_jax.config import RunConfig
-from resilient_jax.coordinator import Coordinator
+from resilient_jax.checkpoint import CheckpointWriter, load_latest
+from resilient_jax.config import ConfigError, FaultsConfig, MeshConfig, RunConfig
+from resilient_jax.coordinator import Coordinator, StageLost, largest_layout
 from resilient_jax.runtime.executor import Executor, StepResult, WorkerLost
 from resilient_jax.schedule.core import Op, Worker
 from resilient_jax.stages import build_stage_programs
 
 Logger = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultEvent:
+  """Worker `worker` fails in 1-based `step`: at its start, or right after `after_op` was
+  dispatched on that worker (the interrupted step is then re-run on the survivors)."""
+
+  step: int
+  worker: Worker
+  after_op: Op | None = None
 
 
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
@@ -70,12 +85,27 @@ def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:
 def step_batch(
   cfg: RunConfig, source: data_lib.DataSource, plan: data_lib.BatchPlan, step: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Sample ids, inputs and targets of 1-based `step`, as `[dp*m, microbatch, ...]` arrays."""
+  """Sample ids per micro-batch `[dp*m, microbatch]`, and inputs and targets of 1-based `step`
+  as `[dp*m, microbatch, seq_len]` arrays."""
   ids = plan.ids_for_step(step - 1)
   mbs = data_lib.split_microbatches(ids, cfg.mesh.dp, cfg.pipeline.microbatches)
   inputs, targets = source.get(mbs.reshape(-1))
   shape = (*mbs.shape, cfg.model.seq_len)
-  return ids, inputs.reshape(shape), targets.reshape(shape)
+  return mbs, inputs.reshape(shape), targets.reshape(shape)
+
+
+def processed_ids(mb_ids: np.ndarray, result: StepResult) -> np.ndarray:
+  """The sample ids the step actually trained on, from the micro-batches it ran.
+
+  Raises:
+    RuntimeError: a micro-batch was skipped or run twice: the step's global batch changed.
+  """
+  done = sorted(result.processed)
+  if done != list(range(len(mb_ids))):
+    raise RuntimeError(
+      f"step processed micro-batches {done}, expected each of 0..{len(mb_ids) - 1} once"
+    )
+  return mb_ids[np.asarray(result.processed)].reshape(-1)
 
 
 def grid_devices(
@@ -106,11 +136,12 @@ class Trainer:
 
   Args:
     cfg: the validated run configuration.
-    workdir: where outputs go (created).
+    workdir: where outputs go (created). A workdir holding checkpoints is resumed from.
     devices: devices to use (default: all local devices).
     log: where progress lines go.
-    mid_step_faults: `(step, worker, after_op)` triples: the worker dies right after `after_op`
-      was dispatched on it in that step (tests use this; config faults happen between steps).
+    faults: failures to inject besides the config's `faults.schedule` (tests use this for
+      failures in the middle of a step). Workers are named in the initial grid; a failure
+      is of the worker's device, so it still applies after the layout changed.
   """
 
   def __init__(
@@ -120,15 +151,25 @@ class Trainer:
     *,
     devices: list[jax.Device] | None = None,
     log: Logger = print,
-    mid_step_faults: tuple[tuple[int, Worker, Op], ...] = (),
+    faults: Sequence[FaultEvent] = (),
   ):
     self.cfg = cfg
     self.workdir = Path(workdir)
     self.workdir.mkdir(parents=True, exist_ok=True)
     self.log = log
-    self.mid_step_faults = list(mid_step_faults)
     self.model = make_model(cfg)
     self.source, self.plan = make_data(cfg)
+    self.ckpt_dir = self.workdir / "checkpoints"
+    self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
+    self._build(cfg, grid_devices(cfg, devices))
+    events = [FaultEvent(f.step, (f.dp, f.stage)) for f in cfg.faults.schedule] + list(faults)
+    # Failures are of devices: they keep their meaning if the grid is rebuilt.
+    self.faults = [(f, self.executor.devices[f.worker]) for f in events]
+    self.failed_devices: set[jax.Device] = set()
+
+  def _build(self, cfg: RunConfig, devices: dict[Worker, jax.Device]) -> None:
+    """Programs, executor and coordinator for `cfg`'s layout on `devices`."""
+    self.layout_cfg = cfg
     self.programs = build_stage_programs(
       self.model,
       cfg.partition,
@@ -137,42 +178,138 @@ class Trainer:
       make_optimizer(cfg),
       global_tokens=cfg.train.global_batch * cfg.model.seq_len,
     )
-    self.executor = Executor(self.programs, grid_devices(cfg, devices))
-    self.coordinator = Coordinator(cfg, log=log)
+    self.executor = Executor(self.programs, devices)
+    self.coordinator = Coordinator(cfg, log=self.log)
+
+  # ---------------------------------------------------------------- failures
+
+  def _worker_on(self, device: jax.Device) -> Worker | None:
+    return next((w for w, d in self.executor.devices.items() if d == device), None)
 
   def _fault_hook(self, step: int) -> Callable[[Worker, Op], None] | None:
-    pending = [(w, op) for s, w, op in self.mid_step_faults if s == step]
+    pending = [(f, dev) for f, dev in self.faults if f.step == step and f.after_op is not None]
     if not pending:
       return None
 
     def hook(worker: Worker, op: Op) -> None:
-      for w, o in list(pending):
-        if w == worker and o == op and w in self.coordinator.live:
-          pending.remove((w, o))
-          self.mid_step_faults.remove((step, w, o))
-          raise WorkerLost(w)
+      for f, dev in pending:
+        if self._worker_on(dev) == worker and f.after_op == op:
+          pending.remove((f, dev))
+          raise WorkerLost(worker)
 
     return hook
 
+  def _fail(self, worker: Worker, step: int, *, mid_step: bool) -> None:
+    self.failed_devices.add(self.executor.devices[worker])
+    self.coordinator.fail(worker, step, mid_step=mid_step)
+    self.executor.drop_worker(worker)
+
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
-    ids, inputs, targets = step_batch(self.cfg, self.source, self.plan, step)
-    for fault in self.coordinator.faults_at(step):
-      self._fail(fault, step, mid_step=False)
+    """Runs 1-based `step` to completion, whatever fails during it.
+
+    Raises:
+      StageLost: a failure left a stage without workers (`run` restores from a checkpoint).
+    """
+    mb_ids, inputs, targets = step_batch(self.layout_cfg, self.source, self.plan, step)
+    for f, dev in self.faults:
+      w = self._worker_on(dev)
+      if f.step == step and f.after_op is None and w in self.coordinator.live:
+        self._fail(w, step, mid_step=False)
+    hook = self._fault_hook(step)
     while True:
-      schedule = self.coordinator.schedule
       try:
         result = self.executor.run_step(
-          schedule, inputs, targets, profile=profile, after_op=self._fault_hook(step)
+          self.coordinator.schedule, inputs, targets, profile=profile, after_op=hook
         )
-        return result, ids
+        return result, mb_ids
       except WorkerLost as lost:
         # Nothing of the interrupted step was committed: replan and run it again on the
         # survivors, with the same samples.
         self._fail(lost.worker, step, mid_step=True)
 
-  def _fail(self, worker: Worker, step: int, *, mid_step: bool) -> None:
-    self.executor.drop_worker(worker)
-    self.coordinator.fail(worker, step, mid_step=mid_step)
+  # ---------------------------------------------------------------- checkpoints
+
+  def _save(self, step: int) -> None:
+    params, opt_state = self.executor.export_state()
+    cfg = self.layout_cfg
+    meta = {
+      "layout": {
+        "dp": cfg.mesh.dp,
+        "pp": cfg.mesh.pp,
+        "partition": [len(r) for r in cfg.partition],
+        "live_workers": len(self.coordinator.live),
+      },
+      "data": {
+        "kind": cfg.train.data,
+        "seed": cfg.train.seed,
+        "global_batch": cfg.train.global_batch,
+        "next_step": step + 1,
+      },
+      "model": dataclasses.asdict(cfg.model),
+      "train_steps": cfg.train.steps,
+    }
+    self.writer.save(step, params, opt_state, meta)
+
+  def _restore(self) -> int:
+    """Loads the newest valid checkpoint into the executor; returns its step (0: none)."""
+    self.writer.wait()
+    loaded = load_latest(self.ckpt_dir, log=self.log)
+    if loaded is None:
+      return 0
+    cfg = self.layout_cfg
+    data = loaded.meta["data"]
+    for key, now in (
+      ("seed", cfg.train.seed),
+      ("global_batch", cfg.train.global_batch),
+      ("kind", cfg.train.data),
+    ):
+      if data[key] != now:
+        raise ConfigError(
+          f"train.{'data' if key == 'kind' else key}={now!r} differs from the checkpoint's "
+          f"{data[key]!r} in {loaded.path}; resuming would change the sample order"
+        )
+    if loaded.meta["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
+      raise ConfigError(f"model.* differs from the model saved in {loaded.path}")
+    self.executor.import_state(loaded.params, loaded.opt_state)
+    lay = loaded.meta["layout"]
+    self.log(
+      f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
+      f"pp={lay['pp']}) onto dp={cfg.mesh.dp} pp={cfg.mesh.pp}"
+    )
+    return loaded.step
+
+  def _restore_onto_survivors(self, lost: StageLost, step: int) -> int:
+    """A stage has no live worker: rebuild on the surviving devices and restore."""
+    alive = [d for w, d in sorted(self.executor.devices.items()) if d not in self.failed_devices]
+    dp, pp = largest_layout(
+      len(alive),
+      self.cfg.model.num_layers,
+      self.cfg.train.global_batch,
+      self.cfg.pipeline.microbatches,
+    )
+    self.log(
+      f"{lost}; restoring the latest checkpoint onto dp={dp} pp={pp} "
+      f"({dp * pp} of {len(alive)} surviving devices)"
+    )
+    cfg = dataclasses.replace(
+      self.cfg,
+      mesh=MeshConfig(dp=dp, pp=pp),
+      pipeline=dataclasses.replace(self.cfg.pipeline, partition=()),
+      faults=FaultsConfig(),
+    )
+    self._build(cfg, {(d, s): alive[d * pp + s] for d in range(dp) for s in range(pp)})
+    restored = self._restore()
+    self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
+    return restored
+
+  # ---------------------------------------------------------------- the loop
+
+  def _write_timeline(self, step: int, result: StepResult, stem: str) -> None:
+    from resilient_jax.profiling import write_step_timeline
+
+    write_step_timeline(
+      self.coordinator.schedule, result.records, self.workdir, title=f"step {step}", stem=stem
+    )
 
   def run(self) -> TrainResult:
     cfg = self.cfg
@@ -180,43 +317,80 @@ class Trainer:
       json.dumps(dataclasses.asdict(cfg), indent=1, default=str)
     )
     metrics_path = self.workdir / "metrics.jsonl"
-    metrics: list[dict] = []
-    result = None
+    start = self._restore() + 1
+    metrics = _read_metrics(metrics_path, up_to=start - 1)
+    end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    every = cfg.checkpoint.every_steps
+    failure_steps = {f.step for f, _ in self.faults}
     schedules_seen: list[str] = []
-    with metrics_path.open("w") as metrics_file:
-      for step in range(1, cfg.train.steps + 1):
-        last = step == cfg.train.steps
-        result, ids = self.run_step(step, profile=last)
-        schedule = self.coordinator.schedule
-        if not schedules_seen or schedules_seen[-1] != schedule.to_text():
-          schedules_seen.append(schedule.to_text())
-        row = {
-          "step": step,
-          "loss": result.loss,
-          "samples": int(len(ids)),
-          "sample_digest": data_lib.sample_digest(ids),
-          "live_workers": len(schedule.workers),
-          "step_time_s": round(result.step_time_s, 6),
-          "samples_per_s": round(len(ids) / result.step_time_s, 3),
-          "schedule": schedule.name,
-        }
-        metrics.append(row)
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
-        self.coordinator.record_step_time(step, result.step_time_s)
-        self.log(
-          f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
-          f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
-          f"workers {row['live_workers']}  schedule {schedule.name}"
-        )
+    result = None
+    step = start
+    while step <= end:
+      last = step == end
+      # Profile the last step, and the first step after each failure, for their timelines.
+      after_failure = step > 1 and (step - 1) in failure_steps
+      try:
+        result, mb_ids = self.run_step(step, profile=last or after_failure)
+      except StageLost as lost:
+        step = self._restore_onto_survivors(lost, step) + 1
+        metrics = [m for m in metrics if m["step"] < step]
+        _write_metrics(metrics_path, metrics)
+        continue
+      ids = processed_ids(mb_ids, result)
+      if after_failure and not last and result.records:
+        self._write_timeline(step, result, stem=f"timeline_step{step}")
+      schedule = self.coordinator.schedule
+      if not schedules_seen or schedules_seen[-1] != schedule.to_text():
+        schedules_seen.append(schedule.to_text())
+      row = {
+        "step": step,
+        "loss": result.loss,
+        "samples": int(len(ids)),
+        "sample_digest": data_lib.sample_digest(ids),
+        "live_workers": len(schedule.workers),
+        "step_time_s": round(result.step_time_s, 6),
+        "samples_per_s": round(len(ids) / result.step_time_s, 3),
+        "schedule": schedule.name,
+      }
+      metrics.append(row)
+      with metrics_path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+      self.coordinator.record_step_time(step, result.step_time_s, profiled=bool(result.records))
+      self.log(
+        f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
+        f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
+        f"workers {row['live_workers']}  schedule {schedule.name}"
+      )
+      if (every and step % every == 0) or (last and (every or cfg.train.stop_after)):
+        self._save(step)
+      step += 1
+    self.writer.wait()
+    if end < cfg.train.steps:
+      self.log(
+        f"stopped after step {end} (train.stop_after); run again on the same workdir to resume"
+      )
+    if self.coordinator.failed:
+      self.log("step times by schedule:")
+      for line in self.coordinator.summary():
+        self.log(line)
     (self.workdir / "schedule.txt").write_text("\n\n".join(schedules_seen) + "\n")
     if result is not None and result.records:
-      from resilient_jax.profiling import write_step_timeline
-
-      write_step_timeline(
-        self.coordinator.schedule, result.records, self.workdir, title=f"step {cfg.train.steps}"
-      )
+      self._write_timeline(end, result, stem="timeline")
     return TrainResult(metrics, self.executor, self.coordinator, result)
+
+
+def _read_metrics(path: Path, up_to: int) -> list[dict]:
+  """Rows of steps <= `up_to` (a resumed run redoes the later ones); rewrites the file."""
+  rows = []
+  if path.exists():
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+  rows = [r for r in rows if r["step"] <= up_to]
+  _write_metrics(path, rows)
+  return rows
+
+
+def _write_metrics(path: Path, rows: list[dict]) -> None:
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def train(cfg: RunConfig, workdir: str | os.PathLike, **kwargs) -> TrainResult:

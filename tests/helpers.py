@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -32,23 +33,18 @@ def tiny_config(**overrides) -> RunConfig:
 
 
 @functools.cache
-def _reference(tied: bool, steps: int, global_batch: int, seed: int):
+def _reference(model, steps: int, global_batch: int, seed: int):
   from resilient_jax.reference import train_reference
 
   cfg = tiny_config(
-    model__tied_head=tied,
-    train__steps=steps,
-    train__global_batch=global_batch,
-    train__seed=seed,
-    mesh__dp=1,
-    mesh__pp=1,
+    train__steps=steps, train__global_batch=global_batch, train__seed=seed, mesh__dp=1, mesh__pp=1
   )
-  return train_reference(cfg)
+  return train_reference(dataclasses.replace(cfg, model=model))
 
 
 def reference_for(cfg: RunConfig):
   """Losses and final parameters of the single-device run of `cfg`'s model and data."""
-  return _reference(cfg.model.tied_head, cfg.train.steps, cfg.train.global_batch, cfg.train.seed)
+  return _reference(cfg.model, cfg.train.steps, cfg.train.global_batch, cfg.train.seed)
 
 
 def assert_matches_reference(metrics: list[dict], params: dict, cfg: RunConfig) -> None:

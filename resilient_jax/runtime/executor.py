@@ -47,6 +47,10 @@ class StepResult:
   step_time_s: float
   records: list[OpRecord]
   """Per-op timings; filled only in profile mode (each op is then waited for)."""
+  processed: list[int]
+  """Micro-batch ids whose loss was computed, in dispatch order (each exactly once)."""
+  dispatch_time_s: float = 0.0
+  """Host time until every op was dispatched, before waiting for the devices (benchmarks)."""
 
 
 class WorkerLost(Exception):
@@ -104,6 +108,37 @@ class Executor:
     for s in range(len(self.programs)):
       out.update({k: np.asarray(v) for k, v in self.stage_params(s).items()})
     return out
+
+  def export_state(self) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+    """Parameters by global name and optimizer entries by state key (universal layout), from
+    one live replica of each stage; arrays stay on their devices."""
+    from resilient_jax.checkpoint import universal
+
+    params: dict[str, jax.Array] = {}
+    opt: list[dict[str, Any]] = []
+    for s in range(len(self.programs)):
+      w = next(w for w in sorted(self.params) if w[1] == s)
+      params.update({k: v for k, v in self.params[w].items() if k not in params})
+      opt.append(universal.flatten_state(self.opt_state[w]))
+    return params, universal.merge(opt)
+
+  def import_state(self, params: Mapping[str, Any], opt_entries: Mapping[str, Any]) -> None:
+    """Loads universal-layout state into every live worker (any pipeline layout).
+
+    Raises:
+      KeyError: the state lacks a parameter or optimizer entry some stage needs.
+    """
+    from resilient_jax.checkpoint import universal
+
+    for w in sorted(self.params):
+      prog, dev = self.programs[w[1]], self.devices[w]
+      missing = [n for n in prog.param_names if n not in params]
+      if missing:
+        raise KeyError(f"parameter {missing[0]!r} is missing from the checkpoint")
+      self.params[w] = {n: jax.device_put(params[n], dev) for n in prog.param_names}
+      template = self.opt_state[w]
+      state = universal.unflatten_state(template, opt_entries, what="optimizer state")
+      self.opt_state[w] = jax.device_put(state, dev)
 
   # ---------------------------------------------------------------- collectives
 
@@ -174,6 +209,7 @@ class Executor:
     saved: dict[tuple[int, int], Any] = {}
     taps: dict[tuple[int, int], Any] = {}
     losses: dict[int, jax.Array] = {}
+    processed: list[int] = []
     acc: dict[Worker, Params] = {}
     reduced: dict[int, Params] = {}  # per stage, one replica's reduced grads (pre tie-sum)
     new_state: dict[Worker, tuple[Params, Any]] = {}
@@ -197,6 +233,7 @@ class Executor:
         out, residuals[key], saved[key] = prog.forward(self.params[w], x, tgt)
         if s == last:
           losses[op.mb] = out
+          processed.append(op.mb)
         else:
           acts[key] = out
         return [out]
@@ -301,6 +338,7 @@ class Executor:
           w: str(schedule.ops[w][pos[w]]) for w in schedule.workers if pos[w] < len(schedule.ops[w])
         }
         raise RuntimeError(f"schedule cannot make progress; stuck at {heads}")
+    dispatch_time = time.perf_counter() - t0
 
     for w, (params, opt_state) in new_state.items():
       self.params[w], self.opt_state[w] = params, opt_state
@@ -313,4 +351,6 @@ class Executor:
       microbatch_losses=mb_losses,
       step_time_s=step_time,
       records=records,
+      processed=processed,
+      dispatch_time_s=dispatch_time,
     )

@@ -1,0 +1,31 @@
+"""Universal checkpoints: save in the distributed layout, load onto any DP x PP layout.
+
+`python -m resilient_jax.checkpoint inspect DIR` prints what a checkpoint holds;
+`python -m resilient_jax.checkpoint verify DIR` checks its integrity.
+"""
+
+from resilient_jax.checkpoint.store import (
+  CheckpointError,
+  CheckpointWriter,
+  Loaded,
+  committed_steps,
+  load,
+  load_latest,
+  read_meta,
+  step_dir,
+)
+from resilient_jax.checkpoint.universal import flatten_state, merge, unflatten_state
+
+__all__ = [
+  "CheckpointError",
+  "CheckpointWriter",
+  "Loaded",
+  "committed_steps",
+  "flatten_state",
+  "load",
+  "load_latest",
+  "merge",
+  "read_meta",
+  "step_dir",
+  "unflatten_state",
+]

@@ -1,0 +1,660 @@
+"""Planners for a grid with failed workers: ReCycle's adaptive schedule and a naive baseline.
+
+Every stage's weights are replicated over the data-parallel pipelines, so when worker `(d, s)`
+fails its micro-batches' stage `s` can run on any live `(d', s)` (ReCycle, Gandhi et al., SOSP'24,
+arXiv 2405.14009). `reroute` spreads that work evenly over the stage's survivors; the planners
+then order every survivor's ops:
+
+* `plan_adaptive` (ReCycle): split backwards (B on the critical path, W deferrable) placed by an
+  event-driven list scheduler over the cost model, so the re-routed work fills pipeline bubbles,
+  and a staggered optimizer (each worker's AR right after its last W, OPT right after AR: no global
+  barrier), within a per-worker cap on micro-batches in flight.
+* `plan_naive`: the same routes, no bubble filling: each survivor runs its own base list, then the
+  failed worker's base list restricted to the micro-batches it took over.
+
+Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Collection, Iterable, Sequence
+
+from resilient_jax.schedule.core import (
+  AR,
+  BW,
+  OPT,
+  B,
+  F,
+  Op,
+  Schedule,
+  W,
+  Worker,
+  make_schedule,
+)
+from resilient_jax.schedule.cost import OpCosts, simulate
+from resilient_jax.schedule.errors import ScheduleError
+from resilient_jax.schedule.generators import GENERATORS, generate
+from resilient_jax.schedule.validate import peak_inflight, validate
+
+__all__ = [
+  "POLICIES",
+  "StageLostError",
+  "default_memory_cap",
+  "plan",
+  "plan_adaptive",
+  "plan_naive",
+  "relative_throughput_bound",
+  "reroute",
+  "route_lower_bound",
+]
+
+POLICIES = ("adaptive", "naive")
+
+Route = tuple[tuple[int, ...], ...]
+
+
+class StageLostError(ScheduleError):
+  """Every data-parallel replica of one stage has failed: no planner can recover the step.
+
+  Attributes:
+    stage: the stage with no live worker.
+  """
+
+  def __init__(self, stage: int, dp: int):
+    super().__init__(
+      f"stage {stage} is lost: all {dp} of its data-parallel workers failed, so its weights "
+      "have no live replica to re-route to"
+    )
+    self.stage = stage
+
+
+def _check_grid(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> frozenset[Worker]:
+  for name, v in (("dp", dp), ("pp", pp), ("m", m)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  dead = frozenset(tuple(w) for w in failed)
+  for d, s in dead:
+    if not (0 <= d < dp and 0 <= s < pp):
+      raise ValueError(f"failed worker {(d, s)} is outside the {dp}x{pp} grid")
+  return dead
+
+
+def _live_workers(dp: int, pp: int, dead: Collection[Worker]) -> list[Worker]:
+  return [(d, s) for d in range(dp) for s in range(pp) if (d, s) not in dead]
+
+
+def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> Route:
+  """Routes every micro-batch's stages around the failed workers.
+
+  Stage `s` of a micro-batch whose owner `(d, s)` is alive stays there. The `k * m` micro-batches
+  of the `k` failed workers of stage `s` are dealt round-robin, in id order, to that stage's
+  `D - k` survivors so that every survivor ends with `floor(D*m/(D-k))` or `ceil(D*m/(D-k))`
+  micro-batches at that stage. Round-robin dealing gives every survivor an early orphan instead
+  of one late block, so the extra work reaches it while there are still bubbles to fill. Which
+  survivors take the `ceil` rotates with the stage so that failures in several stages do not
+  pile the extra micro-batches onto one pipeline. Deterministic: the same inputs give the same
+  routes.
+
+  Args:
+    dp: data-parallel pipelines (D), failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers `(dp, stage)`.
+
+  Returns:
+    `route[mb][stage]`: the dp index of the live worker running that stage of `mb`.
+
+  Raises:
+    StageLostError: when every worker of some stage has failed.
+    ValueError: for a bad shape or a failed worker outside the grid.
+  """
+  dead = _check_grid(dp, pp, m, failed)
+  route = [[mb // m] * pp for mb in range(dp * m)]
+  for s in range(pp):
+    lost = [d for d in range(dp) if (d, s) in dead]
+    if not lost:
+      continue
+    live = [d for d in range(dp) if (d, s) not in dead]
+    if not live:
+      raise StageLostError(s, dp)
+    q, r = divmod(dp * m, len(live))
+    # Rotate which survivors get the one extra micro-batch, by stage.
+    extra = {live[(s + i) % len(live)] for i in range(r)}
+    room = [q - m + (1 if d in extra else 0) for d in live]
+    orphans = [mb for d in lost for mb in range(d * m, (d + 1) * m)]
+    i = 0
+    for mb in orphans:
+      while room[i] == 0:
+        i = (i + 1) % len(live)
+      route[mb][s] = live[i]
+      room[i] -= 1
+      i = (i + 1) % len(live)
+  return tuple(tuple(r) for r in route)
+
+
+def relative_throughput_bound(dp: int, pp: int, m: int, k: int) -> float:
+  """ReCycle's ceiling on throughput with `k` of a stage's `dp` workers failed, vs fault free.
+
+  With perfect reuse of 1F1B's bubble (`pp - 1` of `m + pp - 1` slots), the `dp - k` survivors
+  of the stage carry `m * dp / (dp - k)` micro-batches, so the step keeps at most
+  `min(1, (m + pp - 1) * (dp - k) / (m * dp))` of its fault-free throughput.
+
+  Args:
+    dp: data-parallel pipelines (D).
+    pp: pipeline stages (p).
+    m: micro-batches per pipeline.
+    k: failed workers in the most damaged stage, `0 <= k < dp`.
+
+  Returns:
+    The bound, in (0, 1].
+
+  Raises:
+    ValueError: unless `0 <= k < dp`.
+  """
+  if not 0 <= k < dp:
+    raise ValueError(f"k must be in [0, dp={dp}), got {k}")
+  return min(1.0, (m + pp - 1) * (dp - k) / (m * dp))
+
+
+def _loads(dp: int, pp: int, route: Route) -> dict[Worker, int]:
+  """Micro-batches per (live) worker under `route`."""
+  loads: dict[Worker, int] = {}
+  for r in route:
+    for s, d in enumerate(r):
+      loads[(d, s)] = loads.get((d, s), 0) + 1
+  return loads
+
+
+def default_memory_cap(dp: int, pp: int, m: int, failed: Iterable[Worker], base: str) -> int:
+  """The in-flight cap `plan_adaptive` uses when none is given.
+
+  The fault-free base schedule's peak (micro-batches with F done and W/BW not done, worst
+  worker), scaled by how many micro-batches the busiest survivor carries relative to `m`:
+  `ceil(peak * max_load / m)`, and never above `max_load`. A survivor that does `x` times the
+  work may hold `x` times the stash, which keeps its bubbles fillable; a grid without failures
+  keeps exactly the base schedule's memory.
+
+  Args:
+    dp: data-parallel pipelines.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers.
+    base: the fault-free generator whose peak is scaled.
+
+  Returns:
+    The cap, at least 1.
+  """
+  route = reroute(dp, pp, m, failed)
+  max_load = max(_loads(dp, pp, route).values())
+  peak = validate(generate(base, 1, pp, m)).max_peak_inflight
+  return max(1, min(max_load, math.ceil(peak * max_load / m)))
+
+
+def route_lower_bound(
+  dp: int,
+  pp: int,
+  m: int,
+  failed: Iterable[Worker],
+  costs: OpCosts,
+  *,
+  memory_cap: int | None = None,
+) -> float:
+  """A makespan that no order of the survivors' ops on `reroute`'s routes can beat.
+
+  Per live worker `(d, s)` carrying `n` micro-batches: nothing reaches stage `s` before the
+  forward chain of the stages above it, and nothing but forwards can run there before the first
+  B comes back from the last stage; before that at most `min(n, memory_cap)` forwards fit (each
+  stays in flight until its W). So the worker's compute ends no earlier than
+  `first_B + n*(f+b+w) - min(min(n, cap)*f, first_B - first_F)`, and its stage's AR and OPT
+  follow. This is the pipeline fill that ReCycle's bound ignores: it explains why a stage deep
+  in the pipeline, whose survivors cannot start before the fill, misses that bound.
+
+  Args:
+    dp: data-parallel pipelines, failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers.
+    costs: op costs.
+    memory_cap: most micro-batches in flight per worker; None: no cap.
+
+  Returns:
+    The bound, in the unit of `costs`.
+  """
+  costs.check_stages(pp)
+  loads = _loads(dp, pp, reroute(dp, pp, m, failed))
+  comm = costs.comm
+  f = [costs.f_at(s) for s in range(pp)]
+  b = [costs.b_at(s) for s in range(pp)]
+  bound = 0.0
+  for (_, s), n in loads.items():
+    first_f = sum(f[:s]) + s * comm
+    first_b = sum(f) + sum(b[s + 1 :]) + (2 * pp - 2 - s) * comm
+    room = n if memory_cap is None else min(n, memory_cap)
+    work = n * (f[s] + b[s] + costs.w_at(s))
+    end = first_b + work - min(room * f[s], first_b - first_f)
+    bound = max(bound, end + costs.ar_at(s) + costs.opt_at(s))
+  return bound
+
+
+# --- the list scheduler ---------------------------------------------------------------------------
+
+_F, _B, _W = 0, 1, 2
+_KIND = (F, B, W)
+
+# Variants tried by `plan_adaptive`, best on GPT-like profiles first: (order in which an idle
+# worker considers the kinds, which ready F goes first, limit on Fs not yet back-propagated).
+#   F keys:  "feed": the F whose next-stage worker has the fewest forwards coming or waiting
+#            (keeps every survivor of the next stage busy; ties as "local"); "local": the lowest
+#            position inside its own pipeline (mb % m), so that re-routed micro-batches
+#            interleave with a survivor's own at the pace their pipeline feeds them; "mb": the
+#            lowest id; "crit": first the micro-batch whose later stages run on the most loaded
+#            workers (feeds the bottleneck survivors first).
+#   Limits:  None: the memory cap only; "ramp": ceil((pp - s) * load / m) between F and B, 1F1B's
+#            warm-up depth scaled by the worker's load: with F before B, 1F1B's rhythm.
+_VARIANTS: tuple[tuple[tuple[int, ...], str, str | None], ...] = (
+  ((_B, _F, _W), "feed", None),
+  ((_B, _F, _W), "local", None),
+  ((_F, _B, _W), "local", "ramp"),
+  ((_F, _B, _W), "feed", "ramp"),
+  ((_B, _F, _W), "mb", None),
+  ((_B, _F, _W), "crit", None),
+)
+
+
+def _list_schedule(
+  pp: int,
+  m: int,
+  route: Route,
+  live: Sequence[Worker],
+  costs: OpCosts,
+  cap: int,
+  order: tuple[int, ...],
+  f_key: str,
+  act_cap: Sequence[int] | None = None,
+) -> tuple[list[list[tuple[int, int]]], float, int]:
+  """Event-driven list scheduling of F, B and W over the cost model.
+
+  Whenever a worker is idle it starts the best ready op: the first kind in `order` that has a
+  ready op (F only while the worker holds fewer than `cap` micro-batches in flight and fewer than
+  its `act_cap` between F and B), the best of that kind by its key (B and W: lowest id). An op
+  starts as soon as the worker is free and its dependencies (plus `costs.comm` across workers)
+  are done, which is exactly how `simulate` replays the recorded order, so the makespan this
+  returns is the replay's.
+
+  Args:
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    route: the routes.
+    live: the live workers.
+    costs: op costs.
+    cap: most micro-batches in flight (F done, W not) per worker.
+    order: priority of the kinds `_B`, `_F`, `_W`.
+    f_key: which ready F goes first (see `_VARIANTS`).
+    act_cap: per worker (in `live` order), most micro-batches between F and B; None: no limit.
+
+  Returns:
+    Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
+    `_F`, `_B`, `_W` (see `_to_ops`), the makespan of the step once each worker's AR and OPT are
+    appended, and the most micro-batches any worker holds in flight.
+
+  Raises:
+    ScheduleError: if the ops cannot all be placed (a limit below 1).
+  """
+  n_mb = len(route)
+  n_w = len(live)
+  wid = {w: i for i, w in enumerate(live)}
+  dur = [(costs.f_at(s), costs.b_at(s), costs.w_at(s)) for _, s in live]
+  comm = costs.comm
+  # A node is one (micro-batch, stage): node = mb * pp + stage.
+  node_w = [wid[(route[mb][s], s)] for mb in range(n_mb) for s in range(pp)]
+  load = [0] * n_w
+  for w in node_w:
+    load[w] += 1
+  crit = [0] * (n_mb * pp)
+  for mb in range(n_mb):
+    worst = 0
+    for s in range(pp - 1, -1, -1):
+      node = mb * pp + s
+      worst = max(worst, load[node_w[node]])
+      crit[node] = -worst
+  # B of a node waits for its own F and, below the last stage, for the B of the stage above.
+  b_need = [1 if i % pp == pp - 1 else 2 for i in range(n_mb * pp)]
+  b_ready = [0.0] * (n_mb * pp)
+
+  queues: list[tuple[list, list, list]] = [([], [], []) for _ in range(n_w)]
+  inflight = [0] * n_w
+  active = [0] * n_w
+  act_lim = list(act_cap) if act_cap is not None else [cap] * n_w
+  busy = [False] * n_w
+  # Forwards started upstream or waiting here that this worker has not started yet.
+  supply = [0] * n_w
+  last_end = [0.0] * n_w
+  out: list[list[tuple[int, int]]] = [[] for _ in range(n_w)]
+  events: list[tuple[float, int, int, int, int]] = []  # (time, seq, is_finish, kind, node)
+  seq = 0
+
+  def key(kind: int, node: int) -> tuple[int, int]:
+    mb = node // pp
+    if kind != _F or f_key == "mb":
+      return (mb, 0)
+    if f_key in ("local", "feed"):
+      return (mb % m, mb)
+    return (crit[node], mb)  # "crit"
+
+  for mb in range(n_mb):
+    heapq.heappush(queues[node_w[mb * pp]][_F], (key(_F, mb * pp), mb * pp))
+    supply[node_w[mb * pp]] += 1
+  rank = [(-s, w) for w, (_, s) in enumerate(live)]
+  peak = 0
+  dirty = set(range(n_w))
+  t = 0.0
+  scheduled = 0
+  while True:
+    # Deterministic, and downstream first: a worker that starts consuming its queued forwards
+    # now no longer counts them as supply when its upstream peers pick at the same instant.
+    for w in sorted(dirty, key=rank.__getitem__):
+      if busy[w]:
+        continue
+      q = queues[w]
+      pick = -1
+      for kind in order:
+        if q[kind] and (kind != _F or (inflight[w] < cap and active[w] < act_lim[w])):
+          pick = kind
+          break
+      if pick < 0:
+        continue
+      if pick == _F and f_key == "feed":
+        # The F whose next stage has the fewest forwards coming or waiting: keeps every
+        # worker of the next stage fed instead of queueing work at one of them.
+        fq = q[_F]
+        best_i = min(
+          range(len(fq)),
+          key=lambda i: (supply[node_w[fq[i][1] + 1]] if fq[i][1] % pp < pp - 1 else 0, fq[i][0]),
+        )
+        node = fq[best_i][1]
+        fq[best_i] = fq[-1]
+        fq.pop()
+        heapq.heapify(fq)
+      else:
+        node = heapq.heappop(q[pick])[1]
+      if pick == _F:
+        inflight[w] += 1
+        peak = max(peak, inflight[w])
+        active[w] += 1
+        supply[w] -= 1
+        if node % pp < pp - 1:
+          supply[node_w[node + 1]] += 1
+      elif pick == _B:
+        active[w] -= 1
+      busy[w] = True
+      out[w].append((pick, node // pp))
+      scheduled += 1
+      seq += 1
+      heapq.heappush(events, (t + dur[w][pick], seq, 1, pick, node))
+    dirty.clear()
+    if not events:
+      break
+    t = events[0][0]
+    # Every event at time t lands before any worker picks, so choices see all that is ready.
+    while events and events[0][0] <= t:
+      _, _, is_finish, kind, node = heapq.heappop(events)
+      w = node_w[node]
+      dirty.add(w)
+      if not is_finish:
+        heapq.heappush(queues[w][kind], (key(kind, node), node))
+        continue
+      busy[w] = False
+      last_end[w] = t
+      s = node % pp
+      ready: list[tuple[int, float]] = []
+      if kind == _F:
+        if s < pp - 1:
+          seq += 1
+          heapq.heappush(events, (t + comm, seq, 0, _F, node + 1))
+        ready.append((node, t))
+      elif kind == _B:
+        heapq.heappush(queues[w][_W], (key(_W, node), node))
+        if s > 0:
+          ready.append((node - 1, t + comm))
+      else:
+        inflight[w] -= 1
+      for up, at in ready:
+        b_ready[up] = max(b_ready[up], at)
+        b_need[up] -= 1
+        if b_need[up] == 0:
+          seq += 1
+          heapq.heappush(events, (b_ready[up], seq, 0, _B, up))
+  total = 3 * n_mb * pp
+  if scheduled != total:
+    # Cannot happen with limits >= 1 (the last stage always drains), but never return half a plan.
+    raise ScheduleError(f"list scheduling stalled after {scheduled} of {total} ops (cap {cap})")
+  # Staggered optimizer: a stage's AR starts when the last of its workers is done, then OPT.
+  stage_end: dict[int, float] = {}
+  for w, (_, s) in enumerate(live):
+    stage_end[s] = max(stage_end.get(s, 0.0), last_end[w])
+  makespan = max(end + costs.ar_at(s) + costs.opt_at(s) for s, end in stage_end.items())
+  return out, makespan, peak
+
+
+def _to_ops(live: Sequence[Worker], raw: list[list[tuple[int, int]]]) -> dict[Worker, list[Op]]:
+  return {w: [Op(_KIND[k], mb) for k, mb in ops] for w, ops in zip(live, raw, strict=True)}
+
+
+def _finish(
+  name: str, dp: int, pp: int, m: int, route: Route, compute: dict[Worker, list[Op]]
+) -> Schedule:
+  """Appends the staggered optimizer: AR right after each worker's last W, then OPT."""
+  return make_schedule(
+    name, dp, pp, m, {w: [*ops, Op(AR), Op(OPT)] for w, ops in compute.items()}, route=route
+  )
+
+
+def _split(ops: Iterable[Op]) -> list[Op]:
+  """Turns every fused BW into B then W at the same place."""
+  out: list[Op] = []
+  for op in ops:
+    if op.kind == BW:
+      out += [Op(B, op.mb), Op(W, op.mb)]
+    else:
+      out.append(op)
+  return out
+
+
+def _check_base(base: str) -> None:
+  if base not in GENERATORS:
+    raise ValueError(f"unknown base schedule {base!r}; choose one of {sorted(GENERATORS)}")
+
+
+def _check_cap(memory_cap: int | None) -> None:
+  if memory_cap is None:
+    return
+  if isinstance(memory_cap, bool) or not isinstance(memory_cap, int):
+    raise ValueError(f"memory_cap must be an int, got {memory_cap!r}")
+  if memory_cap < 1:
+    # Every F puts one micro-batch in flight: with no room at all nothing can run.
+    raise ScheduleError(f"memory_cap={memory_cap} leaves no room for a single micro-batch")
+
+
+def plan_adaptive(
+  dp: int,
+  pp: int,
+  m: int,
+  failed: Iterable[Worker],
+  costs: OpCosts,
+  *,
+  memory_cap: int | None = None,
+  base: str = "zb-h1",
+) -> Schedule:
+  """ReCycle's adaptive schedule for the survivors of `failed`.
+
+  Routes come from `reroute`. Every backward is split into B and W, and each worker's ops are
+  placed by event-driven list scheduling over `costs`: an idle worker starts a ready B first (it
+  is on the critical path of the micro-batch and of the stages below), else a ready F while it
+  holds fewer than the cap in flight (so the bottleneck survivors are fed early), else a ready W
+  (deferrable: it fills what would be a bubble). Each worker's AR follows its own last W and its
+  OPT follows its AR, with no global barrier. A few variants of the priorities and of the cap,
+  plus the base schedule's own order on the new routes, are each replayed with `simulate` and
+  the shortest makespan (then the lowest peak memory) wins.
+
+  Args:
+    dp: data-parallel pipelines, failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers `(dp, stage)`.
+    costs: the op costs the plan is optimised for.
+    memory_cap: most micro-batches any worker may hold in flight (F done, W not done); None
+      means `default_memory_cap(dp, pp, m, failed, base)`.
+    base: the fault-free generator whose peak memory sets the default cap, and whose order (on
+      the new routes, backwards split) is one of the candidates.
+
+  Returns:
+    A valid schedule named "adaptive", within the cap.
+
+  Raises:
+    StageLostError: when every worker of a stage has failed.
+    ScheduleError: when `memory_cap` is below 1 (no plan can start a micro-batch).
+    ValueError: for a bad shape, failed worker or base name.
+  """
+  _check_base(base)
+  _check_cap(memory_cap)
+  costs.check_stages(pp)
+  route = reroute(dp, pp, m, failed)
+  dead = _check_grid(dp, pp, m, failed)
+  live = _live_workers(dp, pp, dead)
+  cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base)
+
+  loads = _loads(dp, pp, route)
+  ramp = [math.ceil((pp - s) * loads[(d, s)] / m) for d, s in live]
+  # Each variant costs one O(#ops log #ops) pass; past ~50k ops only the first few are tried so
+  # that planning a 64x16 grid stays within a few seconds.
+  variants = _VARIANTS if 3 * len(route) * pp <= 50_000 else _VARIANTS[:3]
+  best: tuple[float, int] | None = None
+  raw: list[list[tuple[int, int]]] = []
+  for order, f_key, limit in variants:
+    out, span, peak = _list_schedule(
+      pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None
+    )
+    score = (round(span, 9), peak)
+    if best is None or score < best:
+      best, raw = score, out
+  chosen = _to_ops(live, raw)
+  if not dead:
+    # Without failures the base order itself (backwards split) is a candidate, so that the
+    # adaptive plan of a healthy grid is never slower than its base schedule.
+    base_compute = {
+      w: _split(op for op in ops if op.mb >= 0) for w, ops in generate(base, dp, pp, m).ops.items()
+    }
+    cand = _finish("adaptive", dp, pp, m, route, base_compute)
+    peak = max(peak_inflight(ops) for ops in base_compute.values())
+    score = (round(simulate(cand, costs).makespan, 9), peak)
+    if peak <= cap and best is not None and score < best:
+      chosen = base_compute
+  schedule = _finish("adaptive", dp, pp, m, route, chosen)
+  validate(schedule, memory_cap=cap)
+  return schedule
+
+
+def _naive_compute(
+  dp: int, pp: int, m: int, dead: frozenset[Worker], route: Route, base: str
+) -> dict[Worker, list[Op]]:
+  """Every survivor's compute ops under the naive policy (see `plan_naive`).
+
+  Each worker runs, owner pipeline by owner pipeline, the ops that owner's base list at this
+  stage has for the micro-batches routed here, in that list's order: intact pipelines first
+  (a survivor's own list), then damaged pipelines by id (the failed workers' lists it took over
+  from). Each list is then sorted by one global key, (owner's rank, start time in the fault-free
+  base run), and every dependency increases that key, so the plan cannot deadlock. Plain "own
+  list, then the orphans" can: with failures in two stages, two damaged pipelines may each wait
+  at the end of their lists for work the other one only does at the end of its own.
+  """
+  sched = generate(base, dp, pp, m)
+  damaged = {d for d, _ in dead}
+  compute: dict[Worker, list[Op]] = {w: [] for w in _live_workers(dp, pp, dead)}
+  owners = sorted(range(dp), key=lambda d: (d in damaged, d))
+  for d in owners:
+    for s in range(pp):
+      for op in sched.ops[(d, s)]:
+        if op.mb >= 0:
+          compute[(route[op.mb][s], s)].append(op)
+  return compute
+
+
+def plan_naive(
+  dp: int, pp: int, m: int, failed: Iterable[Worker], *, base: str = "1f1b"
+) -> Schedule:
+  """The re-routing without bubble filling: the baseline `plan_adaptive` is measured against.
+
+  Each survivor runs its own base-schedule compute ops, then those of every failed worker of its
+  stage restricted to the micro-batches it took over, in the failed worker's own order, then AR
+  and OPT. The backward stays as the base has it (fused BW for "1f1b" and "gpipe"). When failures
+  in several stages make a damaged pipeline take over another damaged pipeline's work, the lists
+  are ordered by pipeline (intact ones, then damaged ones by id) instead, which is what keeps
+  the plan deadlock free.
+
+  Args:
+    dp: data-parallel pipelines, failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers.
+    base: the fault-free generator whose lists are reused.
+
+  Returns:
+    A valid schedule named "naive".
+
+  Raises:
+    StageLostError: when every worker of a stage has failed.
+    ValueError: for a bad shape, failed worker or base name.
+  """
+  _check_base(base)
+  route = reroute(dp, pp, m, failed)
+  dead = _check_grid(dp, pp, m, failed)
+  schedule = _finish("naive", dp, pp, m, route, _naive_compute(dp, pp, m, dead, route, base))
+  validate(schedule)
+  return schedule
+
+
+def plan(
+  policy: str,
+  dp: int,
+  pp: int,
+  m: int,
+  failed: Iterable[Worker],
+  costs: OpCosts,
+  *,
+  memory_cap: int | None = None,
+  base: str | None = None,
+) -> Schedule:
+  """The schedule `policy` runs on the survivors of `failed`.
+
+  Args:
+    policy: "adaptive" (`plan_adaptive`) or "naive" (`plan_naive`).
+    dp: data-parallel pipelines, failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers; with none, the base generator's schedule is returned as is, so
+      fault-free behaviour does not depend on the policy.
+    costs: op costs (used by "adaptive").
+    memory_cap: in-flight cap for "adaptive"; "naive" keeps its base's memory per list.
+    base: the fault-free generator; None means "zb-h1" for "adaptive" and "1f1b" for "naive".
+
+  Returns:
+    The schedule.
+
+  Raises:
+    StageLostError: when every worker of a stage has failed.
+    ScheduleError: when the memory cap makes planning impossible.
+    ValueError: for an unknown policy, a bad shape, failed worker or base name.
+  """
+  if policy not in POLICIES:
+    raise ValueError(f"unknown policy {policy!r}; choose one of {list(POLICIES)}")
+  if base is None:
+    base = "zb-h1" if policy == "adaptive" else "1f1b"
+  _check_base(base)
+  dead = _check_grid(dp, pp, m, failed)
+  if not dead:
+    return generate(base, dp, pp, m)
+  if policy == "adaptive":
+    return plan_adaptive(dp, pp, m, dead, costs, memory_cap=memory_cap, base=base)
+  return plan_naive(dp, pp, m, dead, base=base)

@@ -1,0 +1,212 @@
+"""Universal checkpoints: resume on other layouts, integrity, fallback, retention, async."""
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from resilient_jax import checkpoint as ckpt
+from resilient_jax.config import ConfigError
+from resilient_jax.trainer import Trainer, train
+from tests.helpers import ROOT, assert_matches_reference, tiny_config
+
+STEPS, STOP = 6, 4
+LAYERS = 8  # so that a (1, 8) layout exists
+
+
+def cfg_of(**over):
+  return tiny_config(model__num_layers=LAYERS, train__steps=STEPS, **over)
+
+
+def quiet(_):
+  pass
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """A (2, 4) run stopped after step 4 with checkpoints at 2 and 4, and the uninterrupted run."""
+  base = tmp_path_factory.mktemp("ckpt")
+  cfg = cfg_of(train__stop_after=STOP, checkpoint__every_steps=2, mesh__dp=2, mesh__pp=4)
+  stopped = train(cfg, base / "stopped", log=quiet)
+  full = train(cfg_of(mesh__dp=2, mesh__pp=4), base / "full", log=quiet)
+  return base, stopped, full
+
+
+def _resume(saved, tmp_path, dp, pp, **over):
+  base, _, _ = saved
+  shutil.copytree(base / "stopped", tmp_path / "run")
+  lines = []
+  cfg = cfg_of(mesh__dp=dp, mesh__pp=pp, **over)
+  return cfg, Trainer(cfg, tmp_path / "run", log=lines.append).run(), lines
+
+
+def test_stop_after_checkpoints_and_stops(saved):
+  base, stopped, _ = saved
+  assert [m["step"] for m in stopped.metrics] == [1, 2, 3, 4]
+  assert ckpt.committed_steps(base / "stopped" / "checkpoints") == [2, 4]
+
+
+@pytest.mark.parametrize("dp,pp", [(4, 2), (1, 1), (2, 2), (1, 8)])
+def test_resume_on_another_layout(saved, tmp_path, dp, pp):
+  _, _, full = saved
+  cfg, result, lines = _resume(saved, tmp_path, dp, pp)
+  assert any("restored step 4" in x and f"onto dp={dp} pp={pp}" in x for x in lines)
+  assert [m["step"] for m in result.metrics] == list(range(1, STEPS + 1))
+  assert [m["sample_digest"] for m in result.metrics] == [m["sample_digest"] for m in full.metrics]
+  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  # Optimizer state, leaf by leaf, against the uninterrupted run.
+  _, opt_full = full.executor.export_state()
+  _, opt_resumed = result.executor.export_state()
+  assert sorted(opt_full) == sorted(opt_resumed)
+  for key, value in opt_full.items():
+    np.testing.assert_allclose(
+      np.asarray(opt_resumed[key]), np.asarray(value), rtol=1e-4, atol=1e-8, err_msg=key
+    )
+
+
+def test_restored_state_is_exactly_the_saved_one(saved, tmp_path):
+  base, stopped, _ = saved
+  loaded = ckpt.load(ckpt.step_dir(base / "stopped" / "checkpoints", 4))
+  params, opt = stopped.executor.export_state()
+  for name, value in params.items():
+    np.testing.assert_array_equal(loaded.params[name], np.asarray(value))
+  for key, value in opt.items():
+    np.testing.assert_array_equal(loaded.opt_state[key], np.asarray(value))
+  assert loaded.meta["layout"]["dp"] == 2 and loaded.meta["data"]["next_step"] == 5
+
+
+def _corrupt_latest(run_dir, how):
+  latest = ckpt.step_dir(run_dir / "checkpoints", 4)
+  if how == "checksum":
+    meta = json.loads((latest / "meta.json").read_text())
+    meta["entries"]["params"]["blocks.1.mlp.fc.kernel"]["crc32"] = "00000000"
+    (latest / "meta.json").write_text(json.dumps(meta))
+  else:  # truncate every data file of the array store
+    for f in (latest / "state").rglob("*"):
+      if f.is_file() and f.stat().st_size > 64 and "METADATA" not in f.name:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+@pytest.mark.parametrize("how", ["checksum", "truncate"])
+def test_corrupt_latest_falls_back_to_previous(saved, tmp_path, how):
+  base, _, full = saved
+  shutil.copytree(base / "stopped", tmp_path / "run")
+  _corrupt_latest(tmp_path / "run", how)
+  proc = subprocess.run(
+    [sys.executable, "-m", "resilient_jax.checkpoint", "verify", str(tmp_path / "run")],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+  )
+  assert proc.returncode == 1 and "CORRUPT" in proc.stderr
+  if how == "checksum":
+    assert "blocks.1.mlp.fc.kernel" in proc.stderr
+  lines = []
+  cfg = cfg_of(mesh__dp=2, mesh__pp=2)
+  result = Trainer(cfg, tmp_path / "run", log=lines.append).run()
+  assert any("step 4 is unusable" in x for x in lines)
+  assert any("restored step 2" in x for x in lines)
+  assert [m["sample_digest"] for m in result.metrics] == [m["sample_digest"] for m in full.metrics]
+  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+
+
+def test_half_written_checkpoint_is_never_latest(saved, tmp_path):
+  base, _, _ = saved
+  shutil.copytree(base / "stopped", tmp_path / "run")
+  root = tmp_path / "run" / "checkpoints"
+  shutil.copytree(ckpt.step_dir(root, 4), root / ".tmp-step_00000006-abcd")
+  (root / "step_00000008").mkdir()  # no meta.json: never committed
+  assert ckpt.committed_steps(root) == [2, 4]
+  assert ckpt.load_latest(root, log=quiet).step == 4
+
+
+def test_retention_and_async_commit(tmp_path, monkeypatch):
+  gate = threading.Event()
+  original = ckpt.CheckpointWriter._write
+
+  def gated(self, *args):
+    gate.wait(timeout=60)
+    original(self, *args)
+
+  monkeypatch.setattr(ckpt.CheckpointWriter, "_write", gated)
+  writer = ckpt.CheckpointWriter(tmp_path, keep=2)
+  params = {"a.kernel": np.ones((3, 2), np.float32)}
+  opt = {"0/count": np.array(1, np.int32)}
+  writer.save(1, params, opt, {"layout": {}})
+  # save() returned while the write is still held back: nothing committed yet.
+  assert ckpt.committed_steps(tmp_path) == []
+  gate.set()
+  for step in (2, 3):
+    writer.save(step, params, opt, {"layout": {}})
+  writer.wait()
+  assert ckpt.committed_steps(tmp_path) == [2, 3]
+  assert len(writer.blocked_s) == 3
+
+
+def test_failed_background_save_is_reported_and_keeps_older(tmp_path, monkeypatch):
+  writer = ckpt.CheckpointWriter(tmp_path, keep=0)
+  params = {"a.kernel": np.ones((3, 2), np.float32)}
+  writer.save(1, params, {}, {})
+  writer.wait()
+  import orbax.checkpoint as ocp
+
+  def boom(*a, **k):
+    raise OSError("disk full")
+
+  monkeypatch.setattr(ocp.StandardCheckpointer, "save", boom)
+  writer.save(2, params, {}, {})
+  with pytest.raises(ckpt.CheckpointError, match="disk full"):
+    writer.wait()
+  assert ckpt.committed_steps(tmp_path) == [1]
+  assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_resume_with_other_batch_is_refused(saved, tmp_path):
+  with pytest.raises(ConfigError, match="train.global_batch"):
+    _resume(saved, tmp_path, 2, 2, train__global_batch=32)
+
+
+def test_inspect_cli(saved):
+  base, _, _ = saved
+  proc = subprocess.run(
+    [sys.executable, "-m", "resilient_jax.checkpoint", "inspect", str(base / "stopped")],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert "step 4" in proc.stdout and "dp=2 pp=4" in proc.stdout
+  assert "blocks.3.mlp.fc.kernel" in proc.stdout and "(32, 128)" in proc.stdout
+  bad = subprocess.run(
+    [sys.executable, "-m", "resilient_jax.checkpoint", "inspect", "/nope"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+  )
+  assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_stage_loss_restores_onto_survivors(tmp_path):
+  """Both workers of stage 1 die at step 4: restore step 3 onto the 2 survivors, go on."""
+  cfg = cfg_of(
+    mesh__dp=2,
+    mesh__pp=2,
+    checkpoint__every_steps=1,
+    faults__schedule="4:0.1,4:1.1",
+  )
+  lines = []
+  result = Trainer(cfg, tmp_path, log=lines.append).run()
+  assert any("restoring the latest checkpoint onto dp=2 pp=1" in x for x in lines)
+  assert any("restored step 3" in x for x in lines)
+  assert any("redoing 1 step(s): 4..4" in x for x in lines)
+  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  assert rows[-1]["live_workers"] == 2
+  ref_cfg = cfg_of()
+  plan_digests = [m["sample_digest"] for m in train(ref_cfg, tmp_path / "ref", log=quiet).metrics]
+  assert [r["sample_digest"] for r in rows] == plan_digests
+  assert_matches_reference(result.metrics, result.executor.all_params(), ref_cfg)
