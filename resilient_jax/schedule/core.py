@@ -31,14 +31,18 @@ W = "W"  # weight gradient only, from what B captured; deferrable
 BW = "BW"  # fused backward (B then W as one program): what GPipe and 1F1B run
 AR = "AR"  # all-reduce of this stage's weight gradients over its live data-parallel peers
 OPT = "OPT"  # this stage's optimizer step
+# Redundant forward (Bamboo, NSDI'23): the worker also runs its successor stage's forward of `mb`
+# (stage 0's for the last stage: the stages form a ring) on a replica of the successor's layers,
+# so that a warm copy exists if the successor fails. Nothing depends on it in a fault-free step.
+FR = "FR"
 
-COMPUTE_KINDS = (F, B, W, BW)
-ALL_KINDS = (F, B, W, BW, AR, OPT)
+COMPUTE_KINDS = (F, B, W, BW, FR)
+ALL_KINDS = (F, B, W, BW, AR, OPT, FR)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Op:
-  """One op in a worker's list. `mb` is the micro-batch id for F/B/W/BW and -1 otherwise."""
+  """One op in a worker's list. `mb` is the micro-batch id for F/B/W/BW/FR and -1 otherwise."""
 
   kind: str
   mb: int = -1
@@ -141,6 +145,10 @@ def dependencies(schedule: Schedule, worker: Worker, op: Op) -> Iterator[tuple[W
   The order within a worker's own list is an extra, implicit dependency. AR is a collective
   over `schedule.stage_workers(stage)`; its dependencies here are the local ones only (every
   weight-gradient op of this worker), the cost model and runtime add the synchronisation.
+
+  FR of `mb` on stage `s` takes the input the successor stage gets, i.e. the output of this
+  worker's own F of `mb`; on the last stage it is stage 0's forward, whose input is the data, so it
+  depends on nothing. No op depends on FR.
   """
   d, s = worker
   if op.kind == F:
@@ -158,6 +166,9 @@ def dependencies(schedule: Schedule, worker: Worker, op: Op) -> Iterator[tuple[W
         yield worker, other
   elif op.kind == OPT:
     yield worker, Op(AR)
+  elif op.kind == FR:
+    if s < schedule.pp - 1:
+      yield worker, Op(F, op.mb)
 
 
 def fault_free_route(dp: int, pp: int, microbatches: int) -> tuple[tuple[int, ...], ...]:

@@ -13,7 +13,19 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from resilient_jax.schedule.core import AR, BW, OPT, B, F, Op, Schedule, W, Worker, dependencies
+from resilient_jax.schedule.core import (
+  AR,
+  BW,
+  FR,
+  OPT,
+  B,
+  F,
+  Op,
+  Schedule,
+  W,
+  Worker,
+  dependencies,
+)
 from resilient_jax.schedule.errors import ScheduleError
 
 PerStage = float | tuple[float, ...]
@@ -66,6 +78,8 @@ class OpCosts:
     ar: gradient all-reduce time of a stage (the whole collective, start to end).
     opt: optimizer-step time.
     comm: latency of any transfer, i.e. of any dependency between two different workers.
+    fr: redundant-forward time (FR) of each stage, i.e. of its successor's forward; None means
+      the forward time of stage `(s + 1) % pp` (the stages form a ring).
   """
 
   f: PerStage = 1.0
@@ -75,6 +89,7 @@ class OpCosts:
   ar: PerStage = 0.0
   opt: PerStage = 0.0
   comm: float = 0.0
+  fr: PerStage | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -111,6 +126,14 @@ class OpCosts:
   def opt_at(self, stage: int) -> float:
     return _at("opt", self.opt, stage)
 
+  def fr_at(self, stage: int) -> float:
+    if self.fr is None:
+      # The successor's forward; with per-stage times the tuple's length is pp, so the last
+      # stage's successor wraps to stage 0.
+      successor = (stage + 1) % len(self.f) if isinstance(self.f, tuple) else stage
+      return self.f_at(successor)
+    return _at("fr", self.fr, stage)
+
   def duration(self, worker: Worker, op: Op) -> float:
     """How long `op` takes on `worker`; usable wherever a `DurationFn` is expected."""
     stage = worker[1]
@@ -127,6 +150,8 @@ class OpCosts:
       return self.ar_at(stage)
     if kind == OPT:
       return self.opt_at(stage)
+    if kind == FR:
+      return self.fr_at(stage)
     raise ValueError(f"unknown op kind {kind!r}")
 
 

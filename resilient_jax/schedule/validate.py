@@ -8,6 +8,11 @@ Memory is counted in micro-batches, per worker, at every point of its op list:
 * *activations*: micro-batches whose F has run and whose B (or BW) has not. This is the Zero
   Bubble paper's M_B accounting: after B only the (smaller) weight-gradient inputs remain, so a
   deferred W costs less than a pending backward.
+* *redundant*: outputs of redundant forwards (FR, Bamboo) still held: from FR of a micro-batch
+  to this worker's own backward (B or BW) of it, after which the successor has finished that
+  micro-batch's backward and the warm copy can no longer be needed in this step; an FR after
+  that backward is held to the end of the step. `memory_cap` does not count them: they are
+  reported apart, as `peak_redundant`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from resilient_jax.schedule.core import AR, BW, OPT, B, F, Op, Schedule, W, Worker
+from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
 
@@ -24,6 +29,7 @@ __all__ = [
   "ValidationReport",
   "peak_activations",
   "peak_inflight",
+  "peak_redundant",
   "validate",
 ]
 
@@ -35,10 +41,12 @@ class ValidationReport:
   Attributes:
     peak_inflight: per worker, the most micro-batches between F and W/BW at any point.
     peak_activations: per worker, the most micro-batches between F and B/BW at any point.
+    peak_redundant: per worker, the most redundant-forward (FR) outputs held at any point.
   """
 
   peak_inflight: dict[Worker, int]
   peak_activations: dict[Worker, int]
+  peak_redundant: dict[Worker, int] = dataclasses.field(default_factory=dict)
 
   @property
   def max_peak_inflight(self) -> int:
@@ -47,6 +55,10 @@ class ValidationReport:
   @property
   def max_peak_activations(self) -> int:
     return max(self.peak_activations.values(), default=0)
+
+  @property
+  def max_peak_redundant(self) -> int:
+    return max(self.peak_redundant.values(), default=0)
 
 
 def _peak(ops: Sequence[Op], release: tuple[str, ...]) -> int:
@@ -69,6 +81,19 @@ def peak_inflight(ops: Sequence[Op]) -> int:
 def peak_activations(ops: Sequence[Op]) -> int:
   """Most micro-batches with F done and B/BW not yet done, over a worker's op list."""
   return _peak(ops, (B, BW))
+
+
+def peak_redundant(ops: Sequence[Op]) -> int:
+  """Most redundant-forward outputs held at once: from FR of a micro-batch to its B/BW."""
+  held: set[int] = set()
+  peak = 0
+  for op in ops:
+    if op.kind == FR:
+      held.add(op.mb)
+      peak = max(peak, len(held))
+    elif op.kind in (B, BW):
+      held.discard(op.mb)
+  return peak
 
 
 def _check_route(schedule: Schedule) -> None:
@@ -120,6 +145,10 @@ def _check_worker(schedule: Schedule, worker: Worker, routed: set[int]) -> None:
       raise ScheduleError(f"{where}: {schedule.ops[worker][first_backward]} runs before F{mb}")
     if b is not None and w < b:
       raise ScheduleError(f"{where}: W{mb} runs before B{mb}")
+    fr = pos.get(Op(FR, mb))
+    # On the last stage FR is stage 0's forward, which reads the data, not this stage's output.
+    if fr is not None and fr < f and worker[1] < schedule.pp - 1:
+      raise ScheduleError(f"{where}: FR{mb} runs before F{mb}, whose output it takes")
   ar, opt = pos.get(Op(AR)), pos.get(Op(OPT))
   if ar is None:
     raise ScheduleError(f"{where}: AR is missing")
@@ -128,6 +157,10 @@ def _check_worker(schedule: Schedule, worker: Worker, routed: set[int]) -> None:
   last_grad = max((i for op, i in pos.items() if op.kind in (W, BW)), default=-1)
   if ar < last_grad:
     raise ScheduleError(f"{where}: AR runs before {schedule.ops[worker][last_grad]}")
+  # FR reads the replica of the successor's weights, which the step's update must not overtake.
+  last_fr = max((i for op, i in pos.items() if op.kind == FR), default=-1)
+  if ar < last_fr:
+    raise ScheduleError(f"{where}: AR runs before {schedule.ops[worker][last_fr]}")
   if opt < ar:
     raise ScheduleError(f"{where}: OPT runs before AR")
 
@@ -161,6 +194,7 @@ def validate(schedule: Schedule, memory_cap: int | None = None) -> ValidationRep
   report = ValidationReport(
     peak_inflight={w: peak_inflight(schedule.ops[w]) for w in schedule.workers},
     peak_activations={w: peak_activations(schedule.ops[w]) for w in schedule.workers},
+    peak_redundant={w: peak_redundant(schedule.ops[w]) for w in schedule.workers},
   )
   if memory_cap is not None:
     for w, peak in report.peak_inflight.items():
