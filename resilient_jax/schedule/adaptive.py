@@ -158,7 +158,7 @@ def relative_throughput_bound(dp: int, pp: int, m: int, k: int) -> float:
   return min(1.0, (m + pp - 1) * (dp - k) / (m * dp))
 
 
-def _loads(dp: int, pp: int, route: Route) -> dict[Worker, int]:
+def _loads(route: Route) -> dict[Worker, int]:
   """Micro-batches per (live) worker under `route`."""
   loads: dict[Worker, int] = {}
   for r in route:
@@ -187,7 +187,7 @@ def default_memory_cap(dp: int, pp: int, m: int, failed: Iterable[Worker], base:
     The cap, at least 1.
   """
   route = reroute(dp, pp, m, failed)
-  max_load = max(_loads(dp, pp, route).values())
+  max_load = max(_loads(route).values())
   peak = validate(generate(base, 1, pp, m)).max_peak_inflight
   return max(1, min(max_load, math.ceil(peak * max_load / m)))
 
@@ -223,7 +223,7 @@ def route_lower_bound(
     The bound, in the unit of `costs`.
   """
   costs.check_stages(pp)
-  loads = _loads(dp, pp, reroute(dp, pp, m, failed))
+  loads = _loads(reroute(dp, pp, m, failed))
   comm = costs.comm
   f = [costs.f_at(s) for s in range(pp)]
   b = [costs.b_at(s) for s in range(pp)]
@@ -255,9 +255,9 @@ _KIND = (F, B, W)
 #            warm-up depth scaled by the worker's load: with F before B, 1F1B's rhythm.
 _VARIANTS: tuple[tuple[tuple[int, ...], str, str | None], ...] = (
   ((_B, _F, _W), "feed", None),
+  ((_F, _B, _W), "feed", "ramp"),
   ((_B, _F, _W), "local", None),
   ((_F, _B, _W), "local", "ramp"),
-  ((_F, _B, _W), "feed", "ramp"),
   ((_B, _F, _W), "mb", None),
   ((_B, _F, _W), "crit", None),
 )
@@ -494,9 +494,10 @@ def plan_adaptive(
   is on the critical path of the micro-batch and of the stages below), else a ready F while it
   holds fewer than the cap in flight (so the bottleneck survivors are fed early), else a ready W
   (deferrable: it fills what would be a bubble). Each worker's AR follows its own last W and its
-  OPT follows its AR, with no global barrier. A few variants of the priorities and of the cap,
-  plus the base schedule's own order on the new routes, are each replayed with `simulate` and
-  the shortest makespan (then the lowest peak memory) wins.
+  OPT follows its AR, with no global barrier. A few variants (`_VARIANTS`: which ready F goes
+  first, and F before B under 1F1B's warm-up depth) are each timed exactly as `simulate` would
+  replay them; the shortest makespan, then the lowest peak memory, wins and is validated. For a
+  grid without failures the base order itself (backwards split) is a candidate too.
 
   Args:
     dp: data-parallel pipelines, failed ones included.
@@ -506,8 +507,8 @@ def plan_adaptive(
     costs: the op costs the plan is optimised for.
     memory_cap: most micro-batches any worker may hold in flight (F done, W not done); None
       means `default_memory_cap(dp, pp, m, failed, base)`.
-    base: the fault-free generator whose peak memory sets the default cap, and whose order (on
-      the new routes, backwards split) is one of the candidates.
+    base: the fault-free generator whose peak memory sets the default cap (and whose order is a
+      candidate when nothing failed).
 
   Returns:
     A valid schedule named "adaptive", within the cap.
@@ -520,12 +521,12 @@ def plan_adaptive(
   _check_base(base)
   _check_cap(memory_cap)
   costs.check_stages(pp)
-  route = reroute(dp, pp, m, failed)
   dead = _check_grid(dp, pp, m, failed)
+  route = reroute(dp, pp, m, dead)
   live = _live_workers(dp, pp, dead)
   cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base)
 
-  loads = _loads(dp, pp, route)
+  loads = _loads(route)
   ramp = [math.ceil((pp - s) * loads[(d, s)] / m) for d, s in live]
   # Each variant costs one O(#ops log #ops) pass; past ~50k ops only the first few are tried so
   # that planning a 64x16 grid stays within a few seconds.
@@ -564,10 +565,11 @@ def _naive_compute(
   Each worker runs, owner pipeline by owner pipeline, the ops that owner's base list at this
   stage has for the micro-batches routed here, in that list's order: intact pipelines first
   (a survivor's own list), then damaged pipelines by id (the failed workers' lists it took over
-  from). Each list is then sorted by one global key, (owner's rank, start time in the fault-free
-  base run), and every dependency increases that key, so the plan cannot deadlock. Plain "own
-  list, then the orphans" can: with failures in two stages, two damaged pipelines may each wait
-  at the end of their lists for work the other one only does at the end of its own.
+  from). Every list is thereby sorted by one global key, (owner's rank, start time in the
+  fault-free base run), which every dependency increases (a dependency never leaves its
+  micro-batch), so the plan cannot deadlock. Plain "own list, then the orphans" can: with
+  failures in two stages, two damaged pipelines may each wait at the end of their lists for work
+  the other one only does at the end of its own.
   """
   sched = generate(base, dp, pp, m)
   damaged = {d for d, _ in dead}
@@ -608,8 +610,8 @@ def plan_naive(
     ValueError: for a bad shape, failed worker or base name.
   """
   _check_base(base)
-  route = reroute(dp, pp, m, failed)
   dead = _check_grid(dp, pp, m, failed)
+  route = reroute(dp, pp, m, dead)
   schedule = _finish("naive", dp, pp, m, route, _naive_compute(dp, pp, m, dead, route, base))
   validate(schedule)
   return schedule
