@@ -9,17 +9,51 @@ benchmark compares against the cost model's prediction.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from resilient_jax import timeline
 from resilient_jax.runtime.executor import OpRecord
-from resilient_jax.schedule.core import Op, Schedule, Worker
-from resilient_jax.schedule.cost import Timeline, replay
+from resilient_jax.schedule.core import AR, BW, OPT, B, F, Op, Schedule, W, Worker
+from resilient_jax.schedule.cost import OpCosts, Timeline, replay
 
 
 def measured_durations(records: Iterable[OpRecord]) -> dict[tuple[Worker, Op], float]:
   return {(r.worker, r.op): r.end - r.start for r in records}
+
+
+def costs_from_records(records: Sequence[OpRecord], pp: int) -> OpCosts:
+  """Per-stage mean op times of a profiled step, as cost-model input (seconds).
+
+  A stage with no measured op of some kind (e.g. no W in a fused-backward schedule) gets the
+  mean over the stages that have it, or 0.
+  """
+  sums: dict[tuple[str, int], list[float]] = {}
+  for r in records:
+    sums.setdefault((r.op.kind, r.worker[1]), []).append(r.end - r.start)
+
+  def per_stage(kind: str) -> tuple[float, ...]:
+    means = {s: sum(v) / len(v) for (k, s), v in sums.items() if k == kind}
+    fill = sum(means.values()) / len(means) if means else 0.0
+    return tuple(means.get(s, fill) for s in range(pp))
+
+  bw = per_stage(BW)
+  b, w = per_stage(B), per_stage(W)
+  if not any(b) and any(bw):  # only fused backwards ran: split them evenly for the model
+    b = w = tuple(x / 2 for x in bw)
+  return OpCosts(f=per_stage(F), b=b, w=w, ar=per_stage(AR), opt=per_stage(OPT), comm=0.0)
+
+
+def write_profile(costs: OpCosts, pp: int, path: str | Path) -> None:
+  """Writes measured op times in the simulator's profile format (`resilient_jax.sim.costs`)."""
+
+  def seq(v) -> list[float]:
+    return [float(x) for x in v] if isinstance(v, tuple) else [float(v)] * pp
+
+  data = {"f": seq(costs.f), "b": seq(costs.b), "w": seq(costs.w), "ar": seq(costs.ar),
+          "opt": seq(costs.opt), "comm": float(costs.comm)}
+  Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
 def replay_records(schedule: Schedule, records: Sequence[OpRecord]) -> Timeline:
@@ -41,7 +75,8 @@ def write_step_timeline(
   title: str = "",
   stem: str = "timeline",
 ) -> Timeline:
-  """Writes `<stem>.json` (Chrome/Perfetto trace) and `<stem>.png` (Gantt) for one step."""
+  """Writes `<stem>.json` (Chrome/Perfetto trace) and `<stem>.png` (Gantt) for one step, and
+  for the main timeline `profile.json` (measured per-stage op times, the simulator's input)."""
   out_dir = Path(out_dir)
   tl = replay_records(schedule, records)
   measured = max((r.end for r in records), default=0.0)
