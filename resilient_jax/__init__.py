@@ -18,6 +18,7 @@ _EXPORTS = {
   "train": "resilient_jax.trainer",
   "Coordinator": "resilient_jax.coordinator",
   "StageLost": "resilient_jax.coordinator",
+  "NeedsRestore": "resilient_jax.coordinator",
   "Executor": "resilient_jax.runtime.executor",
   "StagePrograms": "resilient_jax.stages",
   "Schedule": "resilient_jax.schedule.core",

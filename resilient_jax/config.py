@@ -132,13 +132,14 @@ class CheckpointConfig:
         raise ConfigError(f"checkpoint.{key} must be an integer >= 0, got {v!r}")
 
 
-POLICIES = ("recycle", "naive")
+POLICIES = ("recycle", "naive", "restart")
 
 
 @dataclasses.dataclass(frozen=True)
 class ResilienceConfig:
   policy: str = "recycle"
-  """`recycle`: re-route and replan so extra work fills bubbles; `naive`: re-route only."""
+  """`recycle`: re-route and replan so extra work fills bubbles; `naive`: re-route only;
+  `restart`: stop, restore the latest checkpoint onto the survivors, continue."""
   memory_cap: int = 0
   """Per-worker cap on in-flight micro-batches for the replanned schedule; 0: planner default."""
 

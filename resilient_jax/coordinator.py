@@ -25,7 +25,7 @@ from resilient_jax.schedule.validate import validate
 EXIT_NO_DEVICES = 3
 """Exit code when failures leave no device to continue on."""
 
-PLANNER_POLICY = {"recycle": "adaptive", "naive": "naive"}
+PLANNER_POLICY = {"recycle": "adaptive", "naive": "naive", "restart": "adaptive"}
 
 
 @dataclasses.dataclass
@@ -41,9 +41,13 @@ class Phase:
   warm_times: list[float] = dataclasses.field(default_factory=list)
 
 
-class StageLost(RuntimeError):
-  """Every worker of a stage is dead: the re-routing path cannot continue (the trainer then
-  restores a checkpoint onto the surviving devices)."""
+class NeedsRestore(RuntimeError):
+  """The run cannot go on with this grid: the trainer restores the latest checkpoint onto the
+  surviving devices."""
+
+
+class StageLost(NeedsRestore):
+  """Every worker of a stage is dead: the re-routing path cannot continue."""
 
   def __init__(self, stage: int, step: int):
     super().__init__(
@@ -201,6 +205,9 @@ class Coordinator:
     self.log(f"FAILURE: worker (dp={d}, stage={s}) failed {when} step {step}")
     if not any(w[1] == s for w in self.live):
       raise StageLost(s, step)
+    if self.cfg.resilience.policy == "restart":
+      raise NeedsRestore(f"worker (dp={d}, stage={s}) failed at step {step} and "
+                         "resilience.policy=restart")
     self.schedule = self._plan()
     takers: dict[int, list[int]] = {}
     for mb in range(d * self.m, (d + 1) * self.m):

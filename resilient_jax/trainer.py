@@ -33,7 +33,7 @@ from models.gpt import GPT
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointWriter, load_latest
 from resilient_jax.config import ConfigError, FaultsConfig, MeshConfig, RunConfig
-from resilient_jax.coordinator import Coordinator, StageLost, largest_layout
+from resilient_jax.coordinator import Coordinator, NeedsRestore, largest_layout
 from resilient_jax.runtime.executor import Executor, StepResult, WorkerLost
 from resilient_jax.schedule.core import Op, Worker
 from resilient_jax.stages import build_stage_programs
@@ -208,7 +208,8 @@ class Trainer:
     """Runs 1-based `step` to completion, whatever fails during it.
 
     Raises:
-      StageLost: a failure left a stage without workers (`run` restores from a checkpoint).
+      NeedsRestore: the failure cannot be handled on this grid (a stage has no worker left,
+        or the policy is `restart`); `run` restores from a checkpoint.
     """
     mb_ids, inputs, targets = step_batch(self.layout_cfg, self.source, self.plan, step)
     for f, dev in self.faults:
@@ -278,8 +279,8 @@ class Trainer:
     )
     return loaded.step
 
-  def _restore_onto_survivors(self, lost: StageLost, step: int) -> int:
-    """A stage has no live worker: rebuild on the surviving devices and restore."""
+  def _restore_onto_survivors(self, lost: NeedsRestore, step: int) -> int:
+    """Rebuild on the surviving devices and restore the latest checkpoint."""
     alive = [d for w, d in sorted(self.executor.devices.items()) if d not in self.failed_devices]
     dp, pp = largest_layout(
       len(alive),
@@ -331,7 +332,7 @@ class Trainer:
       after_failure = step > 1 and (step - 1) in failure_steps
       try:
         result, mb_ids = self.run_step(step, profile=last or after_failure)
-      except StageLost as lost:
+      except NeedsRestore as lost:
         step = self._restore_onto_survivors(lost, step) + 1
         metrics = [m for m in metrics if m["step"] < step]
         _write_metrics(metrics_path, metrics)

@@ -210,3 +210,23 @@ def test_stage_loss_restores_onto_survivors(tmp_path):
   plan_digests = [m["sample_digest"] for m in train(ref_cfg, tmp_path / "ref", log=quiet).metrics]
   assert [r["sample_digest"] for r in rows] == plan_digests
   assert_matches_reference(result.metrics, result.executor.all_params(), ref_cfg)
+
+
+def test_restart_policy_restores_and_matches(tmp_path):
+  """policy=restart: any failure stops, restores the latest checkpoint onto the survivors."""
+  cfg = cfg_of(
+    mesh__dp=2,
+    mesh__pp=2,
+    checkpoint__every_steps=2,
+    faults__schedule="4:1.0",
+    resilience__policy="restart",
+  )
+  lines = []
+  result = Trainer(cfg, tmp_path, log=lines.append).run()
+  # 3 survivors: 1 x 3 is the largest grid that divides the batch (3 x 1 does not).
+  assert any("resilience.policy=restart" in x and "onto dp=1 pp=3" in x for x in lines)
+  assert any("redoing 2 step(s): 3..4" in x for x in lines)
+  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  ref_cfg = cfg_of()
+  assert_matches_reference(result.metrics, result.executor.all_params(), ref_cfg)
