@@ -1,0 +1,298 @@
+"""Typed simulation configuration, converted once from a `configs/sim/*.py` ConfigDict.
+
+Every check that can be made before simulating is made here; a bad value raises
+`SimConfigError` whose one-line message names the key, and the launcher prints it and exits
+with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from resilient_jax.schedule.generators import GENERATORS
+from resilient_jax.sim.cluster import PLACEMENTS, Layout
+from resilient_jax.sim.engine import SWEEP_PLACEMENTS
+from resilient_jax.sim.policies import POLICY_NAMES, RecoveryParams
+from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
+
+__all__ = [
+  "SimConfig",
+  "SimConfigError",
+  "SweepConfig",
+  "TraceConfig",
+  "from_config_dict",
+  "load_config_file",
+]
+
+_HOUR = 3600.0
+
+
+class SimConfigError(ValueError):
+  """A simulation config value is invalid; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+  """Where the failure trace comes from.
+
+  Attributes:
+    duration_s: simulated wall time.
+    device_mtbf_s: per-device mean time between failures (`inf`: never).
+    node_mtbf_s: per-node mean time between whole-node failures (`inf`: never).
+    repair_s: time until failed hardware rejoins (`inf`: never).
+    seed: random seed of the Poisson trace.
+    csv: a trace file to read instead (empty: generate).
+  """
+
+  duration_s: float
+  device_mtbf_s: float
+  node_mtbf_s: float
+  repair_s: float
+  seed: int
+  csv: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+  """Failure counts of the relative-throughput sweep.
+
+  Attributes:
+    failures: concurrent failed workers per point.
+    placement: "stage" (all in one stage) or "random".
+    stage: the stage for "stage" (0 .. pp - 1).
+    seed: the seed for "random".
+  """
+
+  failures: tuple[int, ...]
+  placement: str
+  stage: int
+  seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  """Everything one simulation needs.
+
+  Attributes:
+    model: the model.
+    device: the accelerator.
+    network: the links.
+    layout: grid, batch and placement.
+    recompute: activation recomputation in the backward.
+    profile: path of a measured per-stage profile that replaces the spec cost model ("": none).
+    recovery: recovery times.
+    trace: the failure trace.
+    sweep: the failure-count sweep.
+    policies: policies to run; None: every available one.
+    bin_s: width of the throughput-over-time bins.
+    exact_ops: grids up to this many compute ops are planned whole, not reduced.
+  """
+
+  model: ModelSpec
+  device: DeviceSpec
+  network: NetworkSpec
+  layout: Layout
+  recompute: bool
+  profile: str
+  recovery: RecoveryParams
+  trace: TraceConfig
+  sweep: SweepConfig
+  policies: tuple[str, ...] | None
+  bin_s: float
+  exact_ops: int
+
+
+def _section(cd: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+  if name not in cd:
+    raise SimConfigError(f"config has no section {name!r}")
+  return cd[name]
+
+
+def _num(
+  cd: Mapping[str, Any],
+  section: str,
+  key: str,
+  *,
+  integer: bool = False,
+  positive: bool = True,
+  allow_zero: bool = False,
+) -> Any:
+  sec = _section(cd, section)
+  if key not in sec:
+    raise SimConfigError(f"{section}.{key} is missing")
+  v = sec[key]
+  ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+  if isinstance(v, bool) or not ok_type or (not integer and not math.isfinite(v)):
+    kind = "an integer" if integer else "a finite number"
+    raise SimConfigError(f"{section}.{key} must be {kind}, got {v!r}")
+  if positive and (v < 0 or (v == 0 and not allow_zero)):
+    raise SimConfigError(f"{section}.{key} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+  return v
+
+
+def _str(cd: Mapping[str, Any], section: str, key: str) -> str:
+  v = _section(cd, section).get(key)
+  if not isinstance(v, str):
+    raise SimConfigError(f"{section}.{key} must be a string, got {v!r}")
+  return v
+
+
+def _int_list(text: str, key: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+  except ValueError:
+    raise SimConfigError(f"{key}={text!r} must be comma-separated integers") from None
+  if not values or any(v < 0 for v in values):
+    raise SimConfigError(f"{key}={text!r} must be non-empty, non-negative integers")
+  return values
+
+
+def _hours(cd: Mapping[str, Any], key: str) -> float:
+  """A `trace.*_hours` value in seconds; 0 means never (infinite)."""
+  v = _num(cd, "trace", key, allow_zero=True)
+  return math.inf if v == 0 else v * _HOUR
+
+
+def from_config_dict(cd: Mapping[str, Any]) -> SimConfig:
+  """Validates a simulation ConfigDict and converts it to a `SimConfig`.
+
+  Raises:
+    SimConfigError: naming the first invalid key.
+  """
+  try:
+    model = ModelSpec(
+      name=_str(cd, "model", "name"),
+      **{
+        k: _num(cd, "model", k, integer=True)
+        for k in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size")
+      },
+    )
+    device = DeviceSpec(
+      name=_str(cd, "device", "name"),
+      **{k: _num(cd, "device", k) for k in ("peak_tflops", "hbm_gbps", "memory_gb", "efficiency")},
+    )
+    network = NetworkSpec(
+      intra_node_gbps=_num(cd, "network", "intra_node_gbps"),
+      inter_node_gbps=_num(cd, "network", "inter_node_gbps"),
+      intra_latency_us=_num(cd, "network", "intra_latency_us", allow_zero=True),
+      inter_latency_us=_num(cd, "network", "inter_latency_us", allow_zero=True),
+    )
+    devices = _num(cd, "cluster", "devices", integer=True)
+    pp = _num(cd, "parallel", "pp", integer=True)
+    tp = _num(cd, "parallel", "tp", integer=True)
+    if devices % (pp * tp):
+      raise SimConfigError(
+        f"cluster.devices={devices} is not a multiple of parallel.pp * parallel.tp = {pp * tp}"
+      )
+    if pp > model.num_layers:
+      raise SimConfigError(f"parallel.pp={pp} exceeds model.num_layers={model.num_layers}")
+    cap = _num(cd, "parallel", "memory_cap", integer=True, allow_zero=True)
+    schedule = _str(cd, "parallel", "schedule")
+    if schedule not in GENERATORS:
+      raise SimConfigError(
+        f"parallel.schedule={schedule!r} is not one of {', '.join(sorted(GENERATORS))}"
+      )
+    placement = _str(cd, "cluster", "placement")
+    if placement not in PLACEMENTS:
+      raise SimConfigError(f"cluster.placement={placement!r} is not one of {', '.join(PLACEMENTS)}")
+    dpn = _num(cd, "cluster", "devices_per_node", integer=True)
+    if tp % dpn and dpn % tp:
+      raise SimConfigError(
+        f"parallel.tp={tp} and cluster.devices_per_node={dpn}: one must divide the other"
+      )
+    if devices % dpn:
+      raise SimConfigError(f"cluster.devices={devices} is not a multiple of devices_per_node={dpn}")
+    layout = Layout(
+      dp=devices // (pp * tp),
+      pp=pp,
+      tp=tp,
+      microbatches=_num(cd, "parallel", "microbatches", integer=True),
+      micro_batch_size=_num(cd, "parallel", "micro_batch_size", integer=True),
+      devices_per_node=dpn,
+      placement=placement,
+      schedule=schedule,
+      memory_cap=cap or None,
+    )
+    recompute = _section(cd, "parallel").get("recompute", False)
+    if not isinstance(recompute, bool):
+      raise SimConfigError(f"parallel.recompute must be True or False, got {recompute!r}")
+    recovery = RecoveryParams(
+      **{
+        k: _num(cd, "recovery", k, allow_zero=k != "checkpoint_interval_s")
+        for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
+      }
+    )
+    trace = TraceConfig(
+      duration_s=_num(cd, "trace", "hours") * _HOUR,
+      device_mtbf_s=_hours(cd, "device_mtbf_hours"),
+      node_mtbf_s=_hours(cd, "node_mtbf_hours"),
+      repair_s=_hours(cd, "repair_hours"),
+      seed=_num(cd, "trace", "seed", integer=True, allow_zero=True),
+      csv=_str(cd, "trace", "csv"),
+    )
+    sweep_placement = _str(cd, "sweep", "placement")
+    if sweep_placement not in SWEEP_PLACEMENTS:
+      raise SimConfigError(
+        f"sweep.placement={sweep_placement!r} is not one of {', '.join(SWEEP_PLACEMENTS)}"
+      )
+    stage = _num(cd, "sweep", "stage", integer=True, positive=False)
+    if not -pp <= stage < pp:
+      raise SimConfigError(f"sweep.stage={stage} is not a stage of pp={pp}")
+    stage %= pp  # -1: the last stage
+    failures = _int_list(_str(cd, "sweep", "failures"), "sweep.failures")
+    limit = layout.dp if sweep_placement == "stage" else layout.workers + 1
+    if max(failures) >= limit:
+      raise SimConfigError(
+        f"sweep.failures={max(failures)} leaves no live worker in a stage of {layout.dp}"
+      )
+    sweep = SweepConfig(
+      failures, sweep_placement, stage, _num(cd, "sweep", "seed", integer=True, allow_zero=True)
+    )
+    names = _str(cd, "sim", "policies").replace(" ", "")
+    policies = None if names in ("", "all") else tuple(names.split(","))
+    for name in policies or ():
+      if name not in POLICY_NAMES:
+        raise SimConfigError(
+          f"sim.policies: unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)} or all"
+        )
+    return SimConfig(
+      model=model,
+      device=device,
+      network=network,
+      layout=layout,
+      recompute=recompute,
+      profile=_str(cd, "profile", "path"),
+      recovery=recovery,
+      trace=trace,
+      sweep=sweep,
+      policies=policies,
+      bin_s=_num(cd, "sim", "bin_minutes") * 60.0,
+      exact_ops=_num(cd, "sim", "exact_ops", integer=True, allow_zero=True),
+    )
+  except SimConfigError:
+    raise
+  except ValueError as e:
+    # The specs' own checks name their field as "<section>.<key>" already.
+    raise SimConfigError(str(e).splitlines()[0]) from None
+
+
+def load_config_file(spec: str) -> Any:
+  """The ConfigDict of `path[:variant]`, as `--config=` would load it (for scripts and tests).
+
+  Raises:
+    SimConfigError: when the file cannot be loaded or rejects the variant.
+  """
+  path, _, arg = spec.partition(":")
+  try:
+    module_spec = importlib.util.spec_from_file_location("sim_config", path)
+    if module_spec is None or module_spec.loader is None:
+      raise OSError(f"not a Python file: {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg or None)
+  except (OSError, ValueError, AttributeError) as e:
+    raise SimConfigError(f"{spec}: {e}") from None

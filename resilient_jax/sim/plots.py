@@ -1,0 +1,115 @@
+"""PNG plots of a simulation, drawn from its `results.json` content (so they can be redrawn
+from a saved file without simulating again)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_sweep", "plot_trace"]
+
+# One colour per policy, stable across plots and runs.
+COLORS = {
+  "recycle": "#1f77b4",
+  "naive": "#ff7f0e",
+  "oobleck": "#2ca02c",
+  "bamboo": "#9467bd",
+  "restart": "#d62728",
+  "auto": "#7f7f7f",
+}
+
+
+def _pyplot():
+  import matplotlib
+
+  matplotlib.use("Agg")  # files only: no display on clusters and CI
+  import matplotlib.pyplot as plt
+
+  return plt
+
+
+def plot_sweep(results: Mapping[str, Any], path: str | Path) -> None:
+  """Relative throughput against concurrent failures, one line per policy, and the bound."""
+  plt = _pyplot()
+  rows = results["rows"]
+  fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+  policies = list(dict.fromkeys(r["policy"] for r in rows))
+  for name in policies:
+    pts = sorted((r["failures"], r["relative"]) for r in rows if r["policy"] == name)
+    ax.plot(
+      [p[0] for p in pts],
+      [p[1] for p in pts],
+      marker="o",
+      ms=4,
+      lw=1.6,
+      label=name,
+      color=COLORS.get(name),
+      ls=":" if name == "auto" else "-",
+    )
+  bound = sorted({(r["failures"], r["bound"]) for r in rows})
+  ax.plot(
+    [b[0] for b in bound],
+    [b[1] for b in bound],
+    "k--",
+    lw=1.2,
+    label="bound min(1, (m+p-1)(D-k)/(mD))",
+  )
+  xs = sorted({r["failures"] for r in rows})
+  if xs and max(xs) > 8:
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+  cfg = results["config"]
+  where = "in one stage" if cfg["sweep_placement"] == "stage" else "at random workers"
+  ax.set_xlabel(f"concurrent failed workers ({where})")
+  ax.set_ylabel("throughput relative to fault-free")
+  ax.set_ylim(0, 1.05)
+  ax.grid(alpha=0.3)
+  ax.set_title(f"{cfg['title']}\nsteady-state throughput under failures", fontsize=10)
+  ax.legend(fontsize=8, loc="lower left")
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def plot_trace(results: Mapping[str, Any], path: str | Path) -> None:
+  """Throughput over time through the failure trace, and the failed workers below it."""
+  plt = _pyplot()
+  trace = results["trace"]
+  fig, (ax, ax2) = plt.subplots(
+    2, 1, figsize=(9, 5.5), dpi=120, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+  )
+  hours = [t / 3600 for t in trace["bin_start_s"]]
+  width = trace["bin_s"] / 3600
+  for name, run in trace["policies"].items():
+    xs = hours + [hours[-1] + width]
+    ys = run["throughput"] + run["throughput"][-1:]
+    ax.step(
+      xs,
+      ys,
+      where="post",
+      lw=1.3,
+      color=COLORS.get(name),
+      label=f"{name} (mean {run['mean_throughput']:.0f}/s)",
+      ls=":" if name == "auto" else "-",
+    )
+  for e in trace["events"]:
+    if e["kind"] == "fail":
+      ax.axvline(e["time_s"] / 3600, color="#d62728", alpha=0.25, lw=0.8)
+  ax.set_ylabel("samples/s (counted work)")
+  ax.set_ylim(bottom=0)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8, loc="lower right")
+  cfg = results["config"]
+  ax.set_title(f"{cfg['title']}\n{trace['summary']}", fontsize=10)
+  t = [s["time_s"] / 3600 for s in trace["failed_workers"]] + [trace["duration_s"] / 3600]
+  n = [s["failed"] for s in trace["failed_workers"]]
+  ax2.step(t, n + n[-1:], where="post", color="k", lw=1)
+  ax2.set_ylabel("failed\nworkers")
+  ax2.set_xlabel("hours")
+  ax2.set_ylim(bottom=0)
+  ax2.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)

@@ -1,0 +1,243 @@
+"""One simulation end to end: cost model, sweep, trace, results.json, table and plots.
+
+`launch/simulate.py` is a thin wrapper around `run_simulation`; tests and notebooks call it
+directly with a `SimConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from resilient_jax.sim.config import SimConfig
+from resilient_jax.sim.costs import CostModel, load_profile
+from resilient_jax.sim.engine import TraceResult, run_trace, sweep
+from resilient_jax.sim.policies import (
+  Grid,
+  PolicyUnavailableError,
+  build_policies,
+  policy_status,
+  usable_policies,
+)
+from resilient_jax.sim.traces import Trace, poisson_trace, read_csv_trace
+
+__all__ = ["build_costs", "build_trace", "format_table", "run_simulation"]
+
+
+def build_costs(cfg: SimConfig) -> CostModel:
+  """The cost model: the measured profile when the config names one, else the specs."""
+  if cfg.profile:
+    return load_profile(cfg.profile, cfg.layout.pp)
+  return CostModel.from_specs(
+    cfg.model, cfg.device, cfg.network, cfg.layout, recompute=cfg.recompute
+  )
+
+
+def build_trace(cfg: SimConfig) -> Trace:
+  """The failure trace: read from `trace.csv`, or a seeded Poisson trace."""
+  lay, tc = cfg.layout, cfg.trace
+  if tc.csv:
+    return read_csv_trace(
+      tc.csv, nodes=lay.nodes, devices_per_node=lay.devices_per_node, duration_s=tc.duration_s
+    )
+  return poisson_trace(
+    nodes=lay.nodes,
+    devices_per_node=lay.devices_per_node,
+    duration_s=tc.duration_s,
+    device_mtbf_s=tc.device_mtbf_s,
+    node_mtbf_s=tc.node_mtbf_s,
+    repair_s=tc.repair_s,
+    seed=tc.seed,
+  )
+
+
+def _title(cfg: SimConfig) -> str:
+  lay = cfg.layout
+  return (
+    f"{cfg.model.name} on {lay.devices} x {cfg.device.name} "
+    f"(dp {lay.dp} x pp {lay.pp} x tp {lay.tp}, m={lay.microbatches}, {lay.schedule})"
+  )
+
+
+def _trace_json(cfg: SimConfig, result: TraceResult) -> dict[str, Any]:
+  tr = result.trace
+  policies = {}
+  bins = None
+  for name, run in result.policies.items():
+    bins, rates = run.binned(tr.duration_s, cfg.bin_s)
+    mean = run.samples / tr.duration_s
+    policies[name] = {
+      "throughput": [round(float(r), 4) for r in rates],
+      "mean_throughput": mean,
+      "fault_free_throughput": run.fault_free_throughput,
+      "relative": mean / run.fault_free_throughput,
+      "samples": run.samples,
+      "paused_s": run.paused_s,
+      "lost_s": run.lost_s,
+      "stopped_s": run.stopped_s,
+    }
+  peak = max((len(f) for _, f in result.states), default=0)
+  summary = (
+    f"{tr.duration_s / 3600:g} h trace: {tr.failures} failures, {tr.rejoins} rejoins, "
+    f"at most {peak} workers down at once"
+  )
+  return {
+    "duration_s": tr.duration_s,
+    "bin_s": cfg.bin_s,
+    "bin_start_s": [float(b) for b in bins] if bins is not None else [],
+    "summary": summary,
+    "source": cfg.trace.csv or "poisson",
+    "events": [
+      {"time_s": e.time_s, "kind": e.kind, "node": e.node, "device": e.device} for e in tr.events
+    ],
+    "failed_workers": [{"time_s": t, "failed": len(f)} for t, f in result.states],
+    "policies": policies,
+  }
+
+
+def run_simulation(
+  cfg: SimConfig, out_dir: str | Path | None = None, *, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+  """Simulates the sweep and the trace for every policy of `cfg`.
+
+  Args:
+    cfg: the configuration.
+    out_dir: where results.json, sim_trace.png and sim_failures.png go; None: nowhere.
+    log: progress lines.
+
+  Returns:
+    The results.json content: `config`, `rows`, `trace`, `unavailable`, `timing`.
+
+  Raises:
+    ValueError: for a bad profile or trace file (one-line message).
+    PolicyUnavailableError: when the config names a policy this checkout lacks.
+  """
+  t_start = time.perf_counter()
+  lay = cfg.layout
+  costs = build_costs(cfg)
+  policies = build_policies(cfg.policies, params=cfg.recovery, exact_ops=cfg.exact_ops)
+  grid = Grid(lay.dp, lay.pp, lay.microbatches, lay.schedule, lay.memory_cap)
+  unavailable = {n: why for n, why in policy_status().items() if why is not None}
+  policies, cannot = usable_policies(policies, grid, costs)
+  if cannot and cfg.policies is not None:
+    # Asked for by name: a one-line error rather than a table without it.
+    raise PolicyUnavailableError(next(iter(cannot.values())))
+  unavailable.update(cannot)
+  log(f"simulating {_title(cfg)}; policies: {', '.join(policies)}")
+  rows = sweep(
+    grid,
+    costs,
+    policies,
+    cfg.sweep.failures,
+    samples_per_step=lay.global_batch,
+    placement=cfg.sweep.placement,
+    stage=cfg.sweep.stage,
+    seed=cfg.sweep.seed,
+  )
+  t_sweep = time.perf_counter() - t_start
+  trace = build_trace(cfg)
+  result = run_trace(
+    lay, costs, policies, trace, checkpoint_interval_s=cfg.recovery.checkpoint_interval_s
+  )
+  t_total = time.perf_counter() - t_start
+  op = costs.op_costs((lay.dp,) * lay.pp)
+  results = {
+    "config": {
+      "title": _title(cfg),
+      "model": cfg.model.name,
+      "params": cfg.model.params,
+      "device": cfg.device.name,
+      "devices": lay.devices,
+      "dp": lay.dp,
+      "pp": lay.pp,
+      "tp": lay.tp,
+      "microbatches": lay.microbatches,
+      "micro_batch_size": lay.micro_batch_size,
+      "global_batch": lay.global_batch,
+      "schedule": lay.schedule,
+      "placement": lay.placement,
+      "cost_source": costs.source,
+      "sweep_placement": cfg.sweep.placement,
+      "recovery": {
+        k: getattr(cfg.recovery, k)
+        for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
+      },
+    },
+    "op_costs_s": {
+      "f": list(op.f),
+      "b": list(op.b),
+      "w": list(op.w),
+      "ar": list(op.ar),
+      "opt": list(op.opt),
+      "comm": op.comm,
+    },
+    "rows": [r.to_json() for r in rows],
+    "trace": _trace_json(cfg, result),
+    "unavailable": unavailable,
+    "timing": {
+      "sweep_s": t_sweep,
+      "trace_s": t_total - t_sweep,
+      "total_s": t_total,
+      "plans": sum(getattr(p, "plans", 0) for p in policies.values()),
+    },
+  }
+  if out_dir is not None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(_finite(results), indent=1) + "\n")
+    from resilient_jax.sim import plots
+
+    plots.plot_trace(results, out / "sim_trace.png")
+    plots.plot_sweep(results, out / "sim_failures.png")
+  return results
+
+
+def _finite(obj: Any) -> Any:
+  """JSON has no infinity: a step time of `inf` (cannot train) is written as null."""
+  if isinstance(obj, float) and not math.isfinite(obj):
+    return None
+  if isinstance(obj, dict):
+    return {k: _finite(v) for k, v in obj.items()}
+  if isinstance(obj, list):
+    return [_finite(v) for v in obj]
+  return obj
+
+
+def format_table(results: dict[str, Any]) -> str:
+  """The printed summary: the sweep as a table of relative throughput, then the trace."""
+  cfg = results["config"]
+  rows = results["rows"]
+  names = list(dict.fromkeys(r["policy"] for r in rows))
+  by = {(r["policy"], r["failures"]): r for r in rows}
+  ks = sorted({r["failures"] for r in rows})
+  lines = [
+    cfg["title"],
+    f"global batch {cfg['global_batch']} samples; op costs from {cfg['cost_source']}",
+  ]
+  ff = "  ".join(f"{n} {by[(n, ks[0])]['fault_free_throughput']:.1f}" for n in names)
+  lines.append(f"fault-free samples/s: {ff}")
+  where = "one stage" if cfg["sweep_placement"] == "stage" else "random workers"
+  lines.append(f"relative throughput vs concurrent failed workers ({where}):")
+  lines.append(f"{'failures':>8} {'bound':>7} " + " ".join(f"{n:>8}" for n in names))
+  for k in ks:
+    cells = " ".join(
+      f"{by[(n, k)]['relative']:8.3f}" if (n, k) in by else f"{'-':>8}" for n in names
+    )
+    lines.append(f"{k:8d} {by[(names[0], k)]['bound']:7.3f} {cells}")
+  tr = results["trace"]
+  lines.append(tr["summary"] + ":")
+  lines.append(f"{'policy':>8} {'samples/s':>10} {'relative':>8} {'paused':>9} {'lost':>9}")
+  for name, run in tr["policies"].items():
+    lines.append(
+      f"{name:>8} {run['mean_throughput']:10.1f} {run['relative']:8.3f} "
+      f"{run['paused_s'] / 60:8.1f}m {run['lost_s'] / 60:8.1f}m"
+    )
+  for name, why in results["unavailable"].items():
+    lines.append(f"{name:>8} not available: {why}")
+  t = results["timing"]
+  lines.append(f"simulated in {t['total_s']:.1f} s ({t['plans']} plans)")
+  return "\n".join(lines)

@@ -1,0 +1,464 @@
+"""The cluster simulator against the library's own cost model and against closed forms."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from resilient_jax.schedule import adaptive
+from resilient_jax.schedule.bamboo import bamboo_step_time
+from resilient_jax.schedule.cost import simulate
+from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.oobleck import oobleck_step_time
+from resilient_jax.sim import (
+  CostModel,
+  Event,
+  FailureTracker,
+  Grid,
+  Layout,
+  PolicyUnavailableError,
+  RecoveryParams,
+  SimConfigError,
+  TraceError,
+  build_policies,
+  failure_pattern,
+  from_config_dict,
+  load_profile,
+  max_load,
+  poisson_trace,
+  predict_relative_throughput,
+  read_csv_trace,
+  reduce_pattern,
+  ring_allreduce_seconds,
+  run_simulation,
+  run_trace,
+  save_profile,
+  sweep,
+  write_csv_trace,
+)
+from resilient_jax.sim.config import load_config_file
+from resilient_jax.sim.policies import UnavailablePolicy
+from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
+from resilient_jax.sim.traces import Trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Stage 3 is heavier (it runs the head), as in a real GPT split; transfers and collectives cost.
+PROFILE = {
+  "f": [1.0, 1.0, 1.0, 1.3],
+  "b": [1.1, 1.1, 1.1, 1.4],
+  "w": [0.9, 0.9, 0.9, 1.2],
+  "ar": 0.3,
+  "opt": 0.05,
+  "comm": 0.02,
+}
+
+
+@pytest.fixture(scope="module")
+def costs() -> CostModel:
+  return CostModel.from_profile(PROFILE)
+
+
+# --- the engine is the cost model -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "failed",
+  [
+    set(),
+    {(1, 2)},
+    {(0, 0), (3, 3)},
+    {(2, 1), (2, 2)},
+    {(0, 1), (1, 1), (3, 1)},
+  ],
+)
+def test_step_time_is_the_cost_models_makespan_of_the_same_schedule(costs, failed):
+  grid = Grid(4, 4, 4, base="zb-h1")
+  failed = frozenset(failed)
+  op = costs.op_costs(grid.live_per_stage(failed))
+  policies = build_policies(["recycle", "naive"])
+  for name, planner in (("recycle", "adaptive"), ("naive", "naive")):
+    sched = adaptive.plan(planner, 4, 4, 4, failed, op, base="zb-h1")
+    assert policies[name].step_time(grid, failed, costs) == simulate(sched, op).makespan
+
+
+def test_restart_step_time_is_the_full_grid_of_survivors(costs):
+  grid = Grid(4, 4, 4, base="1f1b")
+  failed = frozenset({(1, 2)})  # 15 live workers: 3 pipelines of 4 stages, ceil(16/3) = 6 each
+  op = costs.op_costs((3,) * 4)
+  full = simulate(generate("1f1b", 3, 4, 6), op).makespan
+  assert build_policies(["restart"])["restart"].step_time(grid, failed, costs) == full
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 16), (4, 3)])
+def test_fault_free_1f1b_row_reproduces_the_bubble(pp, m):
+  costs = CostModel.from_profile(
+    {"f": [1.0] * pp, "b": [1.0] * pp, "w": [1.0] * pp, "ar": 0.0, "opt": 0.0, "comm": 0.0}
+  )
+  grid = Grid(3, pp, m, base="1f1b")
+  for name in ("recycle", "naive", "restart"):
+    (row,) = sweep(grid, costs, build_policies([name]), [0], samples_per_step=3 * m)
+    per_sample = 3.0  # F + B + W of one micro-batch on one stage
+    bubble = 1 - m * per_sample / row.step_time_s
+    assert bubble == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+    assert row.relative == 1.0 and row.bound == 1.0
+
+
+# --- the reduced grid -----------------------------------------------------------------------
+
+
+def test_reduced_grid_keeps_the_largest_survivor_load():
+  rng = random.Random(0)
+  for _ in range(300):
+    dp, pp, m = rng.randint(2, 3000), rng.randint(1, 8), rng.randint(1, 32)
+    counts = tuple(rng.choice([0, 0, 1, 2, rng.randint(0, dp - 1)]) for _ in range(pp))
+    pattern = failure_pattern(dp, pp, [(d, s) for s, k in enumerate(counts) for d in range(k)])
+    dr, failed = reduce_pattern(dp, pp, m, pattern)
+    assert 1 <= dr <= dp
+    small = failure_pattern(dr, pp, failed).counts
+    for k, kr in zip(counts, small, strict=True):
+      assert (k == 0) == (kr == 0)
+      assert max_load(dr, m, kr) == max_load(dp, m, k)
+
+
+def _plans(costs, grid, failed):
+  out = []
+  for name in ("recycle", "naive"):
+    policy = build_policies([name])[name]
+    full = policy.step_time(grid, failed, costs, reduce=False)
+    out.append((name, full, policy.step_time(grid, failed, costs, reduce=True)))
+  return out
+
+
+@pytest.mark.parametrize(
+  "failed,sparse",
+  [
+    ({(15, 0)}, True),
+    ({(15, 3)}, True),
+    ({(14, 1), (15, 2)}, True),
+    ({(15, 0), (15, 1), (15, 2), (15, 3)}, True),  # a whole pipeline (a node)
+    ({(12, 3), (13, 3), (14, 3), (15, 3)}, False),  # dense: 11 micro-batches per survivor
+    ({(8 + i, 0) for i in range(8)}, False),  # dense: 16 per survivor
+  ],
+)
+def test_reduced_plan_matches_the_full_plan(costs, failed, sparse):
+  # Failed pipelines at the back of the grid, as they are in a large grid: away from the front
+  # pipelines that `reroute` hands the orphans to. The naive planner's chains between damaged
+  # pipelines survive the reduction only in the sparse regime (see reduce.py).
+  grid = Grid(16, 4, 8)
+  for name, full, reduced in _plans(costs, grid, frozenset(failed)):
+    if name == "recycle" or sparse:
+      assert reduced == pytest.approx(full, rel=0.03), name
+
+
+def test_reduced_adaptive_plan_tracks_random_placements(costs):
+  rng = random.Random(1)
+  grid = Grid(16, 4, 8)
+  recycle = build_policies(["recycle"])["recycle"]
+  errors = []
+  for _ in range(12):
+    stage = rng.randrange(4)
+    failed = frozenset((d, stage) for d in rng.sample(range(16), rng.randint(1, 5)))
+    full = recycle.step_time(grid, failed, costs, reduce=False)
+    errors.append(abs(recycle.step_time(grid, failed, costs, reduce=True) / full - 1))
+  assert max(errors) <= 0.03, errors
+
+
+# --- cost model -----------------------------------------------------------------------------
+
+
+def test_spec_cost_model_is_the_roofline_and_the_ring():
+  model = ModelSpec("gpt", num_layers=8, d_model=1024, num_heads=8, seq_len=512, vocab_size=1000)
+  device = DeviceSpec("d", peak_tflops=100.0, hbm_gbps=1000.0, memory_gb=40.0, efficiency=0.5)
+  net = NetworkSpec(100.0, 10.0, 1.0, 5.0)
+  lay = Layout(dp=8, pp=2, microbatches=4, devices_per_node=8)  # two nodes of 4 pipelines
+  costs = CostModel.from_specs(model, device, net, lay)
+  tokens, h = 512, 1024
+  layer_f = 24 * tokens * h * h + 4 * 512 * h * tokens
+  assert costs.f[0] == pytest.approx(4 * layer_f / 50e12)
+  assert costs.w[1] > costs.w[0]  # the head
+  # A node holds a whole pipeline (2 stages of 1 device): the transfer stays on NVLink.
+  assert costs.comm == pytest.approx(tokens * h * 2 / 100e9 + 1e-6)
+  grad = model.layers_per_stage(2)[0] * model.layer_params + (1000 + 512) * h
+  ar = costs.op_costs((8, 7)).ar  # a stage's peers span both nodes: the ring is on InfiniBand
+  assert ar[0] == pytest.approx(2 * 7 / 8 * grad * 2 / 10e9 + 2 * 7 * 5e-6)
+  assert ar[1] == pytest.approx(ring_allreduce_seconds(costs.ar_bytes[1], 7, 10e9, 5e-6))
+  assert ring_allreduce_seconds(1e9, 1, 1.0, 1.0) == 0.0
+
+
+def test_profile_round_trip_and_errors(tmp_path, costs):
+  path = tmp_path / "profile.json"
+  save_profile(costs, path)
+  again = load_profile(path)
+  assert again.op_costs((4,) * 4) == costs.op_costs((4,) * 4)
+  bad = dict(PROFILE, b=[1.0, 2.0])
+  (tmp_path / "bad.json").write_text(json.dumps(bad))
+  with pytest.raises(ValueError, match="profile.b has 2 entries"):
+    load_profile(tmp_path / "bad.json")
+  (tmp_path / "neg.json").write_text(json.dumps(dict(PROFILE, comm=-1)))
+  with pytest.raises(ValueError, match="profile.comm"):
+    load_profile(tmp_path / "neg.json")
+  with pytest.raises(ValueError, match="missing ar"):
+    CostModel.from_profile({k: v for k, v in PROFILE.items() if k != "ar"})
+
+
+def test_predict_relative_throughput_from_a_measured_profile(costs):
+  assert predict_relative_throughput(PROFILE, 4, 4, 4, []) == 1.0
+  failed = [(1, 2)]
+  grid = Grid(4, 4, 4)
+  op = costs.op_costs(grid.live_per_stage(failed))
+  t1 = simulate(adaptive.plan("adaptive", 4, 4, 4, failed, op, base="zb-h1"), op).makespan
+  t0 = simulate(generate("zb-h1", 4, 4, 4), costs.op_costs((4,) * 4)).makespan
+  assert predict_relative_throughput(PROFILE, 4, 4, 4, failed) == pytest.approx(t0 / t1)
+  big = predict_relative_throughput(PROFILE, 512, 4, 8, [(7, 3)])
+  assert 0.5 < big <= 1.0
+  with pytest.raises(ValueError, match="unknown policy"):
+    predict_relative_throughput(PROFILE, 4, 4, 4, failed, policy="nope")
+
+
+# --- traces ---------------------------------------------------------------------------------
+
+
+def test_poisson_trace_rate_and_repairs():
+  nodes, dpn, hours = 64, 8, 1000.0
+  trace = poisson_trace(
+    nodes=nodes,
+    devices_per_node=dpn,
+    duration_s=hours * 3600,
+    device_mtbf_s=50_000 * 3600,
+    node_mtbf_s=400_000 * 3600,
+    repair_s=3600.0,
+    seed=3,
+  )
+  expected = hours * (nodes * dpn / 50_000 + nodes / 400_000)
+  assert abs(trace.failures - expected) < 4 * math.sqrt(expected)
+  down: dict[tuple[int, int], float] = {}
+  for e in trace.events:
+    key = (e.node, e.device)
+    if e.kind == "fail":
+      assert key not in down
+      down[key] = e.time_s
+    else:
+      assert e.time_s == pytest.approx(down.pop(key) + 3600.0)
+  assert [e.time_s for e in trace.events] == sorted(e.time_s for e in trace.events)
+
+
+def test_csv_trace_round_trip_and_errors(tmp_path):
+  trace = poisson_trace(
+    nodes=4, devices_per_node=8, duration_s=3600 * 10, device_mtbf_s=3600 * 20, repair_s=1800
+  )
+  path = tmp_path / "t.csv"
+  write_csv_trace(trace, path)
+  again = read_csv_trace(path, nodes=4, devices_per_node=8, duration_s=trace.duration_s)
+  assert [(round(e.time_s, 3), e.kind, e.node, e.device) for e in trace.events] == [
+    (round(e.time_s, 3), e.kind, e.node, e.device) for e in again.events
+  ]
+  (tmp_path / "bad.csv").write_text("time,event,node\n10,fail,1\n20,explode,1\n")
+  with pytest.raises(TraceError, match=r"bad.csv:3: event 'explode'"):
+    read_csv_trace(tmp_path / "bad.csv", nodes=4, devices_per_node=8)
+  (tmp_path / "node.csv").write_text("10,fail,9\n")
+  with pytest.raises(TraceError, match="node 9 is outside"):
+    read_csv_trace(tmp_path / "node.csv", nodes=4, devices_per_node=8)
+
+
+def test_failure_tracker_maps_devices_and_nodes_to_workers():
+  # Pipeline placement, 8 stages x 1 device: node n is pipeline n.
+  lay = Layout(dp=4, pp=8, devices_per_node=8)
+  tracker = FailureTracker(lay)
+  assert tracker.apply(Event(1.0, "fail", 2)) == {(2, s) for s in range(8)}
+  assert tracker.apply(Event(2.0, "fail", 2, 5)) == {(2, s) for s in range(8)}
+  assert tracker.apply(Event(3.0, "rejoin", 2)) == {(2, 5)}  # its own device is still down
+  assert tracker.apply(Event(4.0, "rejoin", 2, 5)) == set()
+  # Stage placement, tp=4: a node is two workers of one stage.
+  lay = Layout(dp=4, pp=2, tp=4, devices_per_node=8, placement="stage")
+  tracker = FailureTracker(lay)
+  assert tracker.apply(Event(1.0, "fail", 3)) == {(2, 1), (3, 1)}
+  assert tracker.apply(Event(2.0, "fail", 0, 6)) == {(2, 1), (3, 1), (1, 0)}
+
+
+def test_trace_accounting_pauses_and_rollbacks(costs):
+  lay = Layout(dp=4, pp=4, microbatches=4, devices_per_node=4)  # node d = pipeline d
+  params = RecoveryParams(
+    detect_s=30.0, regroup_s=10.0, restart_s=600.0, checkpoint_interval_s=1000.0
+  )
+  trace = Trace(
+    10_000.0, (Event(2500.0, "fail", 1, 2), Event(6000.0, "rejoin", 1, 2)), lay.nodes, 4
+  )
+  policies = build_policies(["recycle", "restart"], params=params)
+  result = run_trace(lay, costs, policies, trace, checkpoint_interval_s=1000.0)
+  grid = Grid(4, 4, 4)
+  batch = lay.global_batch
+  t0 = policies["recycle"].step_time(grid, frozenset(), costs)
+  assert policies["restart"].step_time(grid, frozenset(), costs) == t0
+  t1 = policies["recycle"].step_time(grid, frozenset({(1, 2)}), costs)
+  pause = 30 + 10 + t0 / 2
+  expect = batch * (2500 / t0 + (3500 - pause) / t1 + (4000 - 10) / t0)
+  assert result.policies["recycle"].samples == pytest.approx(expect)
+  # Restart: loses 2000..2500 (checkpoint at 2000), restarts for 630 s on 3 pipelines, then a
+  # planned restart of 600 s when the device is back.
+  r1 = policies["restart"].step_time(grid, frozenset({(1, 2)}), costs)
+  run = result.policies["restart"]
+  expect = batch * (2000 / t0 + (3500 - 630) / r1 + (4000 - 600) / t0)
+  assert run.samples == pytest.approx(expect)
+  assert run.lost_s == pytest.approx(500.0) and run.paused_s == pytest.approx(1230.0)
+
+
+# --- policies -------------------------------------------------------------------------------
+
+
+def test_policy_registry(costs):
+  everything = build_policies()
+  assert set(everything) == {"recycle", "naive", "oobleck", "bamboo", "restart", "auto"}
+  everything.pop("oobleck")  # needs the spec cost model
+  with pytest.raises(ValueError, match="unknown policy"):
+    build_policies(["fast"])
+  missing = UnavailablePolicy("oobleck", "not in this checkout")
+  with pytest.raises(PolicyUnavailableError, match="not available"):
+    missing.step_time(Grid(2, 2, 2), frozenset(), costs)
+  grid = Grid(8, 4, 4)
+  failed = frozenset({(0, 3), (1, 3), (2, 3), (3, 3), (4, 3)})
+  auto = everything["auto"]
+  times = {n: p.step_time(grid, failed, costs) for n, p in everything.items() if n != "auto"}
+  assert auto.step_time(grid, failed, costs) <= min(times.values()) * 1.01
+  assert auto.step_time(grid, failed, costs) in times.values()
+
+
+@pytest.mark.parametrize(
+  "failed",
+  [set(), {(1, 2)}, {(0, 0), (3, 2)}, {(1, 1), (1, 3), (2, 0)}, {(0, 1), (2, 1), (3, 1)}],
+)
+def test_bamboo_reduction_is_exact(costs, failed):
+  grid = Grid(4, 4, 4, base="1f1b")
+  failed = frozenset(failed)
+  op = costs.op_costs(grid.live_per_stage(failed))
+  bamboo = build_policies(["bamboo"])["bamboo"]
+  assert bamboo.step_time(grid, failed, costs) == pytest.approx(
+    bamboo_step_time(4, 4, 4, op, failed, base="1f1b"), rel=1e-12
+  )
+
+
+def test_bamboo_adjacent_failures_restart(costs):
+  grid = Grid(4, 4, 4)
+  policies = build_policies(["bamboo", "restart"])
+  failed = frozenset({(2, 1), (2, 2)})
+  assert policies["bamboo"].step_time(grid, failed, costs) == policies["restart"].step_time(
+    grid, failed, costs
+  )
+  assert policies["bamboo"].recovery(grid, frozenset({(2, 1)}), failed, costs, 1.0).rollback
+
+
+def test_oobleck_adapter_uses_the_oobleck_planner():
+  model = ModelSpec("gpt", num_layers=8, d_model=1024, num_heads=8, seq_len=512, vocab_size=1000)
+  device = DeviceSpec("d", peak_tflops=100.0, hbm_gbps=1000.0, memory_gb=2.0, efficiency=0.5)
+  lay = Layout(dp=4, pp=4, microbatches=4, devices_per_node=4)
+  spec = CostModel.from_specs(model, device, NetworkSpec(100.0, 10.0, 1.0, 5.0), lay)
+  grid = Grid(4, 4, 4, base="1f1b")
+  oob = build_policies(["oobleck"])["oobleck"]
+  failed = frozenset({(1, 2)})
+  inst = oob.instance(grid, failed, spec)
+  assert sum(len(p.nodes) for p in inst.pipelines) == 15
+  assert sum(p.microbatches for p in inst.pipelines) == 16  # the global batch is kept
+  expect = oobleck_step_time(
+    inst, base="1f1b", comm=spec.comm, allreduce_bandwidth=spec.ar_bandwidth
+  )
+  assert oob.step_time(grid, failed, spec) == expect
+  with pytest.raises(PolicyUnavailableError, match="per-layer memory"):
+    oob.check(grid, CostModel.from_profile(PROFILE))
+
+
+def test_stage_lost_falls_back_to_restart(costs):
+  grid = Grid(2, 4, 4)
+  failed = frozenset({(0, 1), (1, 1)})
+  policies = build_policies(["recycle", "restart"])
+  assert policies["recycle"].step_time(grid, failed, costs) == policies["restart"].step_time(
+    grid, failed, costs
+  )
+  rec = policies["recycle"].recovery(grid, frozenset({(0, 1)}), failed, costs, 1.0)
+  assert rec.rollback
+
+
+# --- configs and the launcher ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt3_1_3b", "gpt3_2_7b", "gpt3_6_7b", "gpt3_175b"])
+def test_configs_load_at_every_size(name):
+  for variant in ("", ":runlocal", ":1024", ":16384"):
+    cfg = from_config_dict(load_config_file(f"{ROOT}/configs/sim/{name}.py{variant}"))
+    assert cfg.layout.dp >= 2
+  small = ":64" if name != "gpt3_175b" else ":256"
+  assert from_config_dict(load_config_file(f"{ROOT}/configs/sim/{name}.py{small}"))
+  with pytest.raises(SimConfigError, match="devices must be"):
+    load_config_file(f"{ROOT}/configs/sim/{name}.py:100")
+
+
+def test_run_simulation_writes_results(tmp_path):
+  cfg = from_config_dict(load_config_file(f"{ROOT}/configs/sim/gpt3_6_7b.py:runlocal"))
+  results = run_simulation(cfg, tmp_path, log=lambda _: None)
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert saved["rows"] and set(saved["rows"][0]) >= {
+    "policy",
+    "failures",
+    "throughput",
+    "fault_free_throughput",
+    "bound",
+  }
+  for row in saved["rows"]:
+    assert row["bound"] == pytest.approx(
+      min(1, (4 + 4 - 1) * (2 - row["failures"]) / (4 * 2)) if row["failures"] < 2 else 0
+    )
+  assert set(results["trace"]["policies"]) == set(build_policies())
+  assert (tmp_path / "sim_trace.png").stat().st_size > 10_000
+  assert (tmp_path / "sim_failures.png").stat().st_size > 10_000
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run(
+    [sys.executable, "-m", "launch.simulate", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+
+
+def test_launcher_end_to_end(tmp_path):
+  proc = _launch("--config=configs/sim/gpt3_1_3b.py:runlocal", f"--out={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "relative throughput" in proc.stdout and "recycle" in proc.stdout
+  assert (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize(
+  "args,needle",
+  [
+    (["--config.parallel.pp=0"], "parallel.pp"),
+    (["--config.sim.policies=recycle,fast"], "sim.policies"),
+    (["--config.trace.csv=/nonexistent.csv"], "/nonexistent.csv"),
+    (["--config.profile.path=/nonexistent.json"], "/nonexistent.json"),
+    (["--config.sweep.failures=0,9"], "sweep.failures"),
+    (["--config.cluster.placement=diagonal"], "cluster.placement"),
+    (["--config.nope=1"], "nope"),
+  ],
+)
+def test_launcher_bad_input_is_one_line_exit_2(tmp_path, args, needle):
+  proc = _launch("--config=configs/sim/gpt3_6_7b.py:runlocal", f"--out={tmp_path}", *args)
+  assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+  err = proc.stderr.strip().splitlines()
+  assert len(err) == 1 and needle in err[0], proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_simulator_does_not_import_jax():
+  code = (
+    "import sys; import resilient_jax.sim, launch.simulate, resilient_jax.schedule.adaptive; "
+    "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]; "
+    "assert not bad, bad"
+  )
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr
