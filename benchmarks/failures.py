@@ -14,6 +14,7 @@ the replay can. Writes the fault-free and post-failure timelines to docs/.
 Run:
   python benchmarks/failures.py             # both parts
   python benchmarks/failures.py --planner   # part 1 only (seconds)
+  python benchmarks/failures.py --record tests/data/recorded_run.json   # the simulator test's data
 """
 
 from __future__ import annotations
@@ -100,11 +101,79 @@ def executor_part(write_docs: bool) -> None:
         "per-stage op times (what the simulator reads). agree: |replay x / profile x - 1|.")
 
 
+def record(path: Path) -> None:
+  """Records a real run for the simulator test: median op durations over several profiled
+  steps before and after a failure, with the schedules that ran (tests/test_sim_vs_executor)."""
+  import json
+
+  from resilient_jax.profiling import costs_from_records, write_profile
+  from resilient_jax.runtime.executor import OpRecord
+
+  out = {"dp": 2, "pp": 4, "m": 8, "failed": [[1, 1]], "base": "zb-h1", "policies": {}}
+  path.parent.mkdir(parents=True, exist_ok=True)
+  for policy in ("recycle", "naive"):
+    wall, _, _, _, prof = _run_many(policy)
+    entry = {}
+    for phase, (sched, durations) in prof.items():
+      entry[phase] = {
+        "route": [list(r) for r in sched.route],
+        "ops": {f"{w[0]},{w[1]}": [[op.kind, op.mb] for op in ops] for w, ops in sched.ops.items()},
+        "durations": [[w[0], w[1], op.kind, op.mb, t] for (w, op), t in durations.items()],
+      }
+    before_records = [OpRecord(w, op, 0.0, t) for (w, op), t in prof["before"][1].items()]
+    tmp = path.with_suffix(".profile.json")
+    write_profile(costs_from_records(before_records, 4), 4, tmp)
+    entry["profile"] = json.loads(tmp.read_text())
+    tmp.unlink()
+    out["policies"][policy] = entry
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(out) + "\n")
+  print(f"recorded {path}")
+
+
+def _run_many(policy: str, repeats: int = 5):
+  """Like `_run`, profiling `repeats` steps per phase and keeping each op's median duration."""
+  import statistics as st
+
+  from configs.gpt_tiny import get_config
+  from resilient_jax.config import from_config_dict
+  from resilient_jax.trainer import Trainer
+
+  fail = 3 + repeats
+  cd = get_config()
+  cd.mesh.update(dp=2, pp=4)
+  cd.pipeline.update(schedule="zb-h1", microbatches=8)
+  cd.train.update(steps=fail + repeats + 1, global_batch=32)
+  cd.faults.schedule = f"{fail}:1.1"
+  cd.resilience.policy = policy
+  cfg = from_config_dict(cd)
+  with tempfile.TemporaryDirectory() as tmp:
+    trainer = Trainer(cfg, tmp, log=lambda _: None)
+    samples: dict[str, dict] = {"before": {}, "after": {}}
+    scheds = {}
+    for step in range(1, cfg.train.steps + 1):
+      warm = step not in (1, 2, fail, fail + 1)  # skip compile steps
+      result, _ = trainer.run_step(step, profile=warm)
+      if warm:
+        phase = "before" if step < fail else "after"
+        scheds[phase] = trainer.coordinator.schedule
+        for r in result.records:
+          samples[phase].setdefault((r.worker, r.op), []).append(r.end - r.start)
+  prof = {ph: (scheds[ph], {k: st.median(v) for k, v in samples[ph].items()}) for ph in samples}
+  return None, None, None, None, prof
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--planner", action="store_true", help="only the cost-model table")
   parser.add_argument("--no-docs", action="store_true", help="do not write docs/ timelines")
+  parser.add_argument("--record", type=Path, default=None,
+                      help="only record a run for tests/test_sim_vs_executor.py to this JSON")
   args = parser.parse_args()
+  if args.record:
+    runtime_setup.configure_jax(num_cpu_devices=8)
+    record(args.record)
+    return
   planner_part()
   if not args.planner:
     runtime_setup.configure_jax(num_cpu_devices=8)
