@@ -5,8 +5,9 @@ whichever device holds their (committed) inputs, so a data-parallel peer that ta
 failed worker's micro-batches runs the very same programs on its own device.
 
 - `forward(params, x, targets) -> (out, residuals, saved)`: `out` is the stage output, or for
-  the last stage the micro-batch's share of the global mean loss. `residuals` is what B needs,
-  `saved` the per-layer inputs W needs.
+  the last stage the micro-batch's share of the global mean loss. `residuals` (opaque) is what
+  B needs, `saved` the per-layer inputs W needs. A parameter or the stage input among them is
+  the caller's array itself, not a copy, and residuals B never reads are not kept.
 - `backward_input(residuals, g) -> (dx, taps)`: the input gradient and every tapped layer's
   output cotangent (see `models.layers`); the first stage has no input gradient (dx is None).
 - `backward_weight(params, saved, taps, acc) -> acc + grads`: local per-layer parameter vjps,
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.extend import core as jcore
 
 from models.layers import Tape, flat_params, tapped_layers
 
@@ -49,6 +51,24 @@ class StageInfo:
   @property
   def last(self) -> bool:
     return self.index == self.num_stages - 1
+
+
+def _live_inputs(jaxpr: jcore.Jaxpr, live_out: Sequence[bool] | None = None) -> list[bool]:
+  """Which inputs of `jaxpr` its (live) outputs depend on, looking inside nested jits."""
+  outs = jaxpr.outvars
+  live = {v for v, keep in zip(outs, live_out or [True] * len(outs), strict=True) if keep}
+  live = {v for v in live if isinstance(v, jcore.Var)}
+  for eqn in reversed(jaxpr.eqns):
+    needed = [v in live for v in eqn.outvars]
+    if not any(needed) and not eqn.effects:
+      continue
+    inner = eqn.params.get("jaxpr")
+    if eqn.primitive.name in ("jit", "pjit") and isinstance(inner, jcore.ClosedJaxpr):
+      used = _live_inputs(inner.jaxpr, needed)
+    else:
+      used = [True] * len(eqn.invars)
+    live.update(v for v, u in zip(eqn.invars, used, strict=True) if u and isinstance(v, jcore.Var))
+  return [v in live for v in jaxpr.invars]
 
 
 class StagePrograms:
@@ -112,13 +132,73 @@ class StagePrograms:
     argnums = (2,) if info.first else (1, 2)
     fwd, bwd = jax.fwd_and_bwd(run, argnums=argnums, has_aux=True, jitted=False)
 
-    def forward(params, x, targets):
+    def forward_all(params, x, targets):
       zeros = {k: jnp.zeros(s.shape, s.dtype) for k, s in tap_specs.items()}
       return fwd(params, x, zeros, targets)
 
-    def backward_input(residuals, g):
+    def backward_all(residuals, g):
       grads = bwd(residuals, g)
       return (None, grads[0]) if info.first else (grads[0], grads[1])
+
+    # What F hands to B and W is trimmed once, on F's jaxpr, rather than copied out of a jit as
+    # is: a parameter or the stage input among the residuals would come back as a fresh copy
+    # per micro-batch (the residuals of `x @ kernel` include the kernel), and some residuals
+    # are dead in B (XLA drops them from B, but F would still keep them alive until B).
+    targets_spec = target_spec if info.last else None
+    closed, (out_tree, res_tree, saved_tree) = jax.make_jaxpr(forward_all, return_shape=True)(
+      self.abstract_params(), input_spec, targets_spec
+    )
+    res_def = jax.tree.structure(res_tree)
+    res_specs = jax.tree.leaves(res_tree)
+    n_out, n_res = len(jax.tree.leaves(out_tree)), len(res_specs)
+    b_jaxpr = jax.make_jaxpr(
+      lambda leaves, g: backward_all(jax.tree.unflatten(res_def, leaves), g)
+    )(res_specs, self.output_spec)
+    res_live = _live_inputs(b_jaxpr.jaxpr)[:n_res]
+    # Per output leaf of F: ("input", i) forwards input leaf i, ("kept", j) is output j of the
+    # trimmed program, ("dead", spec) a residual B never reads (B gets zeros, which XLA drops).
+    in_index = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+    kept: list[int] = []  # positions of the outputs the trimmed program returns
+    first_at: dict[Any, int] = {}  # each distinct variable is returned once
+    sources: list[tuple[str, Any]] = []
+    for k, v in enumerate(closed.jaxpr.outvars):
+      is_var = isinstance(v, jcore.Var)
+      if n_out <= k < n_out + n_res and not res_live[k - n_out]:
+        sources.append(("dead", res_specs[k - n_out]))
+      elif is_var and v in in_index:
+        sources.append(("input", in_index[v]))
+      elif is_var and v in first_at:
+        sources.append(("kept", first_at[v]))
+      else:
+        if is_var:
+          first_at[v] = len(kept)
+        sources.append(("kept", len(kept)))
+        kept.append(k)
+    forward_all_flat = jcore.jaxpr_as_fun(closed)
+
+    def stage_forward(*inputs):
+      outs = forward_all_flat(*inputs)
+      return [outs[k] for k in kept]
+
+    forward_program = jax.jit(stage_forward)
+    out_def, saved_def = jax.tree.structure(out_tree), jax.tree.structure(saved_tree)
+    not_dead = [src for src in sources if src[0] != "dead"]
+    n_live = sum(res_live)
+    dead_specs = [src[1] if src[0] == "dead" else None for src in sources[n_out : n_out + n_res]]
+
+    def forward(params, x, targets):
+      inputs = jax.tree.leaves((params, x, targets if info.last else None))
+      outs = forward_program(*inputs)
+      leaves = [outs[i] if kind == "kept" else inputs[i] for kind, i in not_dead]
+      out = jax.tree.unflatten(out_def, leaves[:n_out])
+      residuals = tuple(leaves[n_out : n_out + n_live])
+      saved = jax.tree.unflatten(saved_def, leaves[n_out + n_live :])
+      return out, residuals, saved
+
+    def backward_input(residuals, g):
+      live = iter(residuals)
+      leaves = [next(live) if d is None else jnp.zeros(d.shape, d.dtype) for d in dead_specs]
+      return backward_all(jax.tree.unflatten(res_def, leaves), g)
 
     def weight_grads(params, saved, taps, acc):
       layers = tapped_layers(self.bind(params))
@@ -137,7 +217,7 @@ class StagePrograms:
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
-    self.forward: Callable = jax.jit(forward)
+    self.forward: Callable = forward
     self.backward_input: Callable = jax.jit(backward_input)
     self.backward_weight: Callable = jax.jit(weight_grads, donate_argnums=(3,))
     self.backward_fused: Callable = jax.jit(backward_fused, donate_argnums=(4,))

@@ -1,0 +1,255 @@
+"""Split backward (B + W) against a true fused backward, for one middle GPT stage.
+
+Run:
+  python benchmarks/split_backward.py --d_model=256 --layers=4 --seq_len=128 --batch=8
+
+Times, interleaved and repeated (medians):
+  - B: `StagePrograms.backward_input` (input gradient and every layer's output cotangent);
+  - W: `StagePrograms.backward_weight` (local per-layer parameter vjps, from a zero accumulator);
+  - fused: the bwd half of `jax.fwd_and_bwd` of the plain stage function (no tape active)
+    w.r.t. (params, x): the baseline a pipeline without split backward would run;
+  - BW: `StagePrograms.backward_fused` (B then W in one program, what 1F1B runs);
+  - F tapped (`StagePrograms.forward`) against F plain (the fwd half of the same fwd_and_bwd).
+
+Memory comes from `compiled.memory_analysis()` and the byte sizes of the live buffers: what is
+held from F until the backward (deduplicated by buffer, parameters excluded) plus the backward
+programs' temporaries and outputs. Parameters and gradient accumulators are the same on both
+paths and are left out. Finally B + W's gradients are compared with the fused ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from resilient_jax import runtime_setup  # noqa: E402
+
+TARGET_RATIO = 1.05
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--d_model", type=int, default=256)
+  p.add_argument("--layers", type=int, default=4, help="transformer blocks in the stage")
+  p.add_argument("--seq_len", type=int, default=128)
+  p.add_argument("--batch", type=int, default=8, help="micro-batch size")
+  p.add_argument("--heads", type=int, default=0, help="attention heads (0: d_model // 64)")
+  p.add_argument("--repeats", type=int, default=15, help="interleaved rounds (median taken)")
+  p.add_argument("--inner", type=int, default=0, help="calls per timing (0: auto, ~0.2 s)")
+  return p.parse_args(argv)
+
+
+def nbytes(tree, exclude: set[int] = frozenset()) -> int:
+  """Bytes of the distinct device buffers in `tree`, skipping buffers whose pointer is excluded."""
+  import jax
+
+  seen: set[int] = set(exclude)
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    ptr = leaf.unsafe_buffer_pointer()
+    if ptr not in seen:
+      seen.add(ptr)
+      total += leaf.nbytes
+  return total
+
+
+def pointers(tree) -> set[int]:
+  import jax
+
+  return {leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(tree)}
+
+
+def time_interleaved(
+  fns: dict[str, Callable[[], object]], repeats: int, inner: int
+) -> dict[str, list[float]]:
+  """Per-call seconds of each fn: `repeats` rounds, each timing every fn (rotating the order)."""
+  import jax
+
+  names = list(fns)
+  out: dict[str, list[float]] = {n: [] for n in names}
+  for r in range(repeats):
+    order = names[r % len(names) :] + names[: r % len(names)]
+    for n in order:
+      fn = fns[n]
+      jax.block_until_ready(fn())
+      t0 = time.perf_counter()
+      for _ in range(inner):
+        res = fn()
+      jax.block_until_ready(res)
+      out[n].append((time.perf_counter() - t0) / inner)
+  return out
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = parse_args(argv)
+  runtime_setup.configure_jax(1)
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
+
+  from models.gpt import GPT, GPTConfig
+  from resilient_jax.stages import StageInfo, StagePrograms
+
+  heads = args.heads or max(args.d_model // 64, 1)
+  cfg = GPTConfig(
+    vocab_size=256,
+    seq_len=args.seq_len,
+    num_layers=3 * args.layers,
+    num_heads=heads,
+    d_model=args.d_model,
+  )
+  model = GPT(cfg, rngs=nnx.Rngs(params=0))
+  info = StageInfo(index=1, num_stages=3, layers=range(args.layers, 2 * args.layers))
+  x_spec = jax.ShapeDtypeStruct((args.batch, args.seq_len, args.d_model), jnp.float32)
+  t_spec = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
+  prog = StagePrograms(
+    model, info, x_spec, t_spec, optax.sgd(1e-3), 1.0 / (args.batch * args.seq_len)
+  )
+  dev = jax.devices()[0]
+  params = prog.initial_params(dev)
+  kx, kg = jax.random.split(jax.random.key(1))
+  x = jax.device_put(jax.random.normal(kx, x_spec.shape, x_spec.dtype), dev)
+  g = jax.device_put(jax.random.normal(kg, x_spec.shape, x_spec.dtype), dev)
+
+  # The baseline: the plain stage (no tape active, so no taps and no recorded inputs).
+  fwd, bwd = jax.fwd_and_bwd(lambda p, x: prog.bind(p)(x), argnums=(0, 1), jitted=False)
+  fused_fwd, fused_bwd = jax.jit(fwd), jax.jit(bwd)
+
+  # Compile everything and produce the inputs of each backward.
+  out_t, residuals, saved = prog.forward(params, x, None)
+  dx_b, taps = prog.backward_input(residuals, g)
+  grads_w = prog.backward_weight(params, saved, taps, prog.zero_grads(params, dev))
+  out_p, fused_res = fused_fwd(params, x)
+  dparams_f, dx_f = fused_bwd(fused_res, g)
+  jax.block_until_ready((grads_w, dparams_f, dx_f))
+
+  # --- correctness: B + W against the fused backward
+  diff_out = float(jnp.max(jnp.abs(out_t - out_p)))
+  diff_dx = float(jnp.max(jnp.abs(dx_b - dx_f)))
+  diff_w = max(float(jnp.max(jnp.abs(grads_w[n] - dparams_f[n]))) for n in prog.param_names)
+  scale_w = max(float(jnp.max(jnp.abs(dparams_f[n]))) for n in prog.param_names)
+
+  # --- timing
+  acc = [prog.zero_grads(params, dev)]
+
+  def run_w():
+    acc[0] = prog.backward_weight(params, saved, taps, acc[0])  # accumulates; acc is donated
+    return acc[0]
+
+  def run_bw():
+    dx, acc[0] = prog.backward_fused(residuals, saved, params, g, acc[0])
+    return dx, acc[0]
+
+  fns = {
+    "B": lambda: prog.backward_input(residuals, g),
+    "W": run_w,
+    "fused": lambda: fused_bwd(fused_res, g),
+    "BW": run_bw,
+    "F_tapped": lambda: prog.forward(params, x, None),
+    "F_plain": lambda: fused_fwd(params, x),
+  }
+  inner = args.inner
+  if inner <= 0:
+    probe = time_interleaved({"fused": fns["fused"]}, 1, 2)["fused"][0]
+    inner = max(2, min(100, round(0.2 / max(probe, 1e-6))))
+  times = time_interleaved(fns, args.repeats, inner)
+  med = {n: statistics.median(v) for n, v in times.items()}
+  # The ratio per round (the five programs of a round ran within moments of each other) is
+  # more robust to the shared cores' load than the ratio of medians; both are printed.
+  round_ratios = [
+    (b + w) / f for b, w, f in zip(times["B"], times["W"], times["fused"], strict=True)
+  ]
+
+  # --- memory
+  p_ptrs = pointers(params)
+  held_split = nbytes((residuals, saved), p_ptrs)
+  held_res_only = nbytes(residuals, p_ptrs)
+  held_saved_only = nbytes(saved, p_ptrs | pointers(residuals))
+  held_fused = nbytes(fused_res, p_ptrs)
+  mem = {
+    "B": prog.backward_input.lower(residuals, g).compile().memory_analysis(),
+    "W": prog.backward_weight.lower(params, saved, taps, acc[0]).compile().memory_analysis(),
+    "fused": fused_bwd.lower(fused_res, g).compile().memory_analysis(),
+  }
+  # Of what the fused path holds: copies of parameters (jit returns residuals that are inputs
+  # as fresh copies) and residuals its bwd never reads (XLA prunes them from the bwd only).
+  by_shape: dict[tuple, list] = {}
+  for v in params.values():
+    by_shape.setdefault(v.shape, []).append(v)
+  fused_param_copies = sum(
+    leaf.nbytes
+    for leaf in jax.tree.leaves(fused_res)
+    if any(bool(jnp.array_equal(leaf, v)) for v in by_shape.get(leaf.shape, []))
+  )
+  fused_unread = held_fused - (mem["fused"].argument_size_in_bytes - g.nbytes)
+  taps_bytes = nbytes(taps)
+  dx_bytes = dx_b.nbytes
+  # Split: during B everything F kept is live, plus B's temporaries and outputs (dx, taps);
+  # during W the residuals are gone but `saved` and the taps are live, plus W's temporaries.
+  split_during_b = held_split + mem["B"].temp_size_in_bytes + dx_bytes + taps_bytes
+  split_during_w = nbytes(saved, p_ptrs) + taps_bytes + mem["W"].temp_size_in_bytes
+  split_peak = max(split_during_b, split_during_w)
+  # Fused: its residuals, its temporaries and dx (parameter gradients excluded on both paths).
+  fused_peak = held_fused + mem["fused"].temp_size_in_bytes + dx_f.nbytes
+
+  mib = 1 / 2**20
+  print(
+    f"stage: {args.layers} blocks (middle stage), d_model={args.d_model}, heads={heads}, "
+    f"seq_len={args.seq_len}, batch={args.batch}; {jax.devices()[0].platform}, "
+    f"{args.repeats} rounds x {inner} calls"
+  )
+  print(f"t(B)              {med['B'] * 1e3:9.2f} ms")
+  print(f"t(W)              {med['W'] * 1e3:9.2f} ms")
+  print(f"t(B)+t(W)         {(med['B'] + med['W']) * 1e3:9.2f} ms")
+  print(f"t(fused)          {med['fused'] * 1e3:9.2f} ms")
+  ratio = (med["B"] + med["W"]) / med["fused"]
+  flag = "ok" if ratio <= TARGET_RATIO else "ABOVE TARGET"
+  print(
+    f"(B+W)/fused       {ratio:9.3f}   (median of per-round ratios "
+    f"{statistics.median(round_ratios):.3f}; target <= {TARGET_RATIO}: {flag})"
+  )
+  print(f"t(BW program)      {med['BW'] * 1e3:9.2f} ms   (StagePrograms.backward_fused: B then W)")
+  print(f"t(F tapped)       {med['F_tapped'] * 1e3:9.2f} ms")
+  print(f"t(F plain)        {med['F_plain'] * 1e3:9.2f} ms")
+  f_rounds = [t / p for t, p in zip(times["F_tapped"], times["F_plain"], strict=True)]
+  print(
+    f"F tapped/plain    {med['F_tapped'] / med['F_plain']:9.3f}   "
+    f"(median of per-round ratios {statistics.median(f_rounds):.3f})"
+  )
+  print("memory (MiB; parameters and gradient accumulators excluded):")
+  print(
+    f"  split: held F->B/W {held_split * mib:.2f} (residuals {held_res_only * mib:.2f} + "
+    f"saved not already in residuals {held_saved_only * mib:.2f}), "
+    f"B temp {mem['B'].temp_size_in_bytes * mib:.2f}, W temp "
+    f"{mem['W'].temp_size_in_bytes * mib:.2f}, taps {taps_bytes * mib:.2f}"
+  )
+  print(
+    f"  fused: held F->BW {held_fused * mib:.2f} (of which parameter copies "
+    f"{fused_param_copies * mib:.2f}, never read by bwd {fused_unread * mib:.2f}), bwd temp "
+    f"{mem['fused'].temp_size_in_bytes * mib:.2f}"
+  )
+  print(
+    f"  peak split {split_peak * mib:.2f} ({split_peak} B; during B {split_during_b * mib:.2f}, "
+    f"during W {split_during_w * mib:.2f}), peak fused {fused_peak * mib:.2f} ({fused_peak} B), "
+    f"split/fused {split_peak / fused_peak:.3f}"
+  )
+  print(
+    f"max |diff| vs fused: output {diff_out:.3g}, dx {diff_dx:.3g}, "
+    f"param grads {diff_w:.3g} (largest grad {scale_w:.3g})"
+  )
+  np.testing.assert_allclose(np.asarray(dx_b), np.asarray(dx_f), rtol=1e-4, atol=1e-5)
+
+
+if __name__ == "__main__":
+  main()
