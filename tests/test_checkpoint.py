@@ -157,7 +157,7 @@ def test_failed_background_save_is_reported_and_keeps_older(tmp_path, monkeypatc
   def boom(*a, **k):
     raise OSError("disk full")
 
-  monkeypatch.setattr(ocp.StandardCheckpointer, "save", boom)
+  monkeypatch.setattr(ocp.Checkpointer, "save", boom)
   writer.save(2, params, {}, {})
   with pytest.raises(ckpt.CheckpointError, match="disk full"):
     writer.wait()
