@@ -40,7 +40,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     stop_after=0,
   )
   c.faults = dict(schedule="")
-  c.resilience = dict(policy="recycle", memory_cap=0)
+  c.resilience = dict(policy="recycle", memory_cap=0, restore_on_stage_loss=True)
   c.checkpoint = dict(every_steps=0, keep=3)
   c = ml_collections.ConfigDict(c)
   if arg == "text":

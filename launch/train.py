@@ -2,8 +2,9 @@
 
 On a machine without accelerators the launcher creates `mesh.dp * mesh.pp` simulated CPU
 devices itself. A workdir with checkpoints is resumed from, on whatever layout is configured.
-Exit codes: 0 done, 2 bad configuration or flags, 3 failures left no device to continue on,
-4 a checkpoint could not be written.
+Exit codes: 0 done, 2 bad configuration or flags, 3 failures left no device to continue on
+(or a whole stage, with resilience.restore_on_stage_loss=false), 4 a checkpoint could not be
+written.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> None:
   runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_workers)
 
   from resilient_jax.checkpoint import CheckpointError
-  from resilient_jax.coordinator import EXIT_NO_DEVICES, NoDevicesLeft
+  from resilient_jax.coordinator import EXIT_NO_DEVICES, EXIT_STAGE_LOST, NoDevicesLeft, StageLost
   from resilient_jax.trainer import train
 
   workdir = os.path.abspath(_WORKDIR.value)
@@ -69,6 +70,8 @@ def main(argv: list[str]) -> None:
     result = train(cfg, workdir, log=lambda line: print(line, flush=True))
   except NoDevicesLeft as e:
     _fail(str(e), EXIT_NO_DEVICES)
+  except StageLost as e:  # only with resilience.restore_on_stage_loss=false
+    _fail(str(e), EXIT_STAGE_LOST)
   except ConfigError as e:  # e.g. a checkpoint in the workdir from another model or batch
     _fail(str(e), EXIT_BAD_CONFIG)
   except CheckpointError as e:

@@ -142,6 +142,9 @@ class ResilienceConfig:
   `restart`: stop, restore the latest checkpoint onto the survivors, continue."""
   memory_cap: int = 0
   """Per-worker cap on in-flight micro-batches for the replanned schedule; 0: planner default."""
+  restore_on_stage_loss: bool = True
+  """When every worker of a stage has failed: restore the latest checkpoint onto the surviving
+  devices (True), or exit with code 3 naming the stage so a cluster scheduler can act (False)."""
 
   def __post_init__(self):
     if self.policy not in POLICIES:

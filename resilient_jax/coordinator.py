@@ -24,6 +24,8 @@ from resilient_jax.schedule.validate import validate
 
 EXIT_NO_DEVICES = 3
 """Exit code when failures leave no device to continue on."""
+EXIT_STAGE_LOST = 3
+"""Exit code when a whole stage is lost and `resilience.restore_on_stage_loss` is false."""
 
 PLANNER_POLICY = {"recycle": "adaptive", "naive": "naive", "restart": "adaptive"}
 

@@ -33,7 +33,7 @@ from models.gpt import GPT
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointWriter, load_latest
 from resilient_jax.config import ConfigError, FaultsConfig, MeshConfig, RunConfig
-from resilient_jax.coordinator import Coordinator, NeedsRestore, largest_layout
+from resilient_jax.coordinator import Coordinator, NeedsRestore, StageLost, largest_layout
 from resilient_jax.runtime.executor import Executor, StepResult, WorkerLost
 from resilient_jax.schedule.core import Op, Worker
 from resilient_jax.stages import build_stage_programs
@@ -333,6 +333,8 @@ class Trainer:
       try:
         result, mb_ids = self.run_step(step, profile=last or after_failure)
       except NeedsRestore as lost:
+        if isinstance(lost, StageLost) and not cfg.resilience.restore_on_stage_loss:
+          raise
         step = self._restore_onto_survivors(lost, step) + 1
         metrics = [m for m in metrics if m["step"] < step]
         _write_metrics(metrics_path, metrics)

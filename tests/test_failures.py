@@ -86,6 +86,22 @@ def test_rerouted_work_runs_on_the_peer(tmp_path):
   assert {f"F{mb}" for mb in range(2 * m)} <= on_peer
 
 
+def test_launcher_exits_3_naming_a_lost_stage_without_restore(tmp_path):
+  proc = run_launcher(
+    "--config=configs/gpt_tiny.py:runlocal",
+    f"--workdir={tmp_path}",
+    "--config.mesh.dp=2",
+    "--config.mesh.pp=2",
+    "--config.faults.schedule=2:0.1,2:1.1",
+    "--config.resilience.restore_on_stage_loss=false",
+  )
+  assert proc.returncode == 3, proc.stderr[-2000:]
+  err = proc.stderr.strip().splitlines()
+  assert len(err) == 1 and "every worker of stage 1 has failed" in err[0]
+  rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert len(rows) == 1  # step 1 completed and is kept
+
+
 def test_launcher_exits_3_when_no_device_is_left(tmp_path):
   """With a whole stage lost the run restores onto the survivors; with none left it exits 3."""
   proc = run_launcher(
