@@ -82,9 +82,11 @@ def main(argv: list[str]) -> None:
     raise
   last = result.metrics[-1]
   print(f"done: {len(result.metrics)} steps, final loss {last['loss']:.4f}")
-  for name in ("metrics.jsonl", "timeline.png", "timeline.json", "schedule.txt"):
-    if os.path.exists(os.path.join(workdir, name)):
-      print(f"  {os.path.join(workdir, name)}")
+  order = ["metrics.jsonl", "timeline.png", "timeline.json", "schedule.txt"]
+  files = sorted(os.listdir(workdir), key=lambda n: (order.index(n) if n in order else 99, n))
+  for name in files:
+    path = os.path.join(workdir, name)
+    print(f"  {path}{'/' if os.path.isdir(path) else ''}")
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -101,4 +101,6 @@ def write_step_timeline(
     title=label,
     highlight_mbs=rerouted_work(schedule) or None,
   )
+  if stem == "timeline":
+    write_profile(costs_from_records(records, schedule.pp), schedule.pp, out_dir / "profile.json")
   return tl

@@ -200,7 +200,12 @@ class Trainer:
     return hook
 
   def _fail(self, worker: Worker, step: int, *, mid_step: bool) -> None:
-    self.failed_devices.add(self.executor.devices[worker])
+    device = self.executor.devices[worker]
+    if not self.failed_devices and device.platform == "cpu":
+      self.log("  note: simulated CPU devices share this host's cores, so wall-clock step times "
+               "do not show the schedule; timeline_step*.png replays measured op times with "
+               "one core per worker")
+    self.failed_devices.add(device)
     self.coordinator.fail(worker, step, mid_step=mid_step)
     self.executor.drop_worker(worker)
 

@@ -71,5 +71,10 @@ def test_workdir_outputs(tmp_path):
   names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
   assert {"F0", "B0", "W0", "AR", "OPT"} <= names
   assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # Measured per-stage op times, in the format the simulator reads.
+  from resilient_jax.sim.costs import load_profile
+
+  profile = load_profile(tmp_path / "profile.json", pp=2)
+  assert all(t > 0 for t in profile.f) and all(t > 0 for t in profile.w)
   assert "d1 s1 |" in (tmp_path / "schedule.txt").read_text()
   assert len(lines) == 3 and all("loss" in line and "samples/s" in line for line in lines)
