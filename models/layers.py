@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Array = jax.Array
@@ -194,6 +195,28 @@ def flat_params(module: nnx.Module) -> dict[str, Any]:
   return {
     f"{name}.{k}": v for name, layer in layers.items() for k, v in layer.param_values().items()
   }
+
+
+class FlatBinder:
+  """Rebuilds a module from a flat parameter dict, inside or outside a trace.
+
+  NNX state leaves are ordered by module structure; flat names by global layer name. The map
+  between the two is found once by binding each leaf's index as its value.
+  """
+
+  def __init__(self, module: nnx.Module):
+    self.graphdef, state = nnx.split(module)
+    leaves, self.treedef = jax.tree.flatten(state)
+    probe = nnx.merge(
+      self.graphdef, jax.tree.unflatten(self.treedef, [np.array(i) for i in range(len(leaves))])
+    )
+    by_index = {int(v): name for name, v in flat_params(probe).items()}
+    self.order = [by_index[i] for i in range(len(leaves))]
+
+  def __call__(self, params: dict[str, Array]) -> nnx.Module:
+    return nnx.merge(
+      self.graphdef, jax.tree.unflatten(self.treedef, [params[n] for n in self.order])
+    )
 
 
 def load_flat_params(module: nnx.Module, params: dict[str, Array]) -> None:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from flax import nnx
 
-from models.layers import flat_params
+from models.layers import FlatBinder, flat_params
 from resilient_jax.config import RunConfig
 from resilient_jax.trainer import make_data, make_model, make_optimizer, step_batch
 
@@ -19,19 +18,14 @@ from resilient_jax.trainer import make_data, make_model, make_optimizer, step_ba
 def train_reference(cfg: RunConfig, steps: int | None = None) -> tuple[list[float], dict]:
   """Trains on one device; returns per-step losses and the final flat parameters (numpy)."""
   model = make_model(cfg)
-  graphdef, state = nnx.split(model)
-  leaves, treedef = jax.tree.flatten(state)
-  probe = nnx.merge(
-    graphdef, jax.tree.unflatten(treedef, [np.array(i) for i in range(len(leaves))])
-  )
-  order = [name for name, _ in sorted(flat_params(probe).items(), key=lambda kv: int(kv[1]))]
+  bind = FlatBinder(model)
   params = dict(flat_params(model))
   optimizer = make_optimizer(cfg)
   opt_state = optimizer.init(params)
   source, plan = make_data(cfg)
 
   def loss_fn(p, x, y):
-    mod = nnx.merge(graphdef, jax.tree.unflatten(treedef, [p[n] for n in order]))
+    mod = bind(p)
     return mod.loss(mod(x), y).mean()
 
   @jax.jit

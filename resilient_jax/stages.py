@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 from jax.extend import core as jcore
 
-from models.layers import Tape, flat_params, tapped_layers
+from models.layers import FlatBinder, Tape, flat_params, tapped_layers
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -97,15 +97,8 @@ class StagePrograms:
     self.info = info
     self.optimizer = optimizer
     module = model.make_stage(info.layers, first=info.first, last=info.last)
-    self._graphdef, state = nnx.split(module)
-    leaves, self._treedef = jax.tree.flatten(state)
-    # Map the state's leaf order to flat parameter names once, by binding index sentinels.
-    probe = nnx.merge(
-      self._graphdef, jax.tree.unflatten(self._treedef, [np.array(i) for i in range(len(leaves))])
-    )
-    by_index = {int(v): name for name, v in flat_params(probe).items()}
-    self._order = [by_index[i] for i in range(len(leaves))]
-    self.param_names: tuple[str, ...] = tuple(sorted(self._order))
+    self._binder = FlatBinder(module)
+    self.param_names: tuple[str, ...] = tuple(sorted(self._binder.order))
     self._initial = {n: np.asarray(v) for n, v in flat_params(module).items()}
     self.input_spec = input_spec
     self.target_spec = target_spec
@@ -229,9 +222,7 @@ class StagePrograms:
 
   def bind(self, params: Params) -> nnx.Module:
     """The stage module with `params` as its parameters (usable inside a trace)."""
-    return nnx.merge(
-      self._graphdef, jax.tree.unflatten(self._treedef, [params[n] for n in self._order])
-    )
+    return self._binder(params)
 
   def abstract_params(self) -> dict[str, jax.ShapeDtypeStruct]:
     return {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self._initial.items()}
