@@ -284,9 +284,10 @@ def plot_gantt(
       zorder=2,
     )
   if moves:
-    comm_h = 0.18
+    # In the gap below the row's compute bars, so a receive never hides the op it feeds.
+    comm_h = 0.14
     ax.barh(
-      [row[tr.dst] + bar_h / 2 - comm_h / 2 for tr in moves],
+      [row[tr.dst] + bar_h / 2 + comm_h / 2 - 0.03 for tr in moves],
       [(tr.end - tr.start) * to_ms for tr in moves],
       left=[tr.start * to_ms for tr in moves],
       height=comm_h,
@@ -295,8 +296,9 @@ def plot_gantt(
       linewidth=0.3,
       zorder=3,
     )
-  marked = [sp for sp in items
-            if sp.mb >= 0 and (sp.mb in highlight or (sp.worker, sp.mb) in highlight)]
+  marked = [
+    sp for sp in items if sp.mb >= 0 and (sp.mb in highlight or (sp.worker, sp.mb) in highlight)
+  ]
   if marked:
     ax.barh(
       [row[sp.worker] for sp in marked],

@@ -116,7 +116,7 @@ def test_rejects_bad_input(tmp_path):
     timeline.plot_gantt([], tmp_path / "g.png", time_unit="hours")
 
 
-@pytest.mark.parametrize("highlight", [None, {1, 2}])
+@pytest.mark.parametrize("highlight", [None, {1, 2}, {((0, 1), 1)}])
 def test_gantt_png(tmp_path, highlight):
   plt.close("all")
   transfers = [((0, 0), (0, 1), 0.010, 0.011, "act")]
