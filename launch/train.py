@@ -10,47 +10,37 @@ written.
 from __future__ import annotations
 
 import os
-import sys
 
 from absl import flags
 from ml_collections import config_flags
+
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Path to a configs/*.py file.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, timelines, schedules.")
 
-EXIT_BAD_CONFIG = 2
 EXIT_CHECKPOINT = 4
-
-
-def _fail(message: str, code: int) -> None:
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(code)
-
-
-def _last_line(e: BaseException) -> str:
-  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-  return lines[-1] if lines else type(e).__name__
 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    _fail(f"unexpected arguments {' '.join(argv[1:])}", EXIT_BAD_CONFIG)
+    cli.fail(f"unexpected arguments {' '.join(argv[1:])}")
   if not _WORKDIR.value:
-    _fail("--workdir is required", EXIT_BAD_CONFIG)
+    cli.fail("--workdir is required")
 
   from resilient_jax.config import ConfigError, from_config_dict
 
   try:
     # The config file is loaded lazily, on first access: its errors surface here.
     if _CONFIG.value is None:
-      _fail("--config is required (e.g. --config=configs/gpt_tiny.py)", EXIT_BAD_CONFIG)
+      cli.fail("--config is required (e.g. --config=configs/gpt_tiny.py)")
     cfg = from_config_dict(_CONFIG.value)
   except ConfigError as e:
-    _fail(str(e), EXIT_BAD_CONFIG)
+    cli.fail(str(e))
   except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
-    _fail(f"--config: {_last_line(e)}", EXIT_BAD_CONFIG)
+    cli.fail(f"--config: {cli.last_line(e)}")
 
   from resilient_jax import runtime_setup
 
@@ -69,17 +59,13 @@ def main(argv: list[str]) -> None:
   try:
     result = train(cfg, workdir, log=lambda line: print(line, flush=True))
   except NoDevicesLeft as e:
-    _fail(str(e), EXIT_NO_DEVICES)
+    cli.fail(str(e), EXIT_NO_DEVICES)
   except StageLost as e:  # only with resilience.restore_on_stage_loss=false
-    _fail(str(e), EXIT_STAGE_LOST)
-  except ConfigError as e:  # e.g. a checkpoint in the workdir from another model or batch
-    _fail(str(e), EXIT_BAD_CONFIG)
+    cli.fail(str(e), EXIT_STAGE_LOST)
+  except ConfigError as e:  # too few devices, or a checkpoint of another model or batch
+    cli.fail(str(e))
   except CheckpointError as e:
-    _fail(str(e), EXIT_CHECKPOINT)
-  except RuntimeError as e:
-    if "devices" in str(e) and "need" in str(e):
-      _fail(str(e), EXIT_BAD_CONFIG)
-    raise
+    cli.fail(str(e), EXIT_CHECKPOINT)
   last = result.metrics[-1]
   print(f"done: {len(result.metrics)} steps, final loss {last['loss']:.4f}")
   order = ["metrics.jsonl", "timeline.png", "timeline.json", "schedule.txt"]
@@ -89,15 +75,5 @@ def main(argv: list[str]) -> None:
     print(f"  {path}{'/' if os.path.isdir(path) else ''}")
 
 
-def run(argv: list[str] | None = None) -> None:
-  """Parses flags (a bad flag or config override is a one-line error, exit 2), then trains."""
-  argv = sys.argv if argv is None else argv
-  try:
-    remaining = flags.FLAGS(argv)
-  except (flags.Error, FileNotFoundError, ValueError, TypeError, AttributeError, KeyError) as e:
-    _fail(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__, EXIT_BAD_CONFIG)
-  main(remaining)
-
-
 if __name__ == "__main__":
-  run()
+  cli.run(main)

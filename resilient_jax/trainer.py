@@ -115,7 +115,7 @@ def grid_devices(
   devices = list(jax.devices() if devices is None else devices)
   need = cfg.mesh.num_workers
   if len(devices) < need:
-    raise RuntimeError(
+    raise ConfigError(
       f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devices)}"
     )
   return {
