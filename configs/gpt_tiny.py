@@ -42,6 +42,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.faults = dict(schedule="")
   c.resilience = dict(policy="recycle", memory_cap=0, restore_on_stage_loss=True)
   c.checkpoint = dict(every_steps=0, keep=3)
+  # Multi-process runs (launch/local.py, launch/slurm, launch/tpu, launch/gke) set enabled=true.
+  c.distributed = dict(
+    enabled=False,
+    coordinator="",
+    num_processes=0,
+    process_id=-1,
+    heartbeat_timeout_s=10,
+    wait_timeout_s=120,
+  )
   c = ml_collections.ConfigDict(c)
   if arg == "text":
     c.train.data = "text"

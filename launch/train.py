@@ -3,8 +3,10 @@
 On a machine without accelerators the launcher creates `mesh.dp * mesh.pp` simulated CPU
 devices itself. A workdir with checkpoints is resumed from, on whatever layout is configured.
 Exit codes: 0 done, 2 bad configuration or flags, 3 failures left no device to continue on
-(or a whole stage, with resilience.restore_on_stage_loss=false), 4 a checkpoint could not be
-written.
+(or a whole stage, with resilience.restore_on_stage_loss=false, or in a multi-process job), 4 a
+checkpoint could not be written; multi-process jobs (`--config.distributed.enabled=true`, see
+launch/local.py and launch/CLUSTERS.md) also: 5 the coordination service (process 0) was lost,
+requeue the job; 6 a survivor waited past distributed.wait_timeout_s.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ def main(argv: list[str]) -> None:
 
   from resilient_jax import runtime_setup
 
+  if cfg.distributed.enabled:
+    runtime_setup.configure_jax(num_cpu_devices=1)
+    _run_distributed(cfg, os.path.abspath(_WORKDIR.value))
+    return
   runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_workers)
 
   from resilient_jax.checkpoint import CheckpointError
@@ -66,13 +72,51 @@ def main(argv: list[str]) -> None:
     cli.fail(str(e))
   except CheckpointError as e:
     cli.fail(str(e), EXIT_CHECKPOINT)
-  last = result.metrics[-1]
-  print(f"done: {len(result.metrics)} steps, final loss {last['loss']:.4f}")
-  order = ["metrics.jsonl", "timeline.png", "timeline.json", "schedule.txt"]
+  _report(result.metrics, workdir)
+
+
+def _report(metrics: list[dict], workdir: str) -> None:
+  if metrics:
+    print(f"done: {len(metrics)} steps, final loss {metrics[-1]['loss']:.4f}")
+  order = ["metrics.jsonl", "recovery.json", "timeline.png", "timeline.json", "schedule.txt"]
   files = sorted(os.listdir(workdir), key=lambda n: (order.index(n) if n in order else 99, n))
   for name in files:
+    if name.startswith("."):
+      continue
     path = os.path.join(workdir, name)
     print(f"  {path}{'/' if os.path.isdir(path) else ''}")
+
+
+def _run_distributed(cfg, workdir: str) -> None:
+  """One process of a multi-process job; every exit goes through `Cluster.finish`/`exit_now`
+  (a normal interpreter exit would block in the distributed client's shutdown)."""
+  from resilient_jax.checkpoint import CheckpointError
+  from resilient_jax.config import ConfigError
+  from resilient_jax.coordinator import EXIT_STAGE_LOST, NeedsRestore
+  from resilient_jax.distributed_trainer import DistributedTrainer
+  from resilient_jax.runtime.cluster import Cluster, exit_now
+
+  cluster = Cluster(cfg.distributed)
+  chief = cluster.process_id == 0
+  if chief:
+    print(
+      f"training {cfg.mesh.dp}x{cfg.mesh.pp} (dp x pp) on {cluster.num_processes} processes, "
+      f"schedule {cfg.pipeline.schedule}, {cfg.train.steps} steps; outputs in {workdir}",
+      flush=True,
+    )
+  try:
+    trainer = DistributedTrainer(cfg, workdir, cluster, log=lambda line: print(line, flush=True))
+    metrics = trainer.run()
+  except ConfigError as e:
+    exit_now(cli.EXIT_BAD_CONFIG, f"error: {e}")
+  except NeedsRestore as e:  # a whole stage is gone
+    exit_now(EXIT_STAGE_LOST, f"error: {e}; relaunch the job on the surviving hosts (it "
+             "resumes from the latest checkpoint)")
+  except CheckpointError as e:
+    exit_now(EXIT_CHECKPOINT, f"error: {e}")
+  if chief:
+    _report(metrics, workdir)
+  cluster.finish(0)
 
 
 if __name__ == "__main__":

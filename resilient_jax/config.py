@@ -154,6 +154,45 @@ class ResilienceConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Multi-process training on `jax.distributed`: one worker per process."""
+
+  enabled: bool = False
+  """Run as one process of a multi-process job. With no other key set, the coordinator,
+  process count and id come from JAX's cluster auto-detection (SLURM, TPU VMs, GKE, MPI)."""
+  coordinator: str = ""
+  """HOST:PORT of the coordination service (hosted by process 0); "": auto-detect."""
+  num_processes: int = 0
+  """0: auto-detect."""
+  process_id: int = -1
+  """-1: auto-detect."""
+  heartbeat_timeout_s: int = 10
+  """A process that sent no heartbeat for this long is declared dead and its work re-routed."""
+  wait_timeout_s: int = 120
+  """Upper bound on any single blocking wait (device results, transfers, agreements); a
+  survivor that waits longer exits with code 6 instead of hanging."""
+
+  def __post_init__(self):
+    if self.coordinator and not re.match(r"^[^:\s]+:\d+$", self.coordinator):
+      raise ConfigError(f"distributed.coordinator={self.coordinator!r} is not HOST:PORT")
+    if not isinstance(self.num_processes, int) or self.num_processes < 0:
+      raise ConfigError(
+        f"distributed.num_processes must be an integer >= 0, got {self.num_processes!r}"
+      )
+    if not isinstance(self.process_id, int) or self.process_id < -1:
+      raise ConfigError(f"distributed.process_id must be an integer >= -1, got {self.process_id!r}")
+    if self.num_processes and self.process_id >= self.num_processes:
+      raise ConfigError(
+        f"distributed.process_id={self.process_id} is not below "
+        f"distributed.num_processes={self.num_processes}"
+      )
+    for key in ("heartbeat_timeout_s", "wait_timeout_s"):
+      v = getattr(self, key)
+      if not isinstance(v, int) or v < 1:
+        raise ConfigError(f"distributed.{key} must be a positive integer, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   model: GPTConfig
   mesh: MeshConfig
@@ -162,6 +201,7 @@ class RunConfig:
   faults: FaultsConfig = FaultsConfig()
   resilience: ResilienceConfig = ResilienceConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  distributed: DistributedConfig = DistributedConfig()
 
   def __post_init__(self):
     m, mesh, pipe, train = self.model, self.mesh, self.pipeline, self.train
@@ -177,6 +217,16 @@ class RunConfig:
       )
     if train.data == "text" and m.vocab_size < 256:
       raise ConfigError(f"model.vocab_size={m.vocab_size} is below 256, needed by train.data=text")
+    if self.distributed.enabled and self.faults.schedule:
+      raise ConfigError(
+        "faults.schedule simulates failures inside one process; with distributed.enabled kill "
+        "real processes instead (launch/local.py --kill=STEP:PROCESS)"
+      )
+    if self.distributed.enabled and self.resilience.policy == "restart":
+      raise ConfigError(
+        "resilience.policy=restart is for single-process runs; a multi-process job restarts "
+        "by being relaunched on the same workdir (it resumes from the latest checkpoint)"
+      )
     for f in self.faults.schedule:
       if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
         raise ConfigError(
@@ -235,7 +285,9 @@ def from_config_dict(cd: Mapping[str, Any]) -> RunConfig:
   Raises:
     ConfigError: the first invalid or unknown key.
   """
-  known = {"model", "mesh", "pipeline", "train", "faults", "resilience", "checkpoint"}
+  known = {
+    "model", "mesh", "pipeline", "train", "faults", "resilience", "checkpoint", "distributed"
+  }
   unknown = sorted(set(cd) - known)
   if unknown:
     raise ConfigError(f"unknown config section {unknown[0]!r}")
@@ -247,4 +299,5 @@ def from_config_dict(cd: Mapping[str, Any]) -> RunConfig:
     faults=_section(cd, "faults", FaultsConfig, _faults),
     resilience=_section(cd, "resilience", ResilienceConfig),
     checkpoint=_section(cd, "checkpoint", CheckpointConfig),
+    distributed=_section(cd, "distributed", DistributedConfig),
   )

@@ -32,6 +32,7 @@ from flax import nnx
 from models.gpt import GPT
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointWriter, load_latest
+from resilient_jax.checkpoint.store import Loaded
 from resilient_jax.config import ConfigError, FaultsConfig, MeshConfig, RunConfig
 from resilient_jax.coordinator import Coordinator, NeedsRestore, StageLost, largest_layout
 from resilient_jax.runtime.executor import Executor, StepResult, WorkerLost
@@ -120,6 +121,43 @@ def grid_devices(
     )
   return {
     (d, s): devices[d * cfg.mesh.pp + s] for d in range(cfg.mesh.dp) for s in range(cfg.mesh.pp)
+  }
+
+
+def check_resumable(cfg: RunConfig, loaded: Loaded) -> None:
+  """Raises ConfigError if resuming `loaded` under `cfg` would change the model or the data."""
+  data = loaded.meta["data"]
+  for key, now in (
+    ("seed", cfg.train.seed),
+    ("global_batch", cfg.train.global_batch),
+    ("kind", cfg.train.data),
+  ):
+    if data[key] != now:
+      raise ConfigError(
+        f"train.{'data' if key == 'kind' else key}={now!r} differs from the checkpoint's "
+        f"{data[key]!r} in {loaded.path}; resuming would change the sample order"
+      )
+  if loaded.meta["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
+    raise ConfigError(f"model.* differs from the model saved in {loaded.path}")
+
+
+def checkpoint_meta(cfg: RunConfig, step: int, live_workers: int) -> dict:
+  """What a checkpoint records besides the state: layout, data position, model."""
+  return {
+    "layout": {
+      "dp": cfg.mesh.dp,
+      "pp": cfg.mesh.pp,
+      "partition": [len(r) for r in cfg.partition],
+      "live_workers": live_workers,
+    },
+    "data": {
+      "kind": cfg.train.data,
+      "seed": cfg.train.seed,
+      "global_batch": cfg.train.global_batch,
+      "next_step": step + 1,
+    },
+    "model": dataclasses.asdict(cfg.model),
+    "train_steps": cfg.train.steps,
   }
 
 
@@ -237,23 +275,7 @@ class Trainer:
 
   def _save(self, step: int) -> None:
     params, opt_state = self.executor.export_state()
-    cfg = self.layout_cfg
-    meta = {
-      "layout": {
-        "dp": cfg.mesh.dp,
-        "pp": cfg.mesh.pp,
-        "partition": [len(r) for r in cfg.partition],
-        "live_workers": len(self.coordinator.live),
-      },
-      "data": {
-        "kind": cfg.train.data,
-        "seed": cfg.train.seed,
-        "global_batch": cfg.train.global_batch,
-        "next_step": step + 1,
-      },
-      "model": dataclasses.asdict(cfg.model),
-      "train_steps": cfg.train.steps,
-    }
+    meta = checkpoint_meta(self.layout_cfg, step, len(self.coordinator.live))
     self.writer.save(step, params, opt_state, meta)
 
   def _restore(self) -> int:
@@ -263,19 +285,7 @@ class Trainer:
     if loaded is None:
       return 0
     cfg = self.layout_cfg
-    data = loaded.meta["data"]
-    for key, now in (
-      ("seed", cfg.train.seed),
-      ("global_batch", cfg.train.global_batch),
-      ("kind", cfg.train.data),
-    ):
-      if data[key] != now:
-        raise ConfigError(
-          f"train.{'data' if key == 'kind' else key}={now!r} differs from the checkpoint's "
-          f"{data[key]!r} in {loaded.path}; resuming would change the sample order"
-        )
-    if loaded.meta["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
-      raise ConfigError(f"model.* differs from the model saved in {loaded.path}")
+    check_resumable(cfg, loaded)
     self.executor.import_state(loaded.params, loaded.opt_state)
     lay = loaded.meta["layout"]
     self.log(

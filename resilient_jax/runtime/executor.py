@@ -61,6 +61,49 @@ class WorkerLost(Exception):
     self.worker = worker
 
 
+class GroupSum:
+  """Sums dicts of arrays over a group of devices with one `psum` collective.
+
+  The group is a mesh of exactly those devices, so a smaller group after a failure is just
+  another mesh; one compiled program per group. Works within a process and across processes
+  (each process passes its own devices' dicts).
+  """
+
+  def __init__(self):
+    self._programs: dict[tuple[jax.Device, ...], tuple[Callable, NamedSharding]] = {}
+
+  def _program(self, devices: tuple[jax.Device, ...]) -> tuple[Callable, NamedSharding]:
+    if devices not in self._programs:
+      mesh = Mesh(np.array(devices), ("dp",))
+      spec = PartitionSpec("dp")
+      summed = jax.shard_map(
+        lambda tree: jax.tree.map(lambda x: jax.lax.psum(x, "dp"), tree),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+      )
+      self._programs[devices] = (jax.jit(summed), NamedSharding(mesh, spec))
+    return self._programs[devices]
+
+  def __call__(
+    self, devices: tuple[jax.Device, ...], local: Mapping[jax.Device, Params]
+  ) -> dict[jax.Device, Params]:
+    """`local` holds the dicts of the group's devices this process owns; returns their sums."""
+    fn, sharding = self._program(devices)
+    names = sorted(next(iter(local.values())))
+    stacked = {}
+    for n in names:
+      shards = [local[d][n] for d in devices if d in local]
+      shape = (shards[0].shape[0] * len(devices), *shards[0].shape[1:])
+      stacked[n] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    out = fn(stacked)
+    result: dict[jax.Device, Params] = {d: {} for d in local}
+    for n in names:
+      for shard in out[n].addressable_shards:
+        result[shard.device][n] = shard.data
+    return result
+
+
 class Executor:
   """Holds every live worker's parameters and optimizer state and runs steps.
 
@@ -78,7 +121,7 @@ class Executor:
       prog = self.programs[w[1]]
       self.params[w] = prog.initial_params(dev)
       self.opt_state[w] = prog.init_opt_state(self.params[w], dev)
-    self._reducers: dict[tuple[int, tuple[Worker, ...]], Callable] = {}
+    self._group_sum = GroupSum()
     names = [set(p.param_names) for p in self.programs]
     # Parameter name -> the stages holding it, for names held by more than one stage.
     self.shared: dict[str, tuple[int, ...]] = {}
@@ -142,38 +185,13 @@ class Executor:
 
   # ---------------------------------------------------------------- collectives
 
-  def _reducer(self, stage: int, group: tuple[Worker, ...]) -> Callable:
-    key = (stage, group)
-    if key not in self._reducers:
-      mesh = Mesh(np.array([self.devices[w] for w in group]), ("dp",))
-      spec = PartitionSpec("dp")
-      summed = jax.shard_map(
-        lambda tree: jax.tree.map(lambda x: jax.lax.psum(x, "dp"), tree),
-        mesh=mesh,
-        in_specs=spec,
-        out_specs=spec,
-      )
-      self._reducers[key] = (jax.jit(summed), NamedSharding(mesh, spec))
-    return self._reducers[key]
-
   def _all_reduce(self, stage: int, group: tuple[Worker, ...], grads: dict[Worker, Params]):
     """Sums the gradient dicts of `group` with one collective; returns one dict per worker."""
     if len(group) == 1:
       return {group[0]: grads[group[0]]}
-    fn, sharding = self._reducer(stage, group)
-    names = sorted(grads[group[0]])
-    stacked = {}
-    for n in names:
-      local = [grads[w][n] for w in group]
-      shape = (local[0].shape[0] * len(group), *local[0].shape[1:])
-      stacked[n] = jax.make_array_from_single_device_arrays(shape, sharding, local)
-    out = fn(stacked)
-    result: dict[Worker, Params] = {w: {} for w in group}
-    for n in names:
-      by_device = {shard.device: shard.data for shard in out[n].addressable_shards}
-      for w in group:
-        result[w][n] = by_device[self.devices[w]]
-    return result
+    devices = tuple(self.devices[w] for w in group)
+    by_device = self._group_sum(devices, {self.devices[w]: grads[w] for w in group})
+    return {w: by_device[self.devices[w]] for w in group}
 
   # ---------------------------------------------------------------- one step
 
