@@ -114,6 +114,9 @@ def _run_distributed(cfg, workdir: str) -> None:
              "resumes from the latest checkpoint)")
   except CheckpointError as e:
     exit_now(EXIT_CHECKPOINT, f"error: {e}")
+  except Exception:
+    cluster.check_coordinator()  # its loss surfaces as many kinds of errors: exit 5
+    raise
   if chief:
     _report(metrics, workdir)
   cluster.finish(0)

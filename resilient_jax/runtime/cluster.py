@@ -61,6 +61,36 @@ def _local_ip(coordinator: str) -> str:
       return "127.0.0.1"
 
 
+_ABORT_HANDLER: Any = None
+
+
+def _exit_on_abort(code: int) -> None:
+  """Turns SIGABRT into exit `code`.
+
+  When the coordination service goes away, the distributed client's own error handler aborts
+  the process from a C++ thread (often before this module's watchdog notices), which would
+  exit with 134 rather than the documented code. Python's `signal` module cannot intercept
+  that (its handlers run later, on the main thread), so a C-level handler is installed
+  through ctypes.
+  """
+  global _ABORT_HANDLER
+  import ctypes
+  import signal
+
+  handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
+
+  def on_abort(signum: int) -> None:
+    os.write(2, b"the distributed runtime aborted this process (the coordination service on "
+                b"process 0 is gone); exiting with code %d\n" % code)
+    os._exit(code)
+
+  _ABORT_HANDLER = handler_type(on_abort)
+  libc = ctypes.CDLL(None)
+  libc.signal.restype = ctypes.c_void_p
+  libc.signal.argtypes = [ctypes.c_int, handler_type]
+  libc.signal(signal.SIGABRT, _ABORT_HANDLER)
+
+
 class Cluster:
   """Joins the job, starts this process's transfer server and the coordinator watchdog.
 
@@ -89,6 +119,7 @@ class Cluster:
     self.device = jax.local_devices()[0]
     self._timeout_ms = cfg.wait_timeout_s * 1000
     if self.process_id != 0:
+      _exit_on_abort(EXIT_COORDINATOR_LOST)
       threading.Thread(target=self._watch_coordinator, name="coordinator-watchdog",
                        daemon=True).start()
 
@@ -130,9 +161,13 @@ class Cluster:
     try:
       return fn(*args)
     except Exception as e:  # the client raises plain runtime errors for lost RPCs
-      if self.process_id != 0 and not self._coordinator_reachable():
-        self.coordinator_lost()
+      self.check_coordinator()
       raise RuntimeError(f"coordination service call failed: {e}") from None
+
+  def check_coordinator(self) -> None:
+    """Exits with `EXIT_COORDINATOR_LOST` if the coordination service is unreachable."""
+    if self.process_id != 0 and not self._coordinator_reachable():
+      self.coordinator_lost()
 
   def _coordinator_reachable(self) -> bool:
     host, port = self.coordinator.rsplit(":", 1)
@@ -161,8 +196,7 @@ class Cluster:
     try:
       raw = self.client.blocking_key_value_get(key, self._timeout_ms)
     except Exception as e:
-      if self.process_id != 0 and not self._coordinator_reachable():
-        self.coordinator_lost()
+      self.check_coordinator()
       if "DEADLINE_EXCEEDED" in str(e):
         exit_now(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: timed out waiting for {key!r}")
       raise
