@@ -241,6 +241,7 @@ class DistributedTrainer:
           "samples_per_s": round(len(ids) / result.step_time_s, 3),
           "schedule": schedule.name,
           "attempts": attempt + 1,
+          "time": round(done_at, 3),
         }
         metrics.append(row)
         with metrics_path.open("a") as f:

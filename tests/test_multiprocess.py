@@ -1,0 +1,168 @@
+"""Real processes, real SIGKILL: multi-process runs against in-process runs of the same failures.
+
+Each test starts 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 2 s)
+and kills some from outside at a chosen point. The in-process run injects the same failure at
+the same point (`FaultEvent`); both re-run the interrupted step on the survivors with the same
+samples, so digests must be equal and losses equal up to float summation order.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch.local import parse_kills
+from resilient_jax.schedule.core import AR, F, Op
+from resilient_jax.trainer import FaultEvent, train
+from tests.helpers import ROOT, tiny_config
+
+STEPS = 5
+HEARTBEAT_S = 2
+GRID = ["--config.mesh.dp=2", "--config.mesh.pp=2"]
+
+
+def _train_args(workdir, *extra):
+  return [
+    "--config=configs/gpt_tiny.py:runlocal",
+    f"--workdir={workdir}",
+    *GRID,
+    f"--config.train.steps={STEPS}",
+    f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}",
+    *extra,
+  ]
+
+
+def run_local(workdir, *flags, extra=(), timeout=300):
+  cmd = [sys.executable, "-m", "launch.local", "--num_processes=4", *flags, "--",
+         *_train_args(workdir, *extra)]
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def read_rows(path):
+  return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def in_process(tmp_path, faults=()):
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS)
+  return train(cfg, tmp_path / "in_process", faults=list(faults), log=lambda _: None).metrics
+
+
+def assert_same_run(multi, single):
+  assert [r["step"] for r in multi] == list(range(1, STEPS + 1))
+  for m, s in zip(multi, single, strict=True):
+    assert m["sample_digest"] == s["sample_digest"], m["step"]
+    assert m["live_workers"] == s["live_workers"], m["step"]
+    assert m["loss"] == pytest.approx(s["loss"], rel=2e-6), m["step"]
+
+
+def tail(proc):
+  return (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.parametrize(
+  "kill, faults",
+  [
+    ("3:2", [FaultEvent(3, (1, 0))]),  # between steps 2 and 3
+    ("3:1:F1", [FaultEvent(3, (0, 1), Op(F, 1))]),  # in the middle of a forward/backward
+    ("3:3:AR", [FaultEvent(3, (1, 1), Op(AR))]),  # peers already inside the all-reduce
+    ("2:1,4:2", [FaultEvent(2, (0, 1)), FaultEvent(4, (1, 0))]),  # two stages, two steps
+  ],
+  ids=["between-steps", "mid-forward", "in-all-reduce", "two-stages"],
+)
+def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
+  workdir = tmp_path / "multi"
+  proc = run_local(workdir, f"--kill={kill}")
+  assert proc.returncode == 0, tail(proc)
+  killed = parse_kills(kill, 4)
+  assert "exit codes: p0=0" in proc.stdout
+  assert all(f"p{p}=killed" in proc.stdout for p in killed)
+  assert_same_run(read_rows(workdir / "metrics.jsonl"), in_process(tmp_path, faults))
+  recovery = json.loads((workdir / "recovery.json").read_text())
+  assert sorted(e["process"] for e in recovery) == sorted(killed)
+  for e in recovery:
+    assert e["step"] == killed[e["process"]][0]
+    # Detection is the coordination service's heartbeat timeout (plus its polling lag);
+    # the re-run of the step itself must not add compilation or connection set-up.
+    assert 0 < e["kill_to_detect_s"] <= HEARTBEAT_S + 1.5, e
+    assert e["detect_to_next_step_s"] < 1.0, e
+
+
+def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path):
+  workdir = tmp_path / "multi"
+  ckpt = ["--config.checkpoint.every_steps=1"]
+  proc = run_local(workdir, "--kill=3:0", extra=ckpt)
+  ended = time.time()
+  assert proc.returncode == 5, tail(proc)
+  assert "p0=killed, p1=5, p2=5, p3=5" in proc.stdout, tail(proc)
+  kill = read_rows(workdir / "kills.jsonl")[0]
+  assert ended - kill["time"] < HEARTBEAT_S + 5
+  # The launcher returned only after every process exited; none is left.
+  out = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+  assert out.stdout.strip() == ""
+  # Relaunched on the same workdir, the job resumes from the newest committed checkpoint:
+  # step 2's, or step 1's if the kill came while step 2's was still being written.
+  proc = run_local(workdir, extra=ckpt)
+  assert proc.returncode == 0, tail(proc)
+  assert re.search(r"restored step [12] from", proc.stdout), tail(proc)
+  assert_same_run(read_rows(workdir / "metrics.jsonl"), in_process(tmp_path))
+
+
+def test_slurm_rehearsal_uses_auto_detection(tmp_path):
+  """4 processes given only SLURM_* variables find each other through
+  `jax.distributed.initialize()`'s SLURM detection and train."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  workdir = tmp_path / "slurm"
+  procs = []
+  for i in range(4):
+    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1",
+               SLURM_NTASKS="4", SLURM_PROCID=str(i), SLURM_LOCALID="0",
+               JAX_COORDINATOR_PORT=str(port), TF_CPP_MIN_LOG_LEVEL="2")
+    cmd = [sys.executable, "-m", "launch.train",
+           *_train_args(workdir, "--config.distributed.enabled=true")]
+    procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  try:
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [0, 0, 0, 0], outs[0][-2000:]
+  assert "on 4 processes" in outs[0]
+  assert_same_run(read_rows(workdir / "metrics.jsonl"), in_process(tmp_path))
+
+
+@pytest.mark.parametrize(
+  "spec, message",
+  [
+    ("3", "not STEP:PROCESS"),
+    ("3:9", "below --num_processes=4"),
+    ("3:1,4:1", "twice"),
+    ("3:1:X2", "not STEP:PROCESS"),
+  ],
+)
+def test_bad_kill_spec_is_a_one_line_error(tmp_path, spec, message):
+  proc = subprocess.run(
+    [sys.executable, "-m", "launch.local", "--num_processes=4", f"--kill={spec}", "--",
+     *_train_args(tmp_path)],
+    cwd=ROOT, capture_output=True, text=True, timeout=60,
+  )
+  assert proc.returncode == 2
+  assert message in proc.stderr and "Traceback" not in proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_distributed_config_errors_exit_2(tmp_path):
+  proc = subprocess.run(
+    [sys.executable, "-m", "launch.train", *_train_args(tmp_path),
+     "--config.distributed.enabled=true", "--config.faults.schedule=2:0.1"],
+    cwd=ROOT, capture_output=True, text=True, timeout=60,
+  )
+  assert proc.returncode == 2 and "launch/local.py --kill" in proc.stderr
