@@ -166,3 +166,14 @@ def test_distributed_config_errors_exit_2(tmp_path):
     cwd=ROOT, capture_output=True, text=True, timeout=60,
   )
   assert proc.returncode == 2 and "launch/local.py --kill" in proc.stderr
+
+
+def test_transfer_ids_are_unique_per_field_and_bounded():
+  from resilient_jax.runtime.multiprocess import transfer_id
+
+  fields = [(s, a, mb, st, k) for s in (1, 2, 4_000_000) for a in (0, 1, 63) for mb in (0, 1, 65535)
+            for st in (0, 1, 1023) for k in (0, 1, 2)]
+  ids = {transfer_id(*f) for f in fields}
+  assert len(ids) == len(fields) and max(ids) < 1 << 60
+  with pytest.raises(ValueError):
+    transfer_id(1, 0, 65536, 0, 0)

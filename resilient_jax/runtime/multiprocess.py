@@ -47,8 +47,14 @@ the op's text (e.g. "F1") after an op is dispatched, "AR" inside the all-reduce.
 
 
 def transfer_id(step: int, attempt: int, mb: int, stage: int, kind: int) -> int:
-  """A unique id per (step, attempt, micro-batch, stage, kind) (fits in 63 bits)."""
-  return (((step * 64 + attempt % 64) * 8192 + mb) * 256 + stage) * 4 + kind
+  """A unique id per (step, attempt mod 64, micro-batch, stage, kind), below 2**60.
+
+  Raises:
+    ValueError: a field outside its range (2**22 steps, 2**16 micro-batches, 2**10 stages).
+  """
+  if not (0 <= step < 1 << 22 and 0 <= mb < 1 << 16 and 0 <= stage < 1 << 10):
+    raise ValueError(f"transfer id out of range: step {step}, micro-batch {mb}, stage {stage}")
+  return (((step * 64 + attempt % 64) * 65536 + mb) * 1024 + stage) * 4 + kind
 
 
 @dataclasses.dataclass
