@@ -91,6 +91,18 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
     assert e["detect_to_next_step_s"] < 1.0, e
 
 
+def test_tied_head_sums_gradients_across_processes(tmp_path):
+  """The tied embedding lives on stage 0 and the last stage (different processes): its
+  gradient is summed over the workers of both, before and after a failure."""
+  workdir = tmp_path / "multi"
+  proc = run_local(workdir, "--kill=3:3", extra=["--config.model.tied_head=true"])
+  assert proc.returncode == 0, tail(proc)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS, model__tied_head=True)
+  single = train(cfg, tmp_path / "in_process", faults=[FaultEvent(3, (1, 1))],
+                 log=lambda _: None).metrics
+  assert_same_run(read_rows(workdir / "metrics.jsonl"), single)
+
+
 def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path):
   workdir = tmp_path / "multi"
   ckpt = ["--config.checkpoint.every_steps=1"]

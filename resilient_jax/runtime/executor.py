@@ -61,6 +61,18 @@ class WorkerLost(Exception):
     self.worker = worker
 
 
+def shared_params(programs: Sequence[StagePrograms]) -> dict[str, tuple[int, ...]]:
+  """Parameter name -> the stages holding it, for names held by more than one stage (a tied
+  embedding/head); their gradients are summed over all holders."""
+  names = [set(p.param_names) for p in programs]
+  return {
+    n: holders
+    for ns in names
+    for n in ns
+    if len(holders := tuple(t for t, other in enumerate(names) if n in other)) > 1
+  }
+
+
 class GroupSum:
   """Sums dicts of arrays over a group of devices with one `psum` collective.
 
@@ -122,14 +134,7 @@ class Executor:
       self.params[w] = prog.initial_params(dev)
       self.opt_state[w] = prog.init_opt_state(self.params[w], dev)
     self._group_sum = GroupSum()
-    names = [set(p.param_names) for p in self.programs]
-    # Parameter name -> the stages holding it, for names held by more than one stage.
-    self.shared: dict[str, tuple[int, ...]] = {}
-    for ns in names:
-      for n in ns:
-        holders = tuple(t for t, other in enumerate(names) if n in other)
-        if len(holders) > 1:
-          self.shared[n] = holders
+    self.shared = shared_params(self.programs)
 
   # ---------------------------------------------------------------- state management
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilient_jax.runtime.cluster import Cluster
-from resilient_jax.runtime.executor import GroupSum, Params
+from resilient_jax.runtime.executor import GroupSum, Params, shared_params
 from resilient_jax.schedule.core import AR, BW, OPT, B, F, Schedule, W, Worker
 from resilient_jax.stages import StagePrograms
 
@@ -91,13 +91,7 @@ class ProcessExecutor:
     prog = self.programs[self.worker[1]]
     self.params: Params = prog.initial_params(self.device)
     self.opt_state: Any = prog.init_opt_state(self.params, self.device)
-    names = [set(p.param_names) for p in self.programs]
-    self.shared: dict[str, tuple[int, ...]] = {}
-    for ns in names:
-      for n in ns:
-        holders = tuple(t for t, other in enumerate(names) if n in other)
-        if len(holders) > 1:
-          self.shared[n] = holders
+    self.shared = shared_params(self.programs)
     self._group_sum = GroupSum()
     # Any worker of a neighbouring stage may become this one's producer or consumer.
     s = self.worker[1]
