@@ -132,16 +132,25 @@ class CheckpointConfig:
         raise ConfigError(f"checkpoint.{key} must be an integer >= 0, got {v!r}")
 
 
-POLICIES = ("recycle", "naive", "restart")
+POLICIES = ("recycle", "naive", "oobleck", "bamboo", "restart", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
 class ResilienceConfig:
   policy: str = "recycle"
   """`recycle`: re-route and replan so extra work fills bubbles; `naive`: re-route only;
-  `restart`: stop, restore the latest checkpoint onto the survivors, continue."""
+  `oobleck`: heterogeneous pipelines from templates, re-instantiated on the survivors;
+  `bamboo`: every stage keeps its successor's state and runs its forward redundantly, the
+  predecessor takes over a failed stage; `restart`: stop, restore the latest checkpoint onto the
+  survivors, continue; `auto`: per failure, whichever of re-routing, re-templating and restoring
+  the cost model says is fastest (see `resilient_jax/policies.py`)."""
   memory_cap: int = 0
   """Per-worker cap on in-flight micro-batches for the replanned schedule; 0: planner default."""
+  tolerate: int = 1
+  """`oobleck`: failures the pipelines must survive (at least tolerate + 1 pipelines)."""
+  min_pipeline_nodes: int = 0
+  """`oobleck`/`auto`: the smallest pipeline template (nodes); 0: `mesh.pp`, taken as the depth
+  the model needs to fit in memory."""
   restore_on_stage_loss: bool = True
   """When every worker of a stage has failed: restore the latest checkpoint onto the surviving
   devices (True), or exit with code 3 naming the stage so a cluster scheduler can act (False)."""
@@ -149,8 +158,10 @@ class ResilienceConfig:
   def __post_init__(self):
     if self.policy not in POLICIES:
       raise ConfigError(f"resilience.policy={self.policy!r} is not one of {', '.join(POLICIES)}")
-    if not isinstance(self.memory_cap, int) or self.memory_cap < 0:
-      raise ConfigError(f"resilience.memory_cap must be an integer >= 0, got {self.memory_cap!r}")
+    for key in ("memory_cap", "tolerate", "min_pipeline_nodes"):
+      v = getattr(self, key)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"resilience.{key} must be an integer >= 0, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,11 +233,20 @@ class RunConfig:
         "faults.schedule simulates failures inside one process; with distributed.enabled kill "
         "real processes instead (launch/local.py --kill=STEP:PROCESS)"
       )
-    if self.distributed.enabled and self.resilience.policy == "restart":
+    policy = self.resilience.policy
+    if self.distributed.enabled and policy == "restart":
       raise ConfigError(
         "resilience.policy=restart is for single-process runs; a multi-process job restarts "
         "by being relaunched on the same workdir (it resumes from the latest checkpoint)"
       )
+    if self.distributed.enabled and policy not in ("recycle", "naive"):
+      raise ConfigError(
+        f"resilience.policy={policy} runs in one process only; multi-process jobs re-route "
+        "(recycle or naive)"
+      )
+    if policy == "bamboo" and mesh.pp < 2:
+      raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "
+                        "on its predecessor")
     for f in self.faults.schedule:
       if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
         raise ConfigError(

@@ -27,7 +27,10 @@ EXIT_NO_DEVICES = 3
 EXIT_STAGE_LOST = 3
 """Exit code when a whole stage is lost and `resilience.restore_on_stage_loss` is false."""
 
-PLANNER_POLICY = {"recycle": "adaptive", "naive": "naive", "restart": "adaptive"}
+# `auto` starts as `recycle` (see `policies.auto_choice` for when it switches).
+PLANNER_POLICY = {
+  "recycle": "adaptive", "naive": "naive", "restart": "adaptive", "auto": "adaptive"
+}
 
 
 @dataclasses.dataclass
@@ -83,16 +86,16 @@ def stage_costs(cfg: RunConfig) -> OpCosts:
 
 
 def largest_layout(
-  num_devices: int, num_layers: int, global_batch: int, microbatches: int
+  num_devices: int, num_layers: int, global_batch: int, microbatches: int, min_pp: int = 1
 ) -> tuple[int, int]:
-  """The dp x pp grid using the most of `num_devices` (then the most data parallelism, which
-  has the smaller pipeline bubble) that the model and batch allow.
+  """The dp x pp grid (pp >= `min_pp`) using the most of `num_devices` (then the most data
+  parallelism, which has the smaller pipeline bubble) that the model and batch allow.
 
   Raises:
     NoDevicesLeft: no layout fits.
   """
   best = None
-  for pp in range(1, min(num_layers, num_devices) + 1):
+  for pp in range(min_pp, min(num_layers, num_devices) + 1):
     for dp in range(1, num_devices // pp + 1):
       if global_batch % (dp * microbatches) == 0:
         key = (dp * pp, dp)
@@ -103,55 +106,19 @@ def largest_layout(
   return best[1]
 
 
-class Coordinator:
-  """Tracks live workers and replans on failure.
+class PhaseLog:
+  """Step times per stretch of steps run with one plan, and the before/after report of a failure.
 
-  Args:
-    cfg: run configuration (grid shape, base schedule, micro-batches, faults, policy).
-    log: where decisions are reported.
+  Subclasses set `self.phases` to one `Phase` for the fault-free plan and call `_new_phase`
+  after each replan.
   """
 
-  def __init__(self, cfg: RunConfig, log: Callable[[str], None] = print):
-    self.cfg = cfg
-    self.log = log
-    self.dp, self.pp, self.m = cfg.mesh.dp, cfg.mesh.pp, cfg.pipeline.microbatches
-    self.live: set[Worker] = {(d, s) for d in range(self.dp) for s in range(self.pp)}
-    self.failed: list[tuple[int, Worker]] = []
-    self.costs = stage_costs(cfg)
-    self.schedule: Schedule = self._plan()
-    self._fault_free_makespan = self.predicted_makespan()
-    self.phases: list[Phase] = [Phase(self.schedule.name, len(self.live), 1.0)]
+  phases: list[Phase]
+  log: Callable[[str], None]
+  fault_free_makespan: float
 
-  @property
-  def failed_workers(self) -> frozenset[Worker]:
-    return frozenset(w for _, w in self.failed)
-
-  def _plan(self) -> Schedule:
-    policy = PLANNER_POLICY[self.cfg.resilience.policy]
-    schedule = adaptive.plan(
-      policy,
-      self.dp,
-      self.pp,
-      self.m,
-      self.failed_workers,
-      self.costs,
-      memory_cap=self.cfg.resilience.memory_cap or None,
-      base=self.cfg.pipeline.schedule,
-    )
-    validate(schedule)
-    return schedule
-
-  def predicted_makespan(self, schedule: Schedule | None = None) -> float:
-    """The cost model's step time for `schedule` (default: the current one), in block units."""
-    return simulate(schedule or self.schedule, self.costs).makespan
-
-  def faults_at(self, step: int) -> list[Worker]:
-    """Workers the config's fault schedule fails at the start of `step`."""
-    return [
-      (f.dp, f.stage)
-      for f in self.cfg.faults.schedule
-      if f.step == step and (f.dp, f.stage) in self.live
-    ]
+  def _new_phase(self, name: str, live: int, ratio: float) -> None:
+    self.phases.append(Phase(name, live, ratio, report_pending=True))
 
   def record_step_time(self, step: int, seconds: float, *, profiled: bool = False) -> None:
     """Records a completed step. Only warm steps count for comparisons: not profiled, and not
@@ -191,6 +158,68 @@ class Coordinator:
       )
     return lines
 
+
+class Coordinator(PhaseLog):
+  """Tracks live workers and replans on failure.
+
+  Args:
+    cfg: run configuration (grid shape, base schedule, micro-batches, faults, policy).
+    log: where decisions are reported.
+  """
+
+  def __init__(self, cfg: RunConfig, log: Callable[[str], None] = print):
+    self.cfg = cfg
+    self.log = log
+    self.dp, self.pp, self.m = cfg.mesh.dp, cfg.mesh.pp, cfg.pipeline.microbatches
+    self.live: set[Worker] = {(d, s) for d in range(self.dp) for s in range(self.pp)}
+    self.failed: list[tuple[int, Worker]] = []
+    self.costs = stage_costs(cfg)
+    self.schedule: Schedule = self._plan()
+    self.fault_free_makespan = self.predicted_makespan()
+    self.phases: list[Phase] = [Phase(self.schedule.name, len(self.live), 1.0)]
+
+  @property
+  def plan_name(self) -> str:
+    return self.schedule.name
+
+  @property
+  def live_count(self) -> int:
+    return len(self.schedule.workers)
+
+  def plan_text(self) -> str:
+    return self.schedule.to_text()
+
+  @property
+  def failed_workers(self) -> frozenset[Worker]:
+    return frozenset(w for _, w in self.failed)
+
+  def _plan(self) -> Schedule:
+    policy = PLANNER_POLICY[self.cfg.resilience.policy]
+    schedule = adaptive.plan(
+      policy,
+      self.dp,
+      self.pp,
+      self.m,
+      self.failed_workers,
+      self.costs,
+      memory_cap=self.cfg.resilience.memory_cap or None,
+      base=self.cfg.pipeline.schedule,
+    )
+    validate(schedule)
+    return schedule
+
+  def predicted_makespan(self, schedule: Schedule | None = None) -> float:
+    """The cost model's step time for `schedule` (default: the current one), in block units."""
+    return simulate(schedule or self.schedule, self.costs).makespan
+
+  def faults_at(self, step: int) -> list[Worker]:
+    """Workers the config's fault schedule fails at the start of `step`."""
+    return [
+      (f.dp, f.stage)
+      for f in self.cfg.faults.schedule
+      if f.step == step and (f.dp, f.stage) in self.live
+    ]
+
   def fail(self, worker: Worker, step: int, *, mid_step: bool = False) -> Schedule:
     """Marks `worker` dead and replans.
 
@@ -223,6 +252,6 @@ class Coordinator:
       f"  replanned with the {self.schedule.name} planner on {len(self.live)} live "
       f"workers; predicted step time x{after / before:.2f}"
     )
-    ratio = after / self._fault_free_makespan
-    self.phases.append(Phase(self.schedule.name, len(self.live), ratio, report_pending=True))
+    ratio = after / self.fault_free_makespan
+    self._new_phase(self.schedule.name, len(self.live), ratio)
     return self.schedule

@@ -35,9 +35,11 @@ from resilient_jax.checkpoint import CheckpointWriter, load_latest
 from resilient_jax.checkpoint.store import Loaded
 from resilient_jax.config import ConfigError, FaultsConfig, MeshConfig, RunConfig
 from resilient_jax.coordinator import Coordinator, NeedsRestore, StageLost, largest_layout
+from resilient_jax.policies import PIPELINE_SET_POLICIES, PipelineSetCoordinator, auto_choice
 from resilient_jax.runtime.executor import Executor, StepResult, WorkerLost
-from resilient_jax.schedule.core import Op, Worker
-from resilient_jax.stages import build_stage_programs
+from resilient_jax.runtime.pipelines import PipelineSetExecutor
+from resilient_jax.schedule.core import AR, Op, Worker
+from resilient_jax.stages import StagePrograms, build_stage_programs
 
 Logger = Callable[[str], None]
 
@@ -45,7 +47,11 @@ Logger = Callable[[str], None]
 @dataclasses.dataclass(frozen=True)
 class FaultEvent:
   """Worker `worker` fails in 1-based `step`: at its start, or right after `after_op` was
-  dispatched on that worker (the interrupted step is then re-run on the survivors)."""
+  dispatched on that worker (the interrupted step is then re-run on the survivors).
+
+  Workers are named in the initial grid; the failure is of the worker's device. If that device
+  does not run `after_op` in that step (a replanned layout gave it other work), it fails right
+  after its all-reduce instead: still in the middle of the step."""
 
   step: int
   worker: Worker
@@ -164,8 +170,8 @@ def checkpoint_meta(cfg: RunConfig, step: int, live_workers: int) -> dict:
 @dataclasses.dataclass
 class TrainResult:
   metrics: list[dict]
-  executor: Executor
-  coordinator: Coordinator
+  executor: Executor | PipelineSetExecutor
+  coordinator: Coordinator | PipelineSetCoordinator
   last_step: StepResult | None
 
 
@@ -199,29 +205,54 @@ class Trainer:
     self.source, self.plan = make_data(cfg)
     self.ckpt_dir = self.workdir / "checkpoints"
     self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
-    self._build(cfg, grid_devices(cfg, devices))
+    grid = grid_devices(cfg, devices)
+    self._build(cfg, [grid[w] for w in sorted(grid)])
     events = [FaultEvent(f.step, (f.dp, f.stage)) for f in cfg.faults.schedule] + list(faults)
     # Failures are of devices: they keep their meaning if the grid is rebuilt.
-    self.faults = [(f, self.executor.devices[f.worker]) for f in events]
+    self.faults = [(f, grid[f.worker]) for f in events]
     self.failed_devices: set[jax.Device] = set()
 
-  def _build(self, cfg: RunConfig, devices: dict[Worker, jax.Device]) -> None:
-    """Programs, executor and coordinator for `cfg`'s layout on `devices`."""
+  def _build(self, cfg: RunConfig, devices: list[jax.Device]) -> None:
+    """Programs, executor and coordinator for `cfg`'s layout and policy on `devices`.
+
+    Grid policies put worker (d, s) on `devices[d * pp + s]`; `oobleck` and `bamboo` number
+    the devices as nodes (Bamboo's grid the same way, Oobleck's pipelines over all of them).
+    """
     self.layout_cfg = cfg
-    self.programs = build_stage_programs(
-      self.model,
-      cfg.partition,
-      cfg.microbatch_size,
-      cfg.model.seq_len,
-      make_optimizer(cfg),
-      global_tokens=cfg.train.global_batch * cfg.model.seq_len,
-    )
-    self.executor = Executor(self.programs, devices)
+    self._programs: dict[tuple[tuple[int, int], ...], list[StagePrograms]] = {}
+    self.programs = self._programs_for(tuple((r.start, r.stop) for r in cfg.partition))
+    if cfg.resilience.policy in PIPELINE_SET_POLICIES:
+      nodes = dict(enumerate(devices))
+      self.coordinator = PipelineSetCoordinator(cfg, nodes, log=self.log)
+      self.executor = PipelineSetExecutor(self._programs_for, nodes, self.coordinator.plan)
+      return
+    pp = cfg.mesh.pp
+    grid = {(d, s): devices[d * pp + s] for d in range(cfg.mesh.dp) for s in range(pp)}
+    self.executor = Executor(self.programs, grid)
     self.coordinator = Coordinator(cfg, log=self.log)
+
+  def _programs_for(self, stages: tuple[tuple[int, int], ...]) -> list[StagePrograms]:
+    """Stage programs of a split of the layers, built once per split for this layout."""
+    if stages not in self._programs:
+      cfg = self.layout_cfg
+      self._programs[stages] = build_stage_programs(
+        self.model,
+        [range(lo, hi) for lo, hi in stages],
+        cfg.microbatch_size,
+        cfg.model.seq_len,
+        make_optimizer(cfg),
+        global_tokens=cfg.train.global_batch * cfg.model.seq_len,
+      )
+    return self._programs[stages]
+
+  @property
+  def _pipeline_set(self) -> bool:
+    return isinstance(self.executor, PipelineSetExecutor)
 
   # ---------------------------------------------------------------- failures
 
-  def _worker_on(self, device: jax.Device) -> Worker | None:
+  def _worker_on(self, device: jax.Device) -> Worker | int | None:
+    """The executor's name for `device` now: its grid worker, or its node for a pipeline set."""
     return next((w for w, d in self.executor.devices.items() if d == device), None)
 
   def _fault_hook(self, step: int) -> Callable[[Worker, Op], None] | None:
@@ -229,23 +260,64 @@ class Trainer:
     if not pending:
       return None
 
-    def hook(worker: Worker, op: Op) -> None:
+    def hook(worker: Worker | int, op: Op) -> None:
       for f, dev in pending:
-        if self._worker_on(dev) == worker and f.after_op == op:
+        if self._worker_on(dev) == worker and (f.after_op == op or op.kind == AR):
           pending.remove((f, dev))
           raise WorkerLost(worker)
 
     return hook
 
-  def _fail(self, worker: Worker, step: int, *, mid_step: bool) -> None:
+  def _fail(self, worker: Worker | int, step: int, *, mid_step: bool) -> None:
     device = self.executor.devices[worker]
-    if not self.failed_devices and device.platform == "cpu":
+    if not self.failed_devices and device.platform == "cpu" and not self._pipeline_set:
       self.log("  note: simulated CPU devices share this host's cores, so wall-clock step times "
                "do not show the schedule; timeline_step*.png replays measured op times with "
                "one core per worker")
     self.failed_devices.add(device)
+    if self._pipeline_set:
+      plan = self.coordinator.fail(worker, step, mid_step=mid_step)
+      dead = {n for n, d in self.executor.devices.items() if d in self.failed_devices}
+      copied = self.executor.place(plan, self.executor.sources(dead))
+      self.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state from "
+               "surviving replicas")
+      return
     self.coordinator.fail(worker, step, mid_step=mid_step)
     self.executor.drop_worker(worker)
+    if self.layout_cfg.resilience.policy == "auto":
+      self._auto_after_failure()
+
+  def _auto_after_failure(self) -> None:
+    """`auto`: keeps re-routing unless re-templating is predicted faster, then switches."""
+    coord = self.coordinator
+    choice = auto_choice(self.layout_cfg, coord.failed_workers, coord.predicted_makespan())
+    options = ", ".join(f"{k} {v:.1f}" for k, v in sorted(choice.predicted.items()))
+    self.log(f"  auto: predicted step times (block units) {options}: {choice.policy}")
+    if choice.policy != "oobleck":
+      return
+    pp = self.layout_cfg.mesh.pp
+    nodes = {d * pp + s: dev for (d, s), dev in self.executor.devices.items()}
+    live = [d * pp + s for d, s in sorted(coord.live)]
+    self.coordinator = PipelineSetCoordinator(
+      self.layout_cfg,
+      live,
+      log=self.log,
+      policy="oobleck",
+      instance=choice.instance,
+      failed=[(t, d * pp + s) for t, (d, s) in coord.failed],
+      continues=coord,
+    )
+    from resilient_jax.checkpoint import universal
+
+    sources = [
+      (self.executor.devices[w], self.executor.params[w],
+       universal.flatten_state(self.executor.opt_state[w]))
+      for w in sorted(self.executor.params)
+    ]
+    self.executor = PipelineSetExecutor(
+      self._programs_for, nodes, self.coordinator.plan, state=sources
+    )
+    self.log("  re-templated: " + choice.instance.describe().replace("\n", "\n  "))
 
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
     """Runs 1-based `step` to completion, whatever fails during it.
@@ -262,9 +334,12 @@ class Trainer:
     hook = self._fault_hook(step)
     while True:
       try:
-        result = self.executor.run_step(
-          self.coordinator.schedule, inputs, targets, profile=profile, after_op=hook
-        )
+        if self._pipeline_set:
+          result = self.executor.run_step(inputs, targets, after_op=hook)
+        else:
+          result = self.executor.run_step(
+            self.coordinator.schedule, inputs, targets, profile=profile, after_op=hook
+          )
         return result, mb_ids
       except WorkerLost as lost:
         # Nothing of the interrupted step was committed: replan and run it again on the
@@ -295,25 +370,37 @@ class Trainer:
     return loaded.step
 
   def _restore_onto_survivors(self, lost: NeedsRestore, step: int) -> int:
-    """Rebuild on the surviving devices and restore the latest checkpoint."""
+    """Rebuild on the surviving devices and restore the latest checkpoint.
+
+    Oobleck re-instantiates its templates on every survivor (same micro-batches); the grid
+    policies take the largest DP x PP grid the survivors allow (Bamboo: with pp >= 2), and
+    `auto` goes on as `recycle` on it.
+    """
     alive = [d for w, d in sorted(self.executor.devices.items()) if d not in self.failed_devices]
-    dp, pp = largest_layout(
-      len(alive),
-      self.cfg.model.num_layers,
-      self.cfg.train.global_batch,
-      self.cfg.pipeline.microbatches,
-    )
-    self.log(
-      f"{lost}; restoring the latest checkpoint onto dp={dp} pp={pp} "
-      f"({dp * pp} of {len(alive)} surviving devices)"
-    )
-    cfg = dataclasses.replace(
-      self.cfg,
-      mesh=MeshConfig(dp=dp, pp=pp),
-      pipeline=dataclasses.replace(self.cfg.pipeline, partition=()),
-      faults=FaultsConfig(),
-    )
-    self._build(cfg, {(d, s): alive[d * pp + s] for d in range(dp) for s in range(pp)})
+    policy = self.layout_cfg.resilience.policy
+    if policy == "oobleck":
+      self.log(f"{lost}; restoring the latest checkpoint onto new pipelines on the "
+               f"{len(alive)} surviving devices")
+      self._build(dataclasses.replace(self.layout_cfg, faults=FaultsConfig()), alive)
+    else:
+      dp, pp = largest_layout(
+        len(alive),
+        self.cfg.model.num_layers,
+        self.cfg.train.global_batch,
+        self.cfg.pipeline.microbatches,
+        min_pp=2 if policy == "bamboo" else 1,
+      )
+      self.log(
+        f"{lost}; restoring the latest checkpoint onto dp={dp} pp={pp} "
+        f"({dp * pp} of {len(alive)} surviving devices)"
+      )
+      cfg = dataclasses.replace(
+        self.cfg,
+        mesh=MeshConfig(dp=dp, pp=pp),
+        pipeline=dataclasses.replace(self.cfg.pipeline, partition=()),
+        faults=FaultsConfig(),
+      )
+      self._build(cfg, alive[: dp * pp])
     restored = self._restore()
     self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
     return restored
@@ -357,18 +444,18 @@ class Trainer:
       ids = processed_ids(mb_ids, result)
       if after_failure and not last and result.records:
         self._write_timeline(step, result, stem=f"timeline_step{step}")
-      schedule = self.coordinator.schedule
-      if not schedules_seen or schedules_seen[-1] != schedule.to_text():
-        schedules_seen.append(schedule.to_text())
+      coord = self.coordinator
+      if not schedules_seen or schedules_seen[-1] != coord.plan_text():
+        schedules_seen.append(coord.plan_text())
       row = {
         "step": step,
         "loss": result.loss,
         "samples": int(len(ids)),
         "sample_digest": data_lib.sample_digest(ids),
-        "live_workers": len(schedule.workers),
+        "live_workers": coord.live_count,
         "step_time_s": round(result.step_time_s, 6),
         "samples_per_s": round(len(ids) / result.step_time_s, 3),
-        "schedule": schedule.name,
+        "schedule": coord.plan_name,
       }
       metrics.append(row)
       with metrics_path.open("a") as f:
@@ -377,7 +464,7 @@ class Trainer:
       self.log(
         f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
         f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
-        f"workers {row['live_workers']}  schedule {schedule.name}"
+        f"workers {row['live_workers']}  schedule {coord.plan_name}"
       )
       if (every and step % every == 0) or (last and (every or cfg.train.stop_after)):
         self._save(step)

@@ -46,6 +46,7 @@ __all__ = [
   "bamboo_failover",
   "bamboo_schedule",
   "bamboo_step_time",
+  "redundant_ops",
 ]
 
 # Relative slack when deciding whether an FR fits an idle gap: gaps come out of float sums.
@@ -146,6 +147,38 @@ def bamboo_schedule(
     for s in range(pp)
   }
   return make_schedule(f"bamboo-{base}", dp, pp, m, per_worker)
+
+
+def redundant_ops(
+  pp: int,
+  m: int,
+  lost: Iterable[int] = (),
+  *,
+  costs: OpCosts | None = None,
+  base: str = "1f1b",
+  pipeline: int = 0,
+) -> dict[int, list[Op]]:
+  """Per stage of one pipeline, its op list (local micro-batch ids) as the runtime executes it.
+
+  A lost stage keeps its own list (its predecessor's node runs it); a stage runs FR only if its
+  node and its successor's node both still hold their own stage, i.e. neither it nor its
+  successor is lost. This is the same redundancy as `bamboo_failover`'s merged equivalent, laid
+  out stage by stage so the data can flow in its real order (stage 0 before stage 1, even when
+  the last stage's node runs stage 0). `pipeline` only names the pipeline in errors.
+
+  Raises:
+    BambooUnrecoverableError: two neighbouring stages are lost.
+  """
+  _check(1, pp, m)
+  costs = costs or OpCosts()
+  costs.check_stages(pp)
+  gone = set(lost)
+  pairs = sorted((s, (s + 1) % pp) for s in gone if (s + 1) % pp in gone)
+  if pairs:
+    raise BambooUnrecoverableError(pipeline, sorted(gone), pairs)
+  redundant = [s not in gone and (s + 1) % pp not in gone for s in range(pp)]
+  ops = _with_redundancy(generate(base, 1, pp, m), costs, redundant)
+  return {s: ops[(0, s)] for s in range(pp)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,7 @@ __all__ = [
   "plan_templates",
   "reinstantiate",
   "stage_costs",
+  "template_for",
 ]
 
 LayerRange = tuple[int, int]
@@ -332,6 +333,13 @@ def _template(
     ),
     microbatches=m,
   )
+
+
+def template_for(
+  profile: LayerProfile, stages: Sequence[LayerRange], microbatches: int | None = None
+) -> PipelineTemplate:
+  """The template of a given split (e.g. a DP x PP grid's, to re-instantiate from it)."""
+  return _template(profile, stages, microbatches)
 
 
 @dataclasses.dataclass(frozen=True)

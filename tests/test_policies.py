@@ -1,0 +1,248 @@
+"""The Oobleck, Bamboo and auto policies on the real runtime: same failures, same training."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from resilient_jax import policies
+from resilient_jax.config import ConfigError
+from resilient_jax.runtime.executor import WorkerLost
+from resilient_jax.runtime.pipelines import PipelineSetExecutor, dispatch_order
+from resilient_jax.schedule.core import FR
+from resilient_jax.schedule.errors import ScheduleError
+from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.pipelines import Pipeline, PipelineSet, bamboo_set
+from resilient_jax.trainer import Trainer, step_batch
+from tests.helpers import assert_matches_reference, run_launcher, tiny_config
+from tests.test_failures import SCENARIOS, expected_digests
+
+
+def run_policy(tmp_path, policy, dp, pp, **overrides):
+  between, mid = SCENARIOS[(dp, pp)]
+  cfg = tiny_config(
+    mesh__dp=dp, mesh__pp=pp, faults__schedule=between, resilience__policy=policy, **overrides
+  )
+  lines = []
+  result = Trainer(cfg, tmp_path, log=lines.append, faults=[mid]).run()
+  assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
+  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  failures = sum("FAILURE" in line for line in lines)
+  assert failures == 1 + len(cfg.faults.schedule)
+  return cfg, result, lines
+
+
+@pytest.mark.parametrize("dp,pp", sorted(SCENARIOS))
+def test_oobleck_survives_the_rerouting_scenarios(tmp_path, dp, pp):
+  # Templates from 2 nodes up: with pp=4 and 4 layers, 4-node pipelines would be the only ones.
+  cfg, result, lines = run_policy(tmp_path, "oobleck", dp, pp, resilience__min_pipeline_nodes=2)
+  assert {m["schedule"] for m in result.metrics} == {"oobleck"}
+  if (dp, pp) == (4, 2):
+    # Three failures, each re-instantiated in place: layers were copied, nothing restored.
+    assert sum("re-instantiated" in line for line in lines) == 3
+    assert any("copied" in line and "0.00 MiB" not in line for line in lines)
+    assert not any("restoring" in line for line in lines)
+    assert result.metrics[-1]["live_workers"] == 5
+  if (dp, pp) == (2, 2):
+    # One pipeline is left after the first failure: the second loses layers for good.
+    assert any("lost every replica" in line and "restoring" in line for line in lines)
+
+
+@pytest.mark.parametrize("dp,pp", sorted(SCENARIOS))
+def test_bamboo_survives_the_rerouting_scenarios(tmp_path, dp, pp):
+  cfg, result, lines = run_policy(tmp_path, "bamboo", dp, pp)
+  failovers = sum("failover:" in line for line in lines)
+  if (dp, pp) == (2, 4):
+    # Stages 1 and 2 of pipeline 1 both fail: the replica of one died with it.
+    assert failovers == 2
+    assert any("failed together" in line and "restoring" in line for line in lines)
+  else:
+    assert failovers == 1 + len(cfg.faults.schedule)
+    assert not any("restoring" in line for line in lines)
+    # The predecessor took over from its replica: nothing was copied.
+    assert all("copied 0.00 MiB" in line for line in lines if "copied" in line)
+
+
+@pytest.mark.parametrize("dp,pp", sorted(SCENARIOS))
+def test_auto_survives_and_retemplates_when_rerouting_is_slower(tmp_path, dp, pp):
+  cfg, result, lines = run_policy(tmp_path, "auto", dp, pp)
+  choices = [line for line in lines if "auto: predicted" in line]
+  assert len(choices) == 1 + len(cfg.faults.schedule)
+  if (dp, pp) == (4, 2):
+    # One stage-0 worker left carries 4x its work: re-templating is predicted faster.
+    assert choices[-1].endswith("oobleck")
+    assert result.metrics[-1]["schedule"] == "oobleck"
+    assert [m["schedule"] for m in result.metrics[:2]] == ["1f1b", "adaptive"]
+  else:
+    assert all(c.endswith("recycle") for c in choices)
+    assert result.metrics[-1]["schedule"] == "adaptive"
+
+
+def test_auto_choice_prefers_rerouting_on_ties_and_restarts_when_nothing_else_can():
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2)
+  assert policies.auto_choice(cfg, [(1, 0)], 1.0).policy == "recycle"
+  slow = policies.auto_choice(cfg, [(1, 0)], 1e9)
+  assert slow.policy == "oobleck" and slow.instance is not None
+  tie = policies.auto_choice(cfg, [(1, 0)], slow.predicted["oobleck"])
+  assert tie.policy == "recycle"
+  # Both workers of stage 0 gone: no replica of its layers anywhere.
+  assert policies.auto_choice(cfg, [(0, 0), (1, 0)], None).policy == "restart"
+
+
+def test_tied_head_is_reduced_by_name_across_different_splits(tmp_path):
+  # A one-stage pipeline holds embedding and head in one slot, a two-stage one in two: the
+  # tied gradient is summed over every holder of the name either way.
+  base = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="oobleck", train__steps=2)
+  cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, tied_head=True))
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  plan = PipelineSet(
+    "mixed",
+    (
+      Pipeline(((0, 4),), (0,), (0, 1, 2), generate("1f1b", 1, 1, 3)),
+      Pipeline(((0, 1), (1, 4)), (1, 2), (3, 4, 5, 6, 7), generate("zb-h1", 1, 2, 5)),
+    ),
+    4,
+  )
+  ex = PipelineSetExecutor(trainer._programs_for, trainer.executor.devices, plan)
+  holders = [slot for slot in plan.slots if "wte.embedding" in ex.params[slot]]
+  assert holders == [(0, 0), (1, 0), (1, 1)]
+  metrics = []
+  for step in (1, 2):
+    ids, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, step)
+    result = ex.run_step(inputs, targets)
+    metrics.append({"loss": result.loss})
+    assert sorted(result.processed) == list(range(8))
+  assert_matches_reference(metrics, ex.all_params(), cfg)
+  tied = [np.asarray(ex.params[slot]["wte.embedding"]) for slot in holders]
+  for t in tied[1:]:
+    np.testing.assert_array_equal(t, tied[0])
+
+
+def test_bamboo_runs_the_redundant_forward_of_every_microbatch(tmp_path):
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="bamboo", train__steps=1)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  ex = trainer.executor
+  seen = []
+  _, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, 1)
+  ex.run_step(inputs, targets, after_op=lambda node, op: seen.append((node, op)))
+  fr = [(n, op.mb) for n, op in seen if op.kind == FR]
+  # Every worker runs its successor's forward of each of its pipeline's micro-batches.
+  assert sorted(fr) == sorted((d * 2 + s, mb) for d in range(2) for s in range(2)
+                              for mb in range(d * 4, d * 4 + 4))
+  # Each replica equals its stage's state after the optimizer step.
+  for (p, s), (params, _) in ex.replicas.items():
+    r = (s + 1) % 2
+    for n, v in params.items():
+      np.testing.assert_array_equal(np.asarray(v), np.asarray(ex.params[(p, r)][n]))
+  # And its cost shows in the fault-free plan: Bamboo's predicted step is longer.
+  recycle = policies.stage_costs(cfg)
+  from resilient_jax.schedule.cost import simulate
+
+  grid = simulate(generate(cfg.pipeline.schedule, 2, 2, 4), recycle).makespan
+  assert trainer.coordinator.predicted_makespan() > grid
+
+
+def test_failure_mid_step_leaves_committed_state_untouched(tmp_path):
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="oobleck", train__steps=1)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  ex = trainer.executor
+  before = {k: np.asarray(v) for k, v in ex.export_state()[0].items()}
+  _, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, 1)
+
+  def boom(node, op):
+    if op.kind == "AR":
+      raise WorkerLost(node)
+
+  with pytest.raises(WorkerLost):
+    ex.run_step(inputs, targets, after_op=boom)
+  after = ex.export_state()[0]
+  for k, v in before.items():
+    np.testing.assert_array_equal(v, np.asarray(after[k]))
+
+
+def test_place_copies_only_what_a_device_lacks(tmp_path):
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="oobleck")
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  ex: PipelineSetExecutor = trainer.executor
+  assert ex.place(ex.plan, ex.sources()) == 0  # the same plan: everything is already there
+  held = {node: set() for node in ex.plan.nodes}
+  sizes = {}
+  for slot in ex.plan.slots:
+    node = ex.plan.pipelines[slot[0]].nodes[slot[1]]
+    held[node] |= set(ex.params[slot])
+    sizes.update({n: v.nbytes for n, v in ex.params[slot].items()})
+  plan = trainer.coordinator.fail(2, 1)
+  copied = ex.place(plan, ex.sources({2}))
+  missing = [
+    n
+    for slot in plan.slots
+    for n in ex.program(slot).param_names
+    if n not in held[plan.pipelines[slot[0]].nodes[slot[1]]]
+  ]
+  assert missing  # the new split moved layers
+  # A missing parameter brings its two AdamW moments: three arrays of its size.
+  assert copied == 3 * sum(sizes[n] for n in missing)
+  for slot in plan.slots:
+    dev = ex.device(slot)
+    assert all(v.devices() == {dev} for v in ex.params[slot].values())
+
+
+def test_pipeline_set_checks_its_shape():
+  sched = generate("1f1b", 1, 2, 2)
+  ok = Pipeline(((0, 2), (2, 4)), (0, 1), (0, 1), sched)
+  PipelineSet("x", (ok,), 4)
+  with pytest.raises(ScheduleError, match="not 0..n-1"):
+    PipelineSet("x", (ok, ok), 4)
+  with pytest.raises(ScheduleError, match="contiguous"):
+    Pipeline(((0, 2), (3, 4)), (0, 1), (0, 1), sched)
+  with pytest.raises(ScheduleError, match="does not match"):
+    Pipeline(((0, 4),), (0,), (0, 1), sched)
+  other = Pipeline(((0, 2), (2, 4)), (1, 2), (2, 3), sched)
+  with pytest.raises(ScheduleError, match="two pipelines"):
+    PipelineSet("x", (ok, other), 4)
+
+
+def test_bamboo_set_hosts_failed_stages_on_the_predecessor():
+  plan = bamboo_set(2, 4, 2, [(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 0), (1, 2)])
+  assert plan.pipelines[0].nodes == (3, 1, 2, 3)  # stage 0 on the last stage's node
+  assert plan.pipelines[1].nodes == (4, 5, 5, 7)
+  # Neither a host nor a failed stage keeps a replica; the others still do.
+  assert [plan.pipelines[0].replica_of(s) for s in range(4)] == [None, 2, 3, None]
+  assert [plan.pipelines[1].replica_of(s) for s in range(4)] == [1, None, None, 0]
+  order = dispatch_order(plan.pipelines[0].schedule)
+  assert len(order) == sum(
+    1 for ops in plan.pipelines[0].schedule.ops.values() for op in ops if op.mb >= 0
+  )
+  with pytest.raises(ScheduleError, match="failed together"):
+    bamboo_set(2, 4, 2, [(0, 1), (1, 2), (2, 3), (3, 4)], [(1, 3), (1, 0)])
+
+
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (["--config.resilience.policy=bamboo", "--config.mesh.pp=1"], "needs mesh.pp >= 2"),
+    (["--config.resilience.policy=oobleck", "--config.distributed.enabled=true"],
+     "runs in one process only"),
+    (["--config.resilience.tolerate=-1"], "resilience.tolerate must be an integer >= 0"),
+  ],
+)
+def test_bad_policy_settings_exit_2(tmp_path, flags, message):
+  proc = run_launcher(
+    "--config=configs/gpt_tiny.py:runlocal", f"--workdir={tmp_path}", *flags, timeout=60
+  )
+  assert proc.returncode == 2, proc.stderr
+  assert message in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_config_rejects_unknown_policy():
+  with pytest.raises(ConfigError, match="not one of"):
+    tiny_config(resilience__policy="spares")
+
+
+def test_devices_hold_only_their_slots(tmp_path):
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="oobleck", train__steps=1)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  used = {trainer.executor.device(s) for s in trainer.executor.plan.slots}
+  assert used == set(jax.devices()[:4])
