@@ -11,8 +11,8 @@ recycle's fault-free throughput, so policies that cost something fault-free show
 pause to recover from the first failure, auto's choice per state, and recycle/oobleck and
 recycle/bamboo (the ReCycle paper reports up to 1.46x and 1.64x).
 
-This is the cost model only: Oobleck's and Bamboo's runtime paths are not built (see the
-issue notes), so their rows are what their planners predict on the shared cost model.
+This is the cost model at cluster scale, where the planners' choices matter; the same policies
+run on the real runtime (tiny GPT, simulated CPU devices) in `benchmarks/policies_runtime.py`.
 
 Op times come from the simulator's spec-based cost model of a sim config (FLOPs and bytes on
 the config's device and network); Oobleck needs that, because it re-partitions layers by their

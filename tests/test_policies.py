@@ -246,3 +246,19 @@ def test_devices_hold_only_their_slots(tmp_path):
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   used = {trainer.executor.device(s) for s in trainer.executor.plan.slots}
   assert used == set(jax.devices()[:4])
+
+
+def test_checkpoints_move_between_policies(tmp_path):
+  # Saved by Oobleck's pipelines, resumed by Bamboo's grid: universal checkpoints by name.
+  first = tiny_config(
+    mesh__dp=2, mesh__pp=2, resilience__policy="oobleck", train__stop_after=2,
+    checkpoint__every_steps=1,
+  )
+  done = Trainer(first, tmp_path, log=lambda _: None).run()
+  assert [m["step"] for m in done.metrics] == [1, 2]
+  second = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="bamboo")
+  lines = []
+  result = Trainer(second, tmp_path, log=lines.append).run()
+  assert any("restored step 2" in line for line in lines)
+  assert [m["sample_digest"] for m in result.metrics] == expected_digests(second)
+  assert_matches_reference(result.metrics, result.executor.all_params(), second)
