@@ -29,7 +29,11 @@ def run_policy(tmp_path, policy, dp, pp, **overrides):
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
   failures = sum("FAILURE" in line for line in lines)
-  assert failures == 1 + len(cfg.faults.schedule)
+  if policy == "restart":
+    # The smaller grid after a restore may leave a later fault's device out: it never fails.
+    assert 1 <= failures <= 1 + len(cfg.faults.schedule)
+  else:
+    assert failures == 1 + len(cfg.faults.schedule)
   return cfg, result, lines
 
 
@@ -77,6 +81,15 @@ def test_auto_survives_and_retemplates_when_rerouting_is_slower(tmp_path, dp, pp
   else:
     assert all(c.endswith("recycle") for c in choices)
     assert result.metrics[-1]["schedule"] == "adaptive"
+
+
+@pytest.mark.parametrize("dp,pp", sorted(SCENARIOS))
+def test_restart_survives_the_rerouting_scenarios(tmp_path, dp, pp):
+  cfg, result, lines = run_policy(tmp_path, "restart", dp, pp, checkpoint__every_steps=1)
+  restores = [line for line in lines if "restoring the latest checkpoint" in line]
+  assert len(restores) == sum("FAILURE" in line for line in lines)
+  assert "resilience.policy=restart" in restores[0]
+  assert sum(line.startswith("restored step") for line in lines) == len(restores)
 
 
 def test_auto_choice_prefers_rerouting_on_ties_and_restarts_when_nothing_else_can():
