@@ -6,7 +6,9 @@ Exit codes: 0 done, 2 bad configuration or flags, 3 failures left no device to c
 (or a whole stage, with resilience.restore_on_stage_loss=false, or in a multi-process job), 4 a
 checkpoint could not be written; multi-process jobs (`--config.distributed.enabled=true`, see
 launch/local.py and launch/CLUSTERS.md) also: 5 the coordination service (process 0) was lost,
-requeue the job; 6 a survivor waited past distributed.wait_timeout_s.
+requeue the job; 6 a survivor waited past distributed.wait_timeout_s; 7 the other processes
+declared this one dead (its heartbeat stopped for distributed.heartbeat_timeout_s) and went on
+without it.
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ import numpy as np
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointWriter, load_latest
 from resilient_jax.config import ConfigError, RunConfig
-from resilient_jax.coordinator import Coordinator
+from resilient_jax.coordinator import Coordinator, NeedsRestore
 from resilient_jax.runtime.cluster import Cluster
 from resilient_jax.runtime.multiprocess import PauseHook, ProcessExecutor
-from resilient_jax.schedule.core import Worker
+from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.stages import build_stage_programs
 from resilient_jax.trainer import (
   _read_metrics,
@@ -150,11 +150,16 @@ class DistributedTrainer:
       if state is None:
         self.log(f"checkpoint of step {step} skipped: a stage's holder died while handing its "
                  "state over (the previous checkpoint stays the latest)")
-      else:
+      # The holders may go on (and exit after the last step) once their state is here.
+      self.cluster.kv_set(f"checkpoint/{step}", True)
+      if state is not None:
         meta = checkpoint_meta(self.cfg, step, len(schedule.workers))
         self.writer.save(step, *state, meta)
-    # Holders stay until process 0 has their state.
-    self.cluster.live(self.process_of[w] for w in schedule.workers)
+    elif me in holders.values():
+      # Stay until process 0 has pulled this state (its loss ends this process with exit 5).
+      # A wait on process 0 alone, not a barrier over everyone: a process that dies meanwhile
+      # is found by the next step attempt's agreement.
+      self.cluster.kv_get(f"checkpoint/{step}")
 
   # ---------------------------------------------------------------- the loop
 
@@ -192,8 +197,11 @@ class DistributedTrainer:
           break
         kills = self._kill_times()
         for p in sorted(result.lost):
-          # Raises StageLost when a stage has no worker left (launch/train.py exits 3).
-          self.coordinator.fail(self.worker_of[p], step, mid_step=True)
+          try:
+            self.coordinator.fail(self.worker_of[p], step, mid_step=True)
+          except NeedsRestore:  # a stage has no worker left: launch/train.py exits 3
+            self._leave_together(schedule, result.lost, f"stage-lost/{step}/{attempt}")
+            raise
           event = {
             "process": p,
             "worker": list(self.worker_of[p]),
@@ -264,6 +272,24 @@ class DistributedTrainer:
         self.log(
           f"stopped after step {end} (train.stop_after); run again on the same workdir to resume"
         )
-    # Nobody leaves before everyone has finished the last step.
-    self.cluster.live(self.process_of[w] for w in self.coordinator.schedule.workers)
+    # Nobody needs anything more from the others once the last step has committed (process 0
+    # pulled the last checkpoint's state in `_save`).
+    self._leave_together(self.coordinator.schedule, set(), "finished")
     return metrics
+
+  def _leave_together(self, schedule: Schedule, lost: set[int], key: str) -> None:
+    """Called by every survivor before it leaves: process 0, which hosts the key-value store,
+    waits until every other participant of `schedule` not in `lost` has reached this point
+    too (or is proven dead), so that none of them loses the store while still reading a
+    decision (it would exit 5 instead of reaching the same end). The others go at once.
+
+    Not a `get_live_nodes` barrier: that would wait out the heartbeat timeout for a process
+    that died after the last decision, and a process blocked in it cannot follow decisions in
+    the store.
+    """
+    me = self.cluster.process_id
+    if not self.is_chief:
+      self.cluster.kv_set(f"{key}/{me}", True)
+      return
+    for p in sorted({self.process_of[w] for w in schedule.workers} - set(lost) - {me}):
+      self.cluster.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")

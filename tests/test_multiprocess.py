@@ -1,7 +1,8 @@
 """Real processes, real SIGKILL: multi-process runs against in-process runs of the same failures.
 
-Each test starts 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 2 s)
-and kills some from outside at a chosen point. The in-process run injects the same failure at
+Each test starts 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 10 s,
+so that a detection which waited for it would fail the timing checks) and kills some from
+outside at a chosen point. The in-process run injects the same failure at
 the same point (`FaultEvent`); both re-run the interrupted step on the survivors with the same
 samples, so digests must be equal and losses equal up to float summation order.
 """
@@ -21,7 +22,7 @@ from resilient_jax.trainer import FaultEvent, train
 from tests.helpers import ROOT, tiny_config
 
 STEPS = 5
-HEARTBEAT_S = 2
+HEARTBEAT_S = 10
 GRID = ["--config.mesh.dp=2", "--config.mesh.pp=2"]
 
 
@@ -85,9 +86,10 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
   assert sorted(e["process"] for e in recovery) == sorted(killed)
   for e in recovery:
     assert e["step"] == killed[e["process"]][0]
-    # Detection is the coordination service's heartbeat timeout (plus its polling lag);
-    # the re-run of the step itself must not add compilation or connection set-up.
-    assert 0 < e["kill_to_detect_s"] <= HEARTBEAT_S + 1.5, e
+    # A SIGKILLed process's ports refuse connections at once: detection does not wait for
+    # the heartbeat timeout (it takes ~0.1 s; the bound leaves room for a loaded machine).
+    # The re-run of the step itself must not add compilation or connection set-up.
+    assert 0 < e["kill_to_detect_s"] < HEARTBEAT_S / 2, e
     assert e["detect_to_next_step_s"] < 1.0, e
 
 
@@ -111,7 +113,7 @@ def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path)
   assert proc.returncode == 5, tail(proc)
   assert "p0=killed, p1=5, p2=5, p3=5" in proc.stdout, tail(proc)
   kill = read_rows(workdir / "kills.jsonl")[0]
-  assert ended - kill["time"] < HEARTBEAT_S + 5
+  assert ended - kill["time"] < 7  # the coordinator watchdog, not a heartbeat timeout
   # The launcher returned only after every process exited; none is left.
   out = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
   assert out.stdout.strip() == ""
@@ -121,6 +123,15 @@ def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path)
   assert proc.returncode == 0, tail(proc)
   assert re.search(r"restored step [12] from", proc.stdout), tail(proc)
   assert_same_run(read_rows(workdir / "metrics.jsonl"), in_process(tmp_path))
+
+
+def test_losing_a_whole_stage_ends_every_survivor_with_exit_3(tmp_path):
+  """Both workers of stage 1 die: the survivors agree on it and all exit 3 (none exits 5 for
+  losing the store of process 0 before it read the outcome)."""
+  proc = run_local(tmp_path / "multi", "--kill=3:1,3:3")
+  assert proc.returncode == 3, tail(proc)
+  assert "exit codes: p0=3, p1=killed, p2=3, p3=killed" in proc.stdout, tail(proc)
+  assert "every worker of stage 1 has failed" in proc.stdout, tail(proc)
 
 
 def test_slurm_rehearsal_uses_auto_detection(tmp_path):
@@ -189,3 +200,109 @@ def test_transfer_ids_are_unique_per_field_and_bounded():
   assert len(ids) == len(fields) and max(ids) < 1 << 60
   with pytest.raises(ValueError):
     transfer_id(1, 0, 65536, 0, 0)
+
+
+# ---------------------------------------------------------------- liveness and agreement parts
+
+_RACE = """
+import json, os, sys, threading
+import jax
+jax.distributed.initialize(sys.argv[1], num_processes=1, process_id=0)
+from jax._src import distributed
+from resilient_jax.runtime.cluster import first_writer_wins
+client = distributed.global_state.client
+out = {}
+for key in ("decision/1/0", "decision/1/1"):
+  got = [None] * 16
+  start = threading.Barrier(16)
+  def propose(i):
+    start.wait()
+    got[i] = first_writer_wins(client, key, {"proposal": i})
+  threads = [threading.Thread(target=propose, args=(i,)) for i in range(16)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  out[key] = got
+print(json.dumps(out), flush=True)
+os._exit(0)
+"""
+
+
+def test_first_writer_wins_on_the_coordination_service():
+  """16 threads race to decide each key: all of them read back the same stored proposal."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = subprocess.run([sys.executable, "-c", _RACE, f"127.0.0.1:{port}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for key, got in out.items():
+    assert len({json.dumps(g) for g in got}) == 1, (key, got)
+    assert got[0]["proposal"] in range(16)
+
+
+def test_first_writer_wins_passes_other_errors_on():
+  from resilient_jax.runtime.cluster import first_writer_wins
+
+  class Client:
+    def __init__(self, error):
+      self.store, self.error = {"k": '{"commit": true}'}, error
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+      assert not allow_overwrite
+      raise RuntimeError(self.error)
+
+    def key_value_try_get(self, key):
+      return self.store[key]
+
+  assert first_writer_wins(Client("ALREADY_EXISTS: key k"), "k", {"lost": [2]}) == {"commit": True}
+  with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+    first_writer_wins(Client("UNAVAILABLE: the service is gone"), "k", {"lost": [2]})
+
+
+def test_heartbeat_monitor_needs_silence_and_the_observers_own_beats():
+  from resilient_jax.runtime.cluster import HeartbeatMonitor
+
+  m = HeartbeatMonitor(me=0, timeout_s=1.0, min_beats=5)
+  assert m.observe({0: 1, 1: 1, 2: 1}, 0.0, [3]) == set()
+  # Process 1 beats, 2 and 3 (never wrote) stay silent, but this process's own counter, as
+  # the store saw it, did not move: a stall here or in the store proves nothing.
+  assert m.observe({0: 1, 1: 5, 2: 1}, 1.5, [3]) == set()
+  assert m.observe({0: 3, 1: 9, 2: 1}, 1.6, [3]) == set()
+  assert m.observe({0: 9, 1: 13, 2: 1}, 2.0, [3]) == {2, 3}
+  # A beat resets the clock; so does a restarted counter (any change).
+  assert m.observe({0: 10, 1: 14, 2: 2, 3: 1}, 2.1) == set()
+  assert m.observe({0: 30, 1: 20, 2: 2, 3: 1}, 2.9) == set()
+  assert m.observe({0: 31, 1: 21, 2: 2, 3: 1}, 3.2) == {2, 3}
+
+
+def test_probe_tells_a_refused_port_from_a_listening_one():
+  import socket
+
+  from resilient_jax.runtime.cluster import parse_address, probe_address
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    address = "{}:{}".format(*s.getsockname())
+    assert probe_address(address) is False
+  assert probe_address(address) is True  # closed: nothing listens (the kernel refuses)
+  assert parse_address("[::1]:8476") == ("::1", 8476)
+
+
+def test_a_process_declared_dead_exits_7():
+  code = ("from resilient_jax.runtime.cluster import Cluster\n"
+          "c = Cluster.__new__(Cluster); c.process_id = 2\n"
+          "c.declared_dead([1, 3], 'step 3'); print('still here', flush=True)\n"
+          "c.declared_dead([2], 'step 4')\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  from resilient_jax.runtime.cluster import EXIT_DECLARED_DEAD
+
+  assert proc.returncode == EXIT_DECLARED_DEAD == 7
+  assert "still here" in proc.stdout and "declared this one dead (step 4)" in proc.stderr

@@ -3,20 +3,36 @@
 Everything a survivor needs from the outside world goes through here, and every blocking call
 is bounded:
 
-* **Liveness and agreement.** `live(ids)` is the coordination service's `get_live_nodes`: a
-  barrier over the listed processes that are alive, returning the *same* live set to each of
-  them. It is used before every collective (a collective started with a dead peer can hang)
-  and at the end of every step attempt (every survivor then either commits the step or re-runs
-  it, never a mix).
+* **Death proofs.** `dead(ids)` returns the listed processes that are *proven* dead, without
+  waiting for anybody: a process is dead when its transfer server's port refuses a TCP
+  connection (`probe`; the kernel closes a killed process's ports at once), or when its
+  heartbeat stopped: a daemon thread in every process bumps the counter `hb/{pid}` in the
+  key-value store every `heartbeat_timeout_s / 10` seconds, and a process whose counter has
+  not moved for `heartbeat_timeout_s` (while this process's own counter kept moving, so a
+  stall here or in the store is not mistaken for silence there) is declared dead. The port
+  proves a crash within milliseconds; the heartbeat covers a host that went silent (its
+  ports time out instead of refusing). A verdict is final. (Unlike a pull from a crashed
+  process, a pull from a silent host does not fail: a survivor that waits for such data still
+  ends with `EXIT_WAIT_TIMEOUT`.)
+* **Agreement.** `decide(key, proposal)` is first writer wins: the proposal is written with
+  `allow_overwrite=False`, and every caller then reads the key back and follows the *stored*
+  value, never its own proposal, so every process that reads a decision acts on the same one
+  (`runtime/multiprocess.py` decides each collective and each step attempt this way). A
+  process that reads a decision listing itself as dead (possible only after a false heartbeat
+  verdict) exits with `EXIT_DECLARED_DEAD`. The coordination service's `get_live_nodes` is not
+  used: it is a barrier that declares a process dead only after the heartbeat timeout, and a
+  process blocked in it while its peers followed a decision in the store and moved on would
+  wait for them forever.
 * **Transfers.** Activations and activation gradients move between processes with
   `jax.experimental.transfer`: the producer registers an array under an integer id
   (`offer`), the consumer pulls it (`pull`). Both calls return at once; the pulled array is
   filled asynchronously and turns into an error if the producer dies first.
-* **Watchdogs.** `wait` blocks on device results in a helper thread with a deadline; a survivor
-  that waits past `distributed.wait_timeout_s` exits with `EXIT_WAIT_TIMEOUT` instead of
-  hanging. Process 0 hosts the coordination service: a thread in every other process probes it
-  and exits with `EXIT_COORDINATOR_LOST` as soon as it is gone, so a cluster scheduler can
-  requeue the job, which then resumes from the latest checkpoint.
+* **Watchdogs.** `wait` blocks on device results in a helper thread with a deadline, and `poll`
+  (under every wait for keys) has the same deadline; a survivor that waits past
+  `distributed.wait_timeout_s` exits with `EXIT_WAIT_TIMEOUT` instead of hanging. Process 0
+  hosts the coordination service: a thread in every other process probes it and exits with
+  `EXIT_COORDINATOR_LOST` as soon as it is gone, so a cluster scheduler can requeue the job,
+  which then resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -27,8 +43,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 
@@ -38,6 +54,20 @@ EXIT_COORDINATOR_LOST = 5
 """The coordination service (process 0) died: requeue the job; it resumes from a checkpoint."""
 EXIT_WAIT_TIMEOUT = 6
 """A blocking wait passed `distributed.wait_timeout_s` (a live peer stopped making progress)."""
+EXIT_DECLARED_DEAD = 7
+"""The other processes declared this one dead (its heartbeat stopped for
+`distributed.heartbeat_timeout_s`) and went on without it; it must not rejoin."""
+
+PROBE_TIMEOUT_S = 0.25
+"""A probe that gets no answer within this proves nothing (a silent host: left to heartbeats)."""
+PROBE_INTERVAL_S = 0.02
+"""A peer that accepted a probe is not probed again sooner than this."""
+HEARTBEAT_CHECK_S = 0.1
+"""Heartbeat counters are read at most this often while waiting for a peer."""
+POLL_MIN_S, POLL_MAX_S = 0.002, 0.02
+"""`Cluster.poll` sleeps between checks, doubling from the first to the second."""
+
+T = TypeVar("T")
 
 Logger = Callable[[str], None]
 
@@ -91,6 +121,88 @@ def _exit_on_abort(code: int) -> None:
   libc.signal(signal.SIGABRT, _ABORT_HANDLER)
 
 
+def first_writer_wins(client: Any, key: str, proposal: Any) -> Any:
+  """Writes `proposal` (JSON) under `key` unless a value is there already; returns the stored
+  value, which every caller must follow (it is the same for all of them).
+
+  Args:
+    client: a `jax.distributed` client (`key_value_set(key, value, allow_overwrite)`, which
+      raises an ALREADY_EXISTS error for a key that is set, and `key_value_try_get`).
+    key: the decision's key; written once, never overwritten or deleted.
+    proposal: this caller's proposal.
+  """
+  value = json.dumps(proposal)
+  try:
+    client.key_value_set(key, value, allow_overwrite=False)
+    return json.loads(value)  # stored: ours
+  except Exception as e:  # JaxRuntimeError
+    if "ALREADY_EXISTS" not in str(e):
+      raise
+  return json.loads(client.key_value_try_get(key))
+
+
+class HeartbeatMonitor:
+  """Tells from successive readings of every process's heartbeat counter which went silent.
+
+  A process is silent when its counter has not changed for `timeout_s` of local time and, over
+  the same span, the observing process's own counter (read in the same reading) advanced by at
+  least `min_beats`: so a stall of the observer or of the store, which also stops the
+  observer's own counter, is never taken for silence of the peer. Readings may be far apart:
+  an unchanged counter means no beat arrived in between.
+
+  Args:
+    me: the observing process (its counter is the reference).
+    timeout_s: silence that makes a process dead.
+    min_beats: the observer's own beats needed over that span.
+  """
+
+  def __init__(self, me: int, timeout_s: float, min_beats: int):
+    self.me = me
+    self.timeout_s = timeout_s
+    self.min_beats = min_beats
+    self._since: dict[int, tuple[int | None, float, int]] = {}
+
+  def observe(self, counters: Mapping[int, int], now: float,
+              processes: Iterable[int] = ()) -> set[int]:
+    """Records one reading of the counters; returns the processes that are silent.
+
+    Args:
+      counters: process id -> counter, as read from the store at (about) `now`.
+      now: `time.monotonic()` of the reading.
+      processes: processes to watch that may not have written a counter yet.
+    """
+    mine = counters.get(self.me, 0)
+    silent = set()
+    for p in set(counters) | set(self._since) | set(processes):
+      if p == self.me:
+        continue
+      value = counters.get(p)
+      seen = self._since.get(p)
+      if seen is None or seen[0] != value:
+        self._since[p] = (value, now, mine)
+      elif now - seen[1] >= self.timeout_s and mine - seen[2] >= self.min_beats:
+        silent.add(p)
+    return silent
+
+
+def parse_address(address: str) -> tuple[str, int]:
+  """`HOST:PORT` or `[V6HOST]:PORT` (a transfer server's `address()`) -> (host, port)."""
+  host, port = address.rsplit(":", 1)
+  return host.strip("[]"), int(port)
+
+
+def probe_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool | None:
+  """Connects to `address` and hangs up. True: refused (nothing listens: its process is
+  dead); False: accepted; None: no answer in `timeout_s` or unreachable (proves nothing)."""
+  try:
+    socket.create_connection(parse_address(address), timeout=timeout_s).close()
+    return False
+  except ConnectionRefusedError:
+    return True
+  except OSError:
+    return None
+
+
 class Cluster:
   """Joins the job, starts this process's transfer server and the coordinator watchdog.
 
@@ -129,9 +241,16 @@ class Cluster:
     self._server = transfer.start_transfer_server(
       self.device.client, f"{ip}:0", [f"{ip}:0"]
     )
-    self.kv_set(f"transfer/{self.process_id}", self._server.address())
     self._addresses: dict[int, str] = {}
     self._connections: dict[int, Any] = {}
+    # Liveness (see the module docstring).
+    self._dead: set[int] = set()
+    self._next_probe: dict[int, float] = {}
+    self._heartbeat_interval_s = cfg.heartbeat_timeout_s / 10
+    self._heartbeats = HeartbeatMonitor(self.process_id, cfg.heartbeat_timeout_s, min_beats=5)
+    self._heartbeats_read = 0.0
+    threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+    self.kv_set(f"transfer/{self.process_id}", self._server.address())
 
   # ---------------------------------------------------------------- failure of process 0
 
@@ -177,16 +296,118 @@ class Cluster:
     except OSError:
       return False
 
+  # ---------------------------------------------------------------- liveness
+
+  def _beat(self) -> None:
+    n = 0
+    while True:
+      n += 1
+      try:
+        self.client.key_value_set(f"hb/{self.process_id}", str(n), allow_overwrite=True)
+      except Exception:  # a lost coordination service is the watchdog's business
+        pass
+      time.sleep(self._heartbeat_interval_s)
+
+  def _address(self, process: int) -> str:
+    if process not in self._addresses:
+      self._addresses[process] = self.kv_get(f"transfer/{process}")
+    return self._addresses[process]
+
+  def probe(self, process: int) -> bool:
+    """Whether `process` is proven dead by its transfer server refusing a connection.
+
+    False if it accepted, or did not answer (a silent host; see `dead`). A peer that accepted
+    is probed again only after `PROBE_INTERVAL_S`, one that did not answer after a second.
+    """
+    now = time.monotonic()
+    if self._next_probe.get(process, 0.0) > now:
+      return False
+    if process not in self._addresses:
+      address = self.kv_try_get(f"transfer/{process}")
+      if address is None:  # it never got that far: only its heartbeat can tell
+        return False
+      self._addresses[process] = address
+    refused = probe_address(self._addresses[process])
+    if refused:
+      return True
+    self._next_probe[process] = now + (PROBE_INTERVAL_S if refused is False else 1.0)
+    return False
+
+  def dead(self, process_ids: Iterable[int]) -> set[int]:
+    """The listed processes proven dead (a refused probe, or a stopped heartbeat); never blocks
+    on other processes. A verdict is final: once dead, always dead to this process."""
+    ids = set(process_ids) - {self.process_id}
+    unknown = ids - self._dead
+    for p in sorted(unknown):
+      if self.probe(p):
+        self._dead.add(p)
+        self.log(f"process {self.process_id}: process {p} refuses connections: dead")
+    unknown -= self._dead
+    now = time.monotonic()
+    if unknown and now - self._heartbeats_read >= HEARTBEAT_CHECK_S:
+      self._heartbeats_read = now
+      rows = self._service(self.client.key_value_dir_get, "hb")
+      counters = {int(k.rsplit("/", 1)[1]): int(v) for k, v in rows}
+      silent = self._heartbeats.observe(counters, now, unknown) & unknown
+      for p in sorted(silent):
+        self._dead.add(p)
+        self.log(f"process {self.process_id}: no heartbeat from process {p} for "
+                 f"{self.cfg.heartbeat_timeout_s}s: dead")
+    return ids & self._dead
+
+  def declared_dead(self, lost: Iterable[int], what: str) -> None:
+    """Exits with `EXIT_DECLARED_DEAD` if this process is in an agreed `lost` set."""
+    if self.process_id in set(lost):
+      exit_now(EXIT_DECLARED_DEAD, f"process {self.process_id}: the other processes declared "
+               f"this one dead ({what}) and went on without it; exiting with code "
+               f"{EXIT_DECLARED_DEAD}")
+
   # ---------------------------------------------------------------- agreement
 
-  def live(self, process_ids: Iterable[int]) -> set[int]:
-    """The live subset of `process_ids`, the same in every live caller (a barrier over them).
+  def decide(self, key: str, proposal: Any) -> Any:
+    """First writer wins (`first_writer_wins`): the value stored under `key`, to follow."""
+    return self._service(first_writer_wins, self.client, key, proposal)
 
-    Blocks until every listed process has called it or been declared dead (up to the
-    heartbeat timeout).
+  def poll(self, what: str, check: Callable[[], T | None], wake_key: str | None = None) -> T:
+    """Calls `check` until it returns something other than None; returns that.
+
+    Between calls it sleeps `POLL_MIN_S`, doubling up to `POLL_MAX_S`, or, given `wake_key`,
+    waits that long for `wake_key` to be set (a decision that `check` reads), so that waiters
+    follow a decision the moment it is written. Exits with `EXIT_WAIT_TIMEOUT` after
+    `distributed.wait_timeout_s`.
     """
-    ids = sorted(set(process_ids))
-    return set(self._service(self.client.get_live_nodes, ids))
+    deadline = time.monotonic() + self.cfg.wait_timeout_s
+    delay = POLL_MIN_S
+    while True:
+      out = check()
+      if out is not None:
+        return out
+      if time.monotonic() > deadline:
+        exit_now(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
+                 f"{self.cfg.wait_timeout_s}s for {what}; exiting with code {EXIT_WAIT_TIMEOUT}")
+      if wake_key is None:
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX_S)
+        continue
+      try:
+        self.client.blocking_key_value_get(wake_key, int(POLL_MAX_S * 1000))
+      except Exception as e:
+        if "DEADLINE_EXCEEDED" not in str(e):
+          self.check_coordinator()
+          raise RuntimeError(f"coordination service call failed: {e}") from None
+
+  def await_key(self, key: str, owner: int, what: str) -> Any | None:
+    """The value `owner` sets under `key`, once set; None if `owner` is proven dead first."""
+
+    def check() -> tuple[Any] | None:
+      value = self.kv_try_get(key)
+      if value is not None:
+        return (value,)
+      if self.dead([owner]):
+        return (self.kv_try_get(key),)  # it may have set the key just before dying
+      return None
+
+    return self.poll(what, check)[0]
 
   def kv_set(self, key: str, value: Any) -> None:
     self._service(self.client.key_value_set, key, json.dumps(value), True)
@@ -203,10 +424,20 @@ class Cluster:
     return json.loads(raw)
 
   def kv_try_get(self, key: str) -> Any | None:
+    """The value under `key`, or None if it is not set."""
     try:
-      return json.loads(self.client.key_value_try_get(key))
-    except Exception:  # NOT_FOUND
-      return None
+      raw = self.client.key_value_try_get(key)
+    except Exception as e:
+      if "NOT_FOUND" in str(e):
+        return None
+      self.check_coordinator()
+      raise RuntimeError(f"coordination service call failed: {e}") from None
+    return json.loads(raw)
+
+  def kv_dir(self, directory: str) -> dict[str, Any]:
+    """Every key directly under `directory/`, by its last component."""
+    rows = self._service(self.client.key_value_dir_get, directory)
+    return {k.rsplit("/", 1)[1]: json.loads(v) for k, v in rows}
 
   # ---------------------------------------------------------------- transfers
 
@@ -226,9 +457,7 @@ class Cluster:
     specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
     try:
       if process not in self._connections:
-        if process not in self._addresses:
-          self._addresses[process] = self.kv_get(f"transfer/{process}")
-        self._connections[process] = self._server.connect(self._addresses[process])
+        self._connections[process] = self._server.connect(self._address(process))
       return list(self._connections[process].pull(uid, specs))
     except Exception:  # connection refused: the peer is gone
       self._connections.pop(process, None)

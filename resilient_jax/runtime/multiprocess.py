@@ -8,24 +8,40 @@ set of failed workers) and executes only its own worker's op list, in order:
   stage s+1; outputs are offered to the consumer under an id derived from
   (step, attempt, micro-batch, stage, kind), so a stale attempt's data can never be mistaken
   for the current one's.
-* `AR` first waits for this worker's gradients, then agrees on the live members of the stage
-  (`Cluster.live`, a barrier) and sums over exactly those with a collective; parameters held
-  by several stages (a tied embedding) are summed over the union of their workers.
+* `AR` first waits for this worker's gradients, then agrees with the other members of the
+  stage whether to run the collective, and sums over the stage with it; parameters held by
+  several stages (a tied embedding) are summed over the union of their workers.
 * `OPT` computes the new state, which is installed only when the attempt commits.
 
 **An attempt either commits everywhere or nowhere.** A live process always runs its whole op
 list, even after a peer died: data from a dead peer arrives as an error array (or zeros, if the
 peer could not be reached), which flows on as data, so no live peer ever waits for data that
-will not come. Collectives run only among members that agreed they are alive. At the end,
-each process publishes its status and losses to the key-value store and calls `live` over all
-participants: if everyone is still alive, the attempt commits in every process; if anyone died,
-every survivor gets the same smaller live set, drops the attempt and re-runs the step on the
-replanned schedule with the same samples.
+will not come. Decisions go through the key-value store, first writer wins
+(`Cluster.decide`), under `step/{step}/{attempt}/`, and every process follows the stored
+decision, never its own proposal:
+
+* Before a collective, each member writes `{name}/{pid}` (ready), then follows
+  `{name}/decision`: "run" is proposed once every member is ready; "skip" once a member that
+  is not ready is proven dead (`Cluster.dead`: its port refuses connections, or its heartbeat
+  stopped), or once the attempt has failed. So either every member enters the collective or
+  none does (a member that dies inside it makes the others' collective fail, not hang), and
+  nobody waits for a heartbeat timeout to learn of a crash.
+* At the end, each process writes `end/{pid}` (its status: ok, or why not, and its losses),
+  then follows `end/outcome`: `{"commit": true}` is proposed once every participant reported
+  success, `{"lost": [pids]}` once a participant is proven dead. On commit every process
+  installs its new state; on a loss every survivor drops the attempt, replans without the lost
+  processes and re-runs the step with the same samples. A process that finds itself in `lost`
+  (after a false heartbeat verdict) exits with `EXIT_DECLARED_DEAD`.
+
+Each directory is read whole in one call, and a waiter blocks on its decision key between
+reads, so it follows a decision as soon as it is written. Every wait has the
+`distributed.wait_timeout_s` deadline of `Cluster.poll`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -68,7 +84,7 @@ class Attempt:
   """Every micro-batch's loss (from all last-stage processes) when committed."""
   step_time_s: float
   detected_at: float = 0.0
-  """`time.time()` when the survivors agreed on the lost processes."""
+  """`time.time()` when this process read the agreed outcome."""
 
 
 class ProcessExecutor:
@@ -158,15 +174,15 @@ class ProcessExecutor:
       return (schedule.route[mb][stage], stage)
 
     def reduce(group: list[Worker], grads: Params, what: str) -> Params:
-      """Sums `grads` over `group` if every member agrees it is alive; else marks doomed."""
+      """Sums `grads` over `group` if its members agree to; else marks the attempt doomed."""
       if len(group) == 1:
         return grads
       procs = [self.process_of[g] for g in group]
-      alive = cl.live(procs)
+      skipped = self._agree_collective(step, attempt, what, procs)
       if pause is not None:
         pause(step, "AR")
-      if alive != set(procs):
-        doomed.append(f"{what}: processes {sorted(set(procs) - alive)} lost")
+      if skipped is not None:
+        doomed.append(f"{what} skipped: {skipped}")
         return grads
       group_devices = tuple(_device_of(p) for p in procs)
       try:
@@ -235,21 +251,104 @@ class ProcessExecutor:
       "why": doomed[:3],
       "losses": {} if doomed else {str(k): float(v) for k, v in losses.items()},
     }
-    cl.kv_set(f"attempt/{step}/{attempt}/{cl.process_id}", status)
-    alive = cl.live(participants)
+    base = _attempt_key(step, attempt)
+    cl.kv_set(f"{base}/end/{cl.process_id}", status)
+    decision, statuses = self._agree_outcome(base, participants, f"step {step}, attempt {attempt}")
     detected = time.time()
     elapsed = time.perf_counter() - t0
-    if alive != set(participants):
-      return Attempt(False, set(participants) - alive, {}, elapsed, detected)
-    statuses = {p: cl.kv_get(f"attempt/{step}/{attempt}/{p}") for p in participants}
-    bad = {p: st["why"] for p, st in statuses.items() if not st["ok"]}
-    if bad:
-      raise RuntimeError(f"step {step} failed with every process alive: {bad}")
+    if "lost" in decision:
+      cl.declared_dead(decision["lost"], f"step {step}, attempt {attempt}")
+      return Attempt(False, set(decision["lost"]), {}, elapsed, detected)
     if new_state is None:
       raise RuntimeError(f"worker {w}'s op list has no OPT")
     self.params, self.opt_state = new_state
     mb_losses = {int(k): v for st in statuses.values() for k, v in st["losses"].items()}
     return Attempt(True, set(), mb_losses, elapsed, detected)
+
+  # ---------------------------------------------------------------- agreement
+
+  def _agree_collective(self, step: int, attempt: int, what: str, procs: list[int]) -> str | None:
+    """Agrees with the other members whether the collective `what` runs: None if it does, else
+    why not. Either every member enters it or none does.
+
+    Each member writes `{name}/{pid}` (ready), then follows `{name}/decision`, proposing "run"
+    once every member is ready, or "skip" once a member that is not ready is proven dead (also
+    proposing that dead set as the attempt's outcome) or the attempt's outcome is already
+    decided (it can only be a loss: this member has not reported its status yet).
+    """
+    cl = self.cluster
+    base = _attempt_key(step, attempt)
+    directory = f"{base}/" + re.sub(r"[^\w-]+", "-", what)
+    key = f"{directory}/decision"
+    cl.kv_set(f"{directory}/{cl.process_id}", True)
+
+    def check() -> dict | None:
+      decided, ready = _split(cl.kv_dir(directory), "decision")
+      if decided is not None:
+        return decided
+      missing = set(procs) - set(ready)
+      if not missing:
+        return cl.decide(key, {"run": True})
+      if cl.kv_try_get(f"{base}/end/outcome") is not None:
+        return cl.decide(key, {"run": False, "why": "the attempt already failed"})
+      dead = cl.dead(missing)
+      if dead:
+        cl.decide(f"{base}/end/outcome", {"lost": sorted(dead)})
+        return cl.decide(key, {"run": False, "why": f"processes {sorted(dead)} died"})
+      return None
+
+    decided = cl.poll(f"the members of the {what} ({procs})", check, wake_key=key)
+    return None if decided["run"] else decided["why"]
+
+  def _agree_outcome(
+    self, base: str, participants: list[int], what: str
+  ) -> tuple[dict, dict[int, dict]]:
+    """The agreed outcome of an attempt whose statuses are under `base`/end, and the statuses
+    (all of them if it committed).
+
+    Follows `end/outcome`, proposing `{"commit": true}` once every participant reported
+    success, or `{"lost": [...]}` once a participant is proven dead: one that has not
+    reported, or any if every status is in and some failed (a failure comes from a dead
+    peer's data). A participant that reported success and then died may still be committed
+    (its part was complete); the next attempt finds its death.
+
+    Raises:
+      RuntimeError: some status failed while every participant stayed alive for longer than
+        the heartbeat timeout (a bug, not a failure).
+    """
+    cl = self.cluster
+    directory = f"{base}/end"
+    key = f"{directory}/outcome"
+    others = [p for p in participants if p != cl.process_id]
+    statuses: dict[int, dict] = {}
+    failed_since: list[float] = []
+
+    def check() -> dict | None:
+      decided, got = _split(cl.kv_dir(directory), "outcome")
+      statuses.clear()
+      statuses.update(got)
+      if decided is not None:
+        return decided
+      missing = [p for p in participants if p not in statuses]
+      if not missing and all(st["ok"] for st in statuses.values()):
+        return cl.decide(key, {"commit": True})
+      dead = cl.dead(missing or others)
+      if dead:
+        return cl.decide(key, {"lost": sorted(dead)})
+      if not missing:
+        failed_since[:] = failed_since or [time.monotonic()]
+        if time.monotonic() - failed_since[0] > cl.cfg.heartbeat_timeout_s + 2:
+          bad = {p: st["why"] for p, st in statuses.items() if not st["ok"]}
+          raise RuntimeError(f"{what} failed with every process alive: {bad}")
+      return None
+
+    decided = cl.poll(f"the outcome of {what}", check, wake_key=key)
+    if "commit" in decided and set(statuses) != set(participants):
+      statuses.clear()
+      statuses.update(_split(cl.kv_dir(directory), "outcome")[1])
+      if set(statuses) != set(participants):
+        raise RuntimeError(f"{what} committed without every participant's status")
+    return decided, statuses
 
   # ---------------------------------------------------------------- checkpoints
 
@@ -282,7 +381,11 @@ class ProcessExecutor:
         params.update(self.params)
         opt.append(universal.flatten_state(self.opt_state))
         continue
-      spec = self.cluster.kv_get(f"state/{step}/{stage}")
+      spec = self.cluster.await_key(
+        f"state/{step}/{stage}", self.process_of[holder], f"stage {stage}'s state"
+      )
+      if spec is None:  # the holder died first
+        return None
       specs = [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt)) for _, shape, dt in spec]
       got = self.cluster.pull(
         self.process_of[holder], transfer_id(step, 63, 0, stage, STATE), specs
@@ -305,6 +408,16 @@ class ProcessExecutor:
     self.params = {n: jax.device_put(params[n], self.device) for n in prog.param_names}
     state = universal.unflatten_state(self.opt_state, opt_entries, what="optimizer state")
     self.opt_state = jax.device_put(state, self.device)
+
+
+def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[int, Any]]:
+  """A directory of per-process entries and one decision -> (decision or None, {pid: entry})."""
+  return entries.get(decision), {int(k): v for k, v in entries.items() if k != decision}
+
+
+def _attempt_key(step: int, attempt: int) -> str:
+  """Where an attempt's statuses and decisions live in the key-value store."""
+  return f"step/{step}/{attempt}"
 
 
 def _device_of(process: int) -> jax.Device:

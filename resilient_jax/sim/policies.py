@@ -120,7 +120,9 @@ class RecoveryParams:
   """Seconds that recovery steps take.
 
   Attributes:
-    detect_s: from a failure to the coordinator knowing (heartbeat timeout).
+    detect_s: from a failure to the coordinator knowing. The runtime proves a crashed process
+      dead at once (its ports refuse connections); a host that goes silent is declared dead
+      only after the heartbeat timeout, which this default models.
     regroup_s: replanning and rebuilding the all-reduce groups over the survivors.
     restart_s: a whole-job restart: rescheduling, start-up, checkpoint restore.
     checkpoint_interval_s: wall time between checkpoints (what a rollback can lose).
