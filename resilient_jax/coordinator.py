@@ -67,16 +67,20 @@ class NoDevicesLeft(RuntimeError):
   """No surviving device can hold even a one-stage pipeline."""
 
 
+def block_and_head_flops(cfg: RunConfig) -> tuple[int, int]:
+  """Forward multiply-adds of one transformer block and of the LM head, per sequence."""
+  m = cfg.model
+  t, d, f = m.seq_len, m.d_model, m.mlp_ratio * m.d_model
+  return t * (d * 3 * d + d * d + 2 * d * f) + 2 * t * t * d, t * d * m.vocab_size
+
+
 def stage_costs(cfg: RunConfig) -> OpCosts:
   """Per-stage op costs in units of one transformer block's forward FLOPs.
 
   B and W each cost about one forward (the backward of a matmul is two matmuls of the same
   size, one for the input and one for the weight gradient); the last stage adds the head.
   """
-  m = cfg.model
-  t, d, f = m.seq_len, m.d_model, m.mlp_ratio * m.d_model
-  block = t * (d * 3 * d + d * d + 2 * d * f) + 2 * t * t * d
-  head = t * d * m.vocab_size
+  block, head = block_and_head_flops(cfg)
   f_costs = []
   for s, layers in enumerate(cfg.partition):
     flops = len(layers) * block + (head if s == cfg.mesh.pp - 1 else 0)

@@ -29,7 +29,13 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 from resilient_jax.config import RunConfig
-from resilient_jax.coordinator import NeedsRestore, Phase, PhaseLog, stage_costs
+from resilient_jax.coordinator import (
+  NeedsRestore,
+  Phase,
+  PhaseLog,
+  block_and_head_flops,
+  stage_costs,
+)
 from resilient_jax.schedule import bamboo, oobleck
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.errors import ScheduleError
@@ -47,8 +53,7 @@ def layer_profile(cfg: RunConfig) -> oobleck.LayerProfile:
   """
   m = cfg.model
   t, d, f = m.seq_len, m.d_model, m.mlp_ratio * m.d_model
-  block = t * (d * 3 * d + d * d + 2 * d * f) + 2 * t * t * d
-  head = t * d * m.vocab_size
+  block, head = block_and_head_flops(cfg)
   n = m.num_layers
   fwd = [1.0] * n
   fwd[-1] += head / block
@@ -180,9 +185,7 @@ class PipelineSetCoordinator(PhaseLog):
         return oobleck.reinstantiate(
           self.instance, [node], self.templates, tolerate=self.cfg.resilience.tolerate
         )
-      except oobleck.LayersLostError:
-        raise
-      except oobleck.InstantiationError:
+      except oobleck.InstantiationError:  # the templates cannot cover every survivor
         pass
     held = self.instance.layers_of()
     covered = {layer for n in self.live if n in held for layer in range(*held[n])}
