@@ -69,7 +69,8 @@ class PipelineSetExecutor:
   """Holds every slot's state and runs steps of a `PipelineSet`.
 
   Args:
-    programs_for: the stage programs of a split of the layers (called once per split).
+    programs_for: the stage programs of a split of the layers (cached by the caller: it is
+      called on every lookup).
     devices: the device of every node.
     plan: the set to run.
     state: where the state comes from (`place`); default the model's initial parameters.
@@ -83,7 +84,6 @@ class PipelineSetExecutor:
     state: Sequence[Source] | None = None,
   ):
     self._programs_for = programs_for
-    self._programs: dict[tuple[LayerRange, ...], list[StagePrograms]] = {}
     self._orders: dict[int, list[tuple[Worker, Op]]] = {}
     self.devices = dict(devices)
     self.plan = plan
@@ -102,10 +102,8 @@ class PipelineSetExecutor:
 
   # ---------------------------------------------------------------- layout
 
-  def programs(self, stages: tuple[LayerRange, ...]) -> list[StagePrograms]:
-    if stages not in self._programs:
-      self._programs[stages] = list(self._programs_for(stages))
-    return self._programs[stages]
+  def programs(self, stages: tuple[LayerRange, ...]) -> Sequence[StagePrograms]:
+    return self._programs_for(stages)
 
   def program(self, slot: Slot, plan: PipelineSet | None = None) -> StagePrograms:
     p, s = slot

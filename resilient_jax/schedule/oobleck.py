@@ -944,15 +944,14 @@ def reinstantiate(
   if not candidates:
     raise InstantiationError(f"no combination of sizes {sizes} covers {len(survivors)} nodes")
 
-  best: tuple[float, float, OobleckInstance] | None = None
-  for chosen in candidates:
-    node_lists = _assign(chosen, survivors, instance)
-    new = _build(chosen, node_lists, want - 1, total_mb, instance.profile)
-    key = (new.step_time, oobleck_recovery_cost(instance, new).total_bytes)
-    if best is None or key < best[:2]:
-      best = (*key, new)
-  assert best is not None
-  return best[2]
+  built = [
+    _build(chosen, _assign(chosen, survivors, instance), want - 1, total_mb, instance.profile)
+    for chosen in candidates
+  ]
+  # The faster, then the cheaper to reach; the first of equals.
+  return min(
+    built, key=lambda new: (new.step_time, oobleck_recovery_cost(instance, new).total_bytes)
+  )
 
 
 def stage_costs(
