@@ -83,7 +83,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
     trainer = build(1, 2, tmp / "a")
-    n_params = sum(int(np.prod(v.shape)) for v in trainer.executor.export_state()[0].values())
+    n_params = sum(int(np.prod(v.shape)) for v in trainer.interpreter.export_state()[0].values())
     print(f"model: {n_params / 1e6:.1f}M parameters, AdamW state "
           f"{3 * n_params * 4 / 2**30:.2f} GiB with parameters")
 
@@ -118,14 +118,14 @@ def main() -> None:
       _drop_caches()
     t0 = time.perf_counter()
     loaded = ckpt.load(path)
-    other.executor.import_state(loaded.params, loaded.opt_state)
-    jax.block_until_ready(list(other.executor.params.values()))
+    other.interpreter.import_state(loaded.params, loaded.opt_state)
+    jax.block_until_ready(list(other.interpreter.params.values()))
     reshard = time.perf_counter() - t0
     cache = "cold page cache" if cold else "warm page cache (could not drop it)"
     print(f"checkpoint {nbytes / 2**30:.2f} GiB, {cache}: raw read {raw:.3f} s, load + verify + "
           f"reshard onto 2x1 {reshard:.3f} s -> ratio {reshard / raw:.2f} (target <= 2)")
     for name in list(loaded.params)[:3]:
-      np.testing.assert_array_equal(np.asarray(other.executor.params[(1, 0)][name]),
+      np.testing.assert_array_equal(np.asarray(other.interpreter.params[(1, 0)][name]),
                                     loaded.params[name])
 
 

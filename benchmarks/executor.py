@@ -60,10 +60,14 @@ def make_cfg(schedule: str, dp: int, pp: int, tiny_ops: bool = False):
 
 
 def build_executor(cfg):
-  from resilient_jax.runtime.executor import Executor
+  import jax
+
+  from resilient_jax.recipe import make_data, make_model, make_optimizer
+  from resilient_jax.runtime.interpreter import Interpreter
+  from resilient_jax.runtime.transport import LocalTransport
   from resilient_jax.schedule.generators import generate
+  from resilient_jax.schedule.plan import GridPlan
   from resilient_jax.stages import build_stage_programs
-  from resilient_jax.trainer import grid_devices, make_data, make_model, make_optimizer
 
   programs = build_stage_programs(
     make_model(cfg),
@@ -73,9 +77,13 @@ def build_executor(cfg):
     make_optimizer(cfg),
     global_tokens=cfg.train.global_batch * cfg.model.seq_len,
   )
-  schedule = generate(cfg.pipeline.schedule, cfg.mesh.dp, cfg.mesh.pp, cfg.pipeline.microbatches)
-  source, plan = make_data(cfg)
-  return Executor(programs, grid_devices(cfg)), schedule, source, plan
+  dp, pp = cfg.mesh.dp, cfg.mesh.pp
+  schedule = generate(cfg.pipeline.schedule, dp, pp, cfg.pipeline.microbatches)
+  split = tuple((r.start, r.stop) for r in cfg.partition)
+  plan = GridPlan(schedule, split, {(d, s): d * pp + s for d in range(dp) for s in range(pp)})
+  transport = LocalTransport(dict(enumerate(jax.devices()[: dp * pp])))
+  source, data = make_data(cfg)
+  return Interpreter(lambda _: programs, transport, plan), schedule, source, data
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
   runtime_setup.configure_jax(args.dp * args.pp)
 
   from resilient_jax.profiling import replay_records
-  from resilient_jax.trainer import step_batch
+  from resilient_jax.recipe import step_batch
 
   names = [s.strip() for s in args.schedules.split(",") if s.strip()]
   runs = {}
@@ -95,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
   def step(key, t: int, profile: bool = False):
     cfg, executor, schedule, source, plan = runs[key]
     _, inputs, targets = step_batch(cfg, source, plan, t)
-    return executor.run_step(schedule, inputs, targets, profile=profile)
+    return executor.run_step(inputs, targets, profile=profile)
 
   keys = list(runs)
   for t in range(1, args.warmup + 1):

@@ -15,14 +15,19 @@ _EXPORTS = {
   "from_config_dict": "resilient_jax.config",
   "Trainer": "resilient_jax.trainer",
   "TrainResult": "resilient_jax.trainer",
+  "FaultEvent": "resilient_jax.trainer",
   "train": "resilient_jax.trainer",
-  "Coordinator": "resilient_jax.coordinator",
-  "StageLost": "resilient_jax.coordinator",
-  "NeedsRestore": "resilient_jax.coordinator",
-  "Executor": "resilient_jax.runtime.executor",
+  "RunCoordinator": "resilient_jax.policy",
+  "Decision": "resilient_jax.policy",
+  "StageLost": "resilient_jax.policy",
+  "NoDevicesLeft": "resilient_jax.policy",
+  "Interpreter": "resilient_jax.runtime.interpreter",
+  "WorkerLost": "resilient_jax.runtime.interpreter",
   "StagePrograms": "resilient_jax.stages",
   "Schedule": "resilient_jax.schedule.core",
   "Op": "resilient_jax.schedule.core",
+  "GridPlan": "resilient_jax.schedule.plan",
+  "PipelineSet": "resilient_jax.schedule.pipelines",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -32,3 +37,7 @@ def __getattr__(name: str) -> Any:
   if name in _EXPORTS:
     return getattr(importlib.import_module(_EXPORTS[name]), name)
   raise AttributeError(f"module 'resilient_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return __all__

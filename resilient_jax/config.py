@@ -234,16 +234,6 @@ class RunConfig:
         "real processes instead (launch/local.py --kill=STEP:PROCESS)"
       )
     policy = self.resilience.policy
-    if self.distributed.enabled and policy == "restart":
-      raise ConfigError(
-        "resilience.policy=restart is for single-process runs; a multi-process job restarts "
-        "by being relaunched on the same workdir (it resumes from the latest checkpoint)"
-      )
-    if self.distributed.enabled and policy not in ("recycle", "naive"):
-      raise ConfigError(
-        f"resilience.policy={policy} runs in one process only; multi-process jobs re-route "
-        "(recycle or naive)"
-      )
     if policy == "bamboo" and mesh.pp < 2:
       raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "
                         "on its predecessor")

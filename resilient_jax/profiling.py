@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from resilient_jax import timeline
-from resilient_jax.runtime.executor import OpRecord
+from resilient_jax.runtime.interpreter import OpRecord
 from resilient_jax.schedule.core import AR, BW, OPT, B, F, Op, Schedule, W, Worker
 from resilient_jax.schedule.cost import OpCosts, Timeline, replay
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from models.layers import FlatBinder, flat_params
 from resilient_jax.config import RunConfig
-from resilient_jax.trainer import make_data, make_model, make_optimizer, step_batch
+from resilient_jax.recipe import make_data, make_model, make_optimizer, step_batch
 
 
 def train_reference(cfg: RunConfig, steps: int | None = None) -> tuple[list[float], dict]:

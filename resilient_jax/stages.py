@@ -120,7 +120,6 @@ class StagePrograms:
       lambda p, x, t: apply(discovered, p, x, t), self.abstract_params(), input_spec, target_spec
     )
     tap_specs = dict(discovered.shapes)
-    self.tap_keys = tuple(tap_specs)
 
     argnums = (2,) if info.first else (1, 2)
     fwd, bwd = jax.fwd_and_bwd(run, argnums=argnums, has_aux=True, jitted=False)

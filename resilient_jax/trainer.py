@@ -1,19 +1,29 @@
-"""The training loop: build everything from a `RunConfig`, run steps, write the workdir.
+"""The one training loop, for a single process and for every process of a multi-process job.
 
 Order of a run:
-  1. model, data plan, per-stage programs, executor on the dp x pp devices;
-  2. the coordinator picks each step's schedule (the base one until workers fail);
-  3. each step: the sample ids of the step (a pure function of seed and step), split into
-     micro-batches, executed; one metrics line and one log line;
-  4. the last step runs in profile mode and its timeline is written.
+  1. model, data plan, the policy's coordinator and its first plan, the interpreter holding this
+     process's slots (every slot in one process; its own node's in a `jax.distributed` job);
+  2. resume: the newest checkpoint in `WORKDIR/checkpoints` that verifies (any layout; in a
+     multi-process job process 0 picks it and every process loads that one), else the initial
+     parameters from the seed;
+  3. each step is *attempted*: the sample ids of the step (a pure function of seed and step),
+     split into micro-batches and run by the interpreter. An attempt that loses nodes (a fault
+     injected in-process, or processes that died) commits nothing: the policy decides what
+     runs next — a new plan on the survivors (state placed from surviving replicas) or a
+     restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
+     again with the same samples;
+  4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
+     `checkpoint.every_steps`; the last step and the first after each failure run in profile
+     mode for their timelines (in-process).
 
-Resume order: the newest checkpoint in `WORKDIR/checkpoints` that verifies (any layout), else
-the initial parameters from the seed. When failures leave a stage with no worker, the run is
-rebuilt on the largest layout the surviving devices support and restored the same way.
+Workdir outputs (process 0): `metrics.jsonl`, `recovery.json` (per failure: detection and time
+to the next committed step), `timeline*.json/png`, `schedule.txt`, `profile.json`,
+`config.json`, `checkpoints/`.
 
-Workdir outputs: `metrics.jsonl` (one object per completed step), `timeline.json`
-(Chrome/Perfetto trace of the last step), `timeline.png` (its Gantt chart), `schedule.txt`
-(the schedules used), `config.json` (the resolved configuration).
+Test hook for multi-process jobs: `RESILIENT_JAX_PAUSE=STEP:WHERE` makes this process write the
+time to the file named by `RESILIENT_JAX_PAUSE_FILE` and stop at that point of that step
+(`start`, an op such as `F1` or `B0` right after it was dispatched, or `AR` inside the gradient
+all-reduce), so that `launch/local.py --kill` can SIGKILL it at exactly that moment.
 """
 
 from __future__ import annotations
@@ -21,113 +31,53 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
-import optax
-from flax import nnx
 
-from models.gpt import GPT
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointWriter, load_latest
-from resilient_jax.checkpoint.store import Loaded
-from resilient_jax.config import ConfigError, FaultsConfig, MeshConfig, RunConfig
-from resilient_jax.coordinator import Coordinator, NeedsRestore, StageLost, largest_layout
-from resilient_jax.policies import PIPELINE_SET_POLICIES, PipelineSetCoordinator, auto_choice
-from resilient_jax.runtime.executor import Executor, StepResult, WorkerLost
-from resilient_jax.runtime.pipelines import PipelineSetExecutor
+from resilient_jax.checkpoint.store import Loaded, load, step_dir
+from resilient_jax.config import ConfigError, RunConfig
+from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
+from resilient_jax.recipe import (
+  make_data,
+  make_model,
+  make_optimizer,
+  num_microbatches,
+  processed_ids,
+  step_batch,
+)
+from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
+from resilient_jax.runtime.transport import LocalTransport
 from resilient_jax.schedule.core import AR, Op, Worker
+from resilient_jax.schedule.pipelines import PipelineSet
+from resilient_jax.schedule.plan import GridPlan, Plan
 from resilient_jax.stages import StagePrograms, build_stage_programs
 
 Logger = Callable[[str], None]
 
+PAUSE_ENV = "RESILIENT_JAX_PAUSE"
+PAUSE_FILE_ENV = "RESILIENT_JAX_PAUSE_FILE"
+KILLS_FILE = "kills.jsonl"
+"""Written into the workdir by `launch/local.py`: one line per injected kill, with its time."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FaultEvent:
-  """Worker `worker` fails in 1-based `step`: at its start, or right after `after_op` was
-  dispatched on that worker (the interrupted step is then re-run on the survivors).
+  """Worker `worker` of the initial grid fails in 1-based `step`: at its start, or right after
+  `after_op` was dispatched on it (the interrupted step is then re-run on the survivors).
 
-  Workers are named in the initial grid; the failure is of the worker's device. If that device
-  does not run `after_op` in that step (a replanned layout gave it other work), it fails right
-  after its all-reduce instead: still in the middle of the step."""
+  The failure is of the worker's node (device), so it keeps its meaning after the layout
+  changed. If that node does not run `after_op` in that step (a replanned layout gave it other
+  work), it fails right after its all-reduce instead: still in the middle of the step."""
 
   step: int
   worker: Worker
   after_op: Op | None = None
-
-
-def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-  """AdamW with linear warmup and cosine decay; weight decay on matrices only."""
-  t = cfg.train
-  schedule = optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=t.learning_rate,
-    warmup_steps=t.warmup_steps,
-    decay_steps=max(t.steps, t.warmup_steps + 1),
-    end_value=t.learning_rate * t.min_lr_ratio,
-  )
-  return optax.adamw(
-    schedule,
-    b1=t.b1,
-    b2=t.b2,
-    weight_decay=t.weight_decay,
-    mask=lambda params: {k: v.ndim >= 2 for k, v in params.items()},
-  )
-
-
-def make_model(cfg: RunConfig) -> GPT:
-  return GPT(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
-
-
-def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:
-  t = cfg.train
-  source = data_lib.make_source(
-    t.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, seed=t.seed
-  )
-  return source, data_lib.BatchPlan(source.num_samples, t.global_batch, t.seed)
-
-
-def step_batch(
-  cfg: RunConfig, source: data_lib.DataSource, plan: data_lib.BatchPlan, step: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Sample ids per micro-batch `[dp*m, microbatch]`, and inputs and targets of 1-based `step`
-  as `[dp*m, microbatch, seq_len]` arrays."""
-  ids = plan.ids_for_step(step - 1)
-  mbs = data_lib.split_microbatches(ids, cfg.mesh.dp, cfg.pipeline.microbatches)
-  inputs, targets = source.get(mbs.reshape(-1))
-  shape = (*mbs.shape, cfg.model.seq_len)
-  return mbs, inputs.reshape(shape), targets.reshape(shape)
-
-
-def processed_ids(mb_ids: np.ndarray, result: StepResult) -> np.ndarray:
-  """The sample ids the step actually trained on, from the micro-batches it ran.
-
-  Raises:
-    RuntimeError: a micro-batch was skipped or run twice: the step's global batch changed.
-  """
-  done = sorted(result.processed)
-  if done != list(range(len(mb_ids))):
-    raise RuntimeError(
-      f"step processed micro-batches {done}, expected each of 0..{len(mb_ids) - 1} once"
-    )
-  return mb_ids[np.asarray(result.processed)].reshape(-1)
-
-
-def grid_devices(
-  cfg: RunConfig, devices: list[jax.Device] | None = None
-) -> dict[Worker, jax.Device]:
-  """Worker (d, s) gets device d * pp + s: a pipeline's stages sit on neighbouring devices."""
-  devices = list(jax.devices() if devices is None else devices)
-  need = cfg.mesh.num_workers
-  if len(devices) < need:
-    raise ConfigError(
-      f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devices)}"
-    )
-  return {
-    (d, s): devices[d * cfg.mesh.pp + s] for d in range(cfg.mesh.dp) for s in range(cfg.mesh.pp)
-  }
 
 
 def check_resumable(cfg: RunConfig, loaded: Loaded) -> None:
@@ -147,15 +97,22 @@ def check_resumable(cfg: RunConfig, loaded: Loaded) -> None:
     raise ConfigError(f"model.* differs from the model saved in {loaded.path}")
 
 
-def checkpoint_meta(cfg: RunConfig, step: int, live_workers: int) -> dict:
+def plan_layout(plan: Plan) -> dict:
+  """What a checkpoint records of the plan that saved it."""
+  if isinstance(plan, GridPlan):
+    s = plan.schedule
+    return {"plan": plan.name, "dp": s.dp, "pp": s.pp,
+            "partition": [hi - lo for lo, hi in plan.partition], "live_workers": len(s.ops)}
+  return {"plan": plan.name, "pipelines": [[hi - lo for lo, hi in p.stages]
+                                           for p in plan.pipelines],
+          "dp": len(plan.pipelines), "pp": max(p.num_stages for p in plan.pipelines),
+          "live_workers": len(plan.nodes)}
+
+
+def checkpoint_meta(cfg: RunConfig, plan: Plan, step: int) -> dict:
   """What a checkpoint records besides the state: layout, data position, model."""
   return {
-    "layout": {
-      "dp": cfg.mesh.dp,
-      "pp": cfg.mesh.pp,
-      "partition": [len(r) for r in cfg.partition],
-      "live_workers": live_workers,
-    },
+    "layout": plan_layout(plan),
     "data": {
       "kind": cfg.train.data,
       "seed": cfg.train.seed,
@@ -167,25 +124,45 @@ def checkpoint_meta(cfg: RunConfig, step: int, live_workers: int) -> dict:
   }
 
 
+def pause_hook_from_env() -> Callable[[int, str], None] | None:
+  """The multi-process test hook described in the module docstring, or None."""
+  spec = os.environ.get(PAUSE_ENV, "")
+  if not spec:
+    return None
+  step_s, _, where = spec.partition(":")
+  target = (int(step_s), where or "start")
+  path = os.environ.get(PAUSE_FILE_ENV, "")
+
+  def hook(step: int, at: str) -> None:
+    if (step, at) != target:
+      return
+    if path:
+      Path(path).write_text(json.dumps({"time": time.time(), "step": step, "at": at}))
+    time.sleep(600)  # the launcher kills this process now
+    raise RuntimeError(f"paused at {spec} but nobody killed this process")
+
+  return hook
+
+
 @dataclasses.dataclass
 class TrainResult:
   metrics: list[dict]
-  executor: Executor | PipelineSetExecutor
-  coordinator: Coordinator | PipelineSetCoordinator
+  interpreter: Interpreter
+  coordinator: RunCoordinator
   last_step: StepResult | None
 
 
 class Trainer:
-  """Owns the executor and coordinator of one run; `run()` trains to the end.
+  """Owns the coordinator and interpreter of one run (or one process's share of it).
 
   Args:
     cfg: the validated run configuration.
     workdir: where outputs go (created). A workdir holding checkpoints is resumed from.
-    devices: devices to use (default: all local devices).
-    log: where progress lines go.
-    faults: failures to inject besides the config's `faults.schedule` (tests use this for
-      failures in the middle of a step). Workers are named in the initial grid; a failure
-      is of the worker's device, so it still applies after the layout changed.
+    devices: devices to use in a single-process run (default: all local devices).
+    log: where progress lines go (in a multi-process job only process 0's reach it).
+    faults: failures to inject besides the config's `faults.schedule` (in-process).
+    cluster: the joined `jax.distributed` job (`runtime.cluster.Cluster`) for a multi-process
+      run; None runs every slot in this process.
   """
 
   def __init__(
@@ -196,232 +173,287 @@ class Trainer:
     devices: list[jax.Device] | None = None,
     log: Logger = print,
     faults: Sequence[FaultEvent] = (),
+    cluster=None,
   ):
     self.cfg = cfg
     self.workdir = Path(workdir)
-    self.workdir.mkdir(parents=True, exist_ok=True)
-    self.log = log
+    self.cluster = cluster
+    self.chief = cluster is None or cluster.process_id == 0
+    self.log = log if self.chief else (lambda _: None)
+    if self.chief:
+      self.workdir.mkdir(parents=True, exist_ok=True)
     self.model = make_model(cfg)
     self.source, self.plan = make_data(cfg)
     self.ckpt_dir = self.workdir / "checkpoints"
-    self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
-    grid = grid_devices(cfg, devices)
-    self._build(cfg, [grid[w] for w in sorted(grid)])
-    events = [FaultEvent(f.step, (f.dp, f.stage)) for f in cfg.faults.schedule] + list(faults)
-    # Failures are of devices: they keep their meaning if the grid is rebuilt.
-    self.faults = [(f, grid[f.worker]) for f in events]
-    self.failed_devices: set[jax.Device] = set()
-
-  def _build(self, cfg: RunConfig, devices: list[jax.Device]) -> None:
-    """Programs, executor and coordinator for `cfg`'s layout and policy on `devices`.
-
-    Grid policies put worker (d, s) on `devices[d * pp + s]`; `oobleck` and `bamboo` number
-    the devices as nodes (Bamboo's grid the same way, Oobleck's pipelines over all of them).
-    """
-    self.layout_cfg = cfg
-    self._programs: dict[tuple[tuple[int, int], ...], list[StagePrograms]] = {}
-    self.programs = self._programs_for(tuple((r.start, r.stop) for r in cfg.partition))
-    if cfg.resilience.policy in PIPELINE_SET_POLICIES:
-      nodes = dict(enumerate(devices))
-      self.coordinator = PipelineSetCoordinator(cfg, nodes, log=self.log)
-      self.executor = PipelineSetExecutor(self._programs_for, nodes, self.coordinator.plan)
-      return
+    self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep) if self.chief \
+      else None
+    need = cfg.mesh.num_workers
     pp = cfg.mesh.pp
-    grid = {(d, s): devices[d * pp + s] for d in range(cfg.mesh.dp) for s in range(pp)}
-    self.executor = Executor(self.programs, grid)
-    self.coordinator = Coordinator(cfg, log=self.log)
+    if cluster is None:
+      devs = list(jax.devices() if devices is None else devices)
+      if len(devs) < need:
+        raise ConfigError(
+          f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devs)}"
+        )
+      transport = LocalTransport(dict(enumerate(devs[:need])))
+      nodes = list(range(need))
+    else:
+      from resilient_jax.runtime.multiprocess import ProcessTransport
 
-  def _programs_for(self, stages: tuple[tuple[int, int], ...]) -> list[StagePrograms]:
-    """Stage programs of a split of the layers, built once per split for this layout."""
-    if stages not in self._programs:
-      cfg = self.layout_cfg
-      self._programs[stages] = build_stage_programs(
+      if cluster.num_processes != need:
+        raise ConfigError(
+          f"mesh.dp * mesh.pp = {need} workers need {need} processes (one worker each), "
+          f"the job has {cluster.num_processes}"
+        )
+      transport = ProcessTransport(cluster, pause_hook_from_env())
+      nodes = list(range(cluster.num_processes))
+    self.transport = transport
+    self.coordinator = RunCoordinator(cfg, nodes, log=self.log)
+    self._programs: dict[tuple, list[StagePrograms]] = {}
+    self.interpreter = self._interpreter(self.coordinator.plan)
+    if cluster is not None:
+      # Any worker of a neighbouring stage may become this one's producer or consumer; the
+      # first transfer over a new connection and the split backward's compile would
+      # otherwise land inside a recovery.
+      me = cluster.process_id
+      cluster.connect(n for n in nodes if abs(n % pp - me % pp) == 1)
+      self.interpreter.warm_up()
+    events = [FaultEvent(f.step, (f.dp, f.stage)) for f in cfg.faults.schedule] + list(faults)
+    self.faults = [(f, f.worker[0] * pp + f.worker[1]) for f in events]
+    self.recovery: list[dict] = []
+    self.attempts = 0
+
+  # ---------------------------------------------------------------- programs and state
+
+  def _programs_for(self, split: tuple[tuple[int, int], ...]) -> list[StagePrograms]:
+    """Stage programs of a split of the layers at the current micro-batch size, built once."""
+    key = (split, self.microbatch_size)
+    if key not in self._programs:
+      cfg = self.cfg
+      self._programs[key] = build_stage_programs(
         self.model,
-        [range(lo, hi) for lo, hi in stages],
-        cfg.microbatch_size,
+        [range(lo, hi) for lo, hi in split],
+        self.microbatch_size,
         cfg.model.seq_len,
         make_optimizer(cfg),
         global_tokens=cfg.train.global_batch * cfg.model.seq_len,
       )
-    return self._programs[stages]
+    return self._programs[key]
+
+  def _interpreter(self, plan: Plan) -> Interpreter:
+    self.microbatch_size = self.cfg.train.global_batch // num_microbatches(plan)
+    return Interpreter(self._programs_for, self.transport, plan)
 
   @property
-  def _pipeline_set(self) -> bool:
-    return isinstance(self.executor, PipelineSetExecutor)
+  def programs(self) -> list[StagePrograms]:
+    """The configured grid's stage programs."""
+    return self._programs_for(tuple((r.start, r.stop) for r in self.cfg.partition))
+
+  def _load(self, tag: str) -> int:
+    """Loads the newest valid checkpoint into the interpreter; returns its step (0: none).
+
+    In a multi-process job process 0 picks the checkpoint (after its save in flight is
+    committed) and every process loads that one, so all resume from the same step.
+    """
+    loaded: Loaded | None = None
+    if self.writer is not None:
+      self.writer.wait()
+    if self.cluster is None:
+      loaded = load_latest(self.ckpt_dir, log=self.log)
+    elif self.chief:
+      loaded = load_latest(self.ckpt_dir, log=self.log)
+      self.cluster.kv_set(f"restore/{tag}", loaded.step if loaded else 0)
+    else:
+      step = self.cluster.kv_get(f"restore/{tag}")
+      loaded = load(step_dir(self.ckpt_dir, step)) if step else None
+    if loaded is None:
+      return 0
+    check_resumable(self.cfg, loaded)
+    self.interpreter.import_state(loaded.params, loaded.opt_state)
+    lay = loaded.meta["layout"]
+    self.log(f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
+             f"pp={lay['pp']}) onto {_describe(self.coordinator.plan)}" + (
+               f", {self.cluster.num_processes} processes" if self.cluster else ""))
+    return loaded.step
+
+  def _save(self, step: int) -> None:
+    """Writes a checkpoint of `step` (process 0; the others hand their state over)."""
+    plan = self.coordinator.plan
+    if self.cluster is None:
+      state = self.interpreter.export_state()
+    else:
+      sp = self.interpreter.step_program
+      keys = sorted({(p.split, p.stage) for p in sp.slots.values()})
+      holders = {
+        i: min(p.node for p in sp.slots.values() if (p.split, p.stage) == k)
+        for i, k in enumerate(keys)
+      }
+      state = self.transport.share_state(step, holders, self.interpreter.export_state)
+      if self.chief:
+        if state is None:
+          self.log(f"checkpoint of step {step} skipped: a stage's holder died while handing "
+                   "its state over (the previous checkpoint stays the latest)")
+        # The holders may go on (and exit after the last step) once their state is here.
+        self.cluster.kv_set(f"checkpoint/{step}", True)
+      elif self.cluster.process_id in holders.values():
+        # Stay until process 0 has pulled this state (its loss ends this process, exit 5).
+        self.cluster.kv_get(f"checkpoint/{step}")
+    if self.chief and state is not None:
+      self.writer.save(step, *state, checkpoint_meta(self.cfg, plan, step))
 
   # ---------------------------------------------------------------- failures
 
-  def _worker_on(self, device: jax.Device) -> Worker | int | None:
-    """The executor's name for `device` now: its grid worker, or its node for a pipeline set."""
-    return next((w for w, d in self.executor.devices.items() if d == device), None)
-
-  def _fault_hook(self, step: int) -> Callable[[Worker, Op], None] | None:
-    pending = [(f, dev) for f, dev in self.faults if f.step == step and f.after_op is not None]
+  def _fault_hook(self, step: int) -> Callable[[int, Op], None] | None:
+    pending = [(f, n) for f, n in self.faults if f.step == step and f.after_op is not None]
+    if self.cluster is not None:
+      pause = self.transport.pause
+      if pause is None:
+        return None
+      return lambda node, op: pause(step, str(op)) if op.kind != AR else None
     if not pending:
       return None
 
-    def hook(worker: Worker | int, op: Op) -> None:
-      for f, dev in pending:
-        if self._worker_on(dev) == worker and (f.after_op == op or op.kind == AR):
-          pending.remove((f, dev))
-          raise WorkerLost(worker)
+    def hook(node: int, op: Op) -> None:
+      for f, n in pending:
+        if n == node and (f.after_op == op or op.kind == AR):
+          pending.remove((f, n))
+          raise WorkerLost(node)
 
     return hook
 
-  def _fail(self, worker: Worker | int, step: int, *, mid_step: bool) -> None:
-    device = self.executor.devices[worker]
-    if not self.failed_devices and device.platform == "cpu" and not self._pipeline_set:
-      self.log("  note: simulated CPU devices share this host's cores, so wall-clock step times "
-               "do not show the schedule; timeline_step*.png replays measured op times with "
-               "one core per worker")
-    self.failed_devices.add(device)
-    if self._pipeline_set:
-      plan = self.coordinator.fail(worker, step, mid_step=mid_step)
-      dead = {n for n, d in self.executor.devices.items() if d in self.failed_devices}
-      copied = self.executor.place(plan, self.executor.sources(dead))
+  def _fail(self, nodes: set[int], step: int, *, mid_step: bool) -> int | None:
+    """Hands the loss of `nodes` to the policy and applies its decision.
+
+    Returns:
+      The step restored from when the policy restored a checkpoint (the caller redoes the
+      steps after it), else None.
+    """
+    try:
+      decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
+    except (StageLost, NoDevicesLeft):
+      if self.cluster is not None:
+        # Every survivor ends with the same code: process 0 (the key-value store) leaves last.
+        self.leave_together(f"ended/{self.attempts}")
+      raise
+    if decision.restore:
+      nodes = self._plan_nodes(decision.plan)
+      self.log(f"{decision.reason}; restoring the latest checkpoint onto "
+               f"{_describe(decision.plan)} ({len(nodes)} of {len(self.coordinator.live)} "
+               "surviving nodes)")
+      self.interpreter = self._interpreter(decision.plan)
+      restored = self._load(f"{step}/{self.attempts}")
+      if restored == 0:
+        self.log(f"no checkpoint to restore: starting again from step 1 ({step - 1} "
+                 "committed step(s) lost)")
+      else:
+        self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
+      return restored
+    dead = {n for _, n in self.coordinator.failed}
+    copied = self.interpreter.place(decision.plan, self.interpreter.sources(dead), dead=dead,
+                                    tag=(step, self.attempts))
+    if copied:
       self.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state from "
                "surviving replicas")
-      return
-    self.coordinator.fail(worker, step, mid_step=mid_step)
-    self.executor.drop_worker(worker)
-    if self.layout_cfg.resilience.policy == "auto":
-      self._auto_after_failure()
+    return None
 
-  def _auto_after_failure(self) -> None:
-    """`auto`: keeps re-routing unless re-templating is predicted faster, then switches."""
-    coord = self.coordinator
-    choice = auto_choice(self.layout_cfg, coord.failed_workers, coord.predicted_makespan())
-    options = ", ".join(f"{k} {v:.1f}" for k, v in sorted(choice.predicted.items()))
-    self.log(f"  auto: predicted step times (block units) {options}: {choice.policy}")
-    if choice.policy != "oobleck":
-      return
-    pp = self.layout_cfg.mesh.pp
-    nodes = {d * pp + s: dev for (d, s), dev in self.executor.devices.items()}
-    live = [d * pp + s for d, s in sorted(coord.live)]
-    self.coordinator = PipelineSetCoordinator(
-      self.layout_cfg,
-      live,
-      log=self.log,
-      policy="oobleck",
-      instance=choice.instance,
-      failed=[(t, d * pp + s) for t, (d, s) in coord.failed],
-      continues=coord,
-    )
-    from resilient_jax.checkpoint import universal
+  @staticmethod
+  def _plan_nodes(plan: Plan) -> list[int]:
+    if isinstance(plan, PipelineSet):
+      return plan.nodes
+    return sorted(plan.nodes[w] for w in plan.schedule.ops)
 
-    sources = [
-      (self.executor.devices[w], self.executor.params[w],
-       universal.flatten_state(self.executor.opt_state[w]))
-      for w in sorted(self.executor.params)
-    ]
-    self.executor = PipelineSetExecutor(
-      self._programs_for, nodes, self.coordinator.plan, state=sources
-    )
-    self.log("  re-templated: " + choice.instance.describe().replace("\n", "\n  "))
+  def _kill_times(self) -> dict[int, float]:
+    path = self.workdir / KILLS_FILE
+    if not path.exists():
+      return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return {r["process"]: r["time"] for r in rows}
 
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
-    """Runs 1-based `step` to completion, whatever fails during it.
+    """Attempts 1-based `step` until an attempt commits, whatever fails during it.
+
+    Returns:
+      The committed attempt and the step's sample ids per micro-batch.
 
     Raises:
-      NeedsRestore: the failure cannot be handled on this grid (a stage has no worker left,
-        or the policy is `restart`); `run` restores from a checkpoint.
+      _Restored: the policy restored a checkpoint; the caller goes on after its step.
     """
-    mb_ids, inputs, targets = step_batch(self.layout_cfg, self.source, self.plan, step)
-    for f, dev in self.faults:
-      w = self._worker_on(dev)
-      if f.step == step and f.after_op is None and w in self.coordinator.live:
-        self._fail(w, step, mid_step=False)
+    for f, node in self.faults:
+      if f.step == step and f.after_op is None and node in self.coordinator.live:
+        restored = self._fail({node}, step, mid_step=False)
+        if restored is not None:
+          raise _Restored(restored)
     hook = self._fault_hook(step)
+    attempt = 0
+    pending: list[dict] = []
     while True:
+      n = num_microbatches(self.coordinator.plan)
+      mb_ids, inputs, targets = step_batch(self.cfg, self.source, self.plan, step, n)
       try:
-        if self._pipeline_set:
-          result = self.executor.run_step(inputs, targets, after_op=hook)
-        else:
-          result = self.executor.run_step(
-            self.coordinator.schedule, inputs, targets, profile=profile, after_op=hook
-          )
-        return result, mb_ids
+        # Attempts are numbered over the whole run, so a step redone after a restore never
+        # reuses the transfer ids and agreement keys of its first run.
+        self.attempts += 1
+        result = self.interpreter.run_step(
+          inputs, targets, step=step, attempt=self.attempts, profile=profile and not self.cluster,
+          after_op=hook,
+        )
       except WorkerLost as lost:
-        # Nothing of the interrupted step was committed: replan and run it again on the
-        # survivors, with the same samples.
-        self._fail(lost.worker, step, mid_step=True)
+        result = StepResult(0.0, {}, 0.0, [], [], committed=False, lost=frozenset({lost.node}),
+                            detected_at=time.time())
+      if result.committed:
+        break
+      kills = self._kill_times()
+      for p in sorted(result.lost):
+        event = {"node": p, "step": step, "attempt": attempt, "detected_at": result.detected_at}
+        if self.cluster is not None:
+          event["process"] = p
+        if p in kills:
+          event["killed_at"] = kills[p]
+          event["kill_to_detect_s"] = round(result.detected_at - kills[p], 3)
+        pending.append(event)
+      restored = self._fail(set(result.lost), step, mid_step=True)
+      if restored is not None:
+        raise _Restored(restored)
+      attempt += 1
+    done_at = time.time()
+    for event in pending:
+      event["recovered_at"] = done_at
+      if "killed_at" in event:
+        event["kill_to_next_step_s"] = round(done_at - event["killed_at"], 3)
+      event["detect_to_next_step_s"] = round(done_at - event["detected_at"], 3)
+      self.recovery.append(event)
+      if "kill_to_next_step_s" in event:
+        self.log(f"  recovered from the loss of process {event['node']}: detected "
+                 f"{event['kill_to_detect_s']:.2f}s after the kill, step {step} completed "
+                 f"{event['kill_to_next_step_s']:.2f}s after it")
+    if pending and self.chief:
+      self._write_recovery()
+    result.attempts = attempt + 1
+    return result, mb_ids
 
-  # ---------------------------------------------------------------- checkpoints
-
-  def _save(self, step: int) -> None:
-    params, opt_state = self.executor.export_state()
-    meta = checkpoint_meta(self.layout_cfg, step, len(self.coordinator.live))
-    self.writer.save(step, params, opt_state, meta)
-
-  def _restore(self) -> int:
-    """Loads the newest valid checkpoint into the executor; returns its step (0: none)."""
-    self.writer.wait()
-    loaded = load_latest(self.ckpt_dir, log=self.log)
-    if loaded is None:
-      return 0
-    cfg = self.layout_cfg
-    check_resumable(cfg, loaded)
-    self.executor.import_state(loaded.params, loaded.opt_state)
-    lay = loaded.meta["layout"]
-    self.log(
-      f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
-      f"pp={lay['pp']}) onto dp={cfg.mesh.dp} pp={cfg.mesh.pp}"
-    )
-    return loaded.step
-
-  def _restore_onto_survivors(self, lost: NeedsRestore, step: int) -> int:
-    """Rebuild on the surviving devices and restore the latest checkpoint.
-
-    Oobleck re-instantiates its templates on every survivor (same micro-batches); the grid
-    policies take the largest DP x PP grid the survivors allow (Bamboo: with pp >= 2), and
-    `auto` goes on as `recycle` on it.
-    """
-    alive = [d for w, d in sorted(self.executor.devices.items()) if d not in self.failed_devices]
-    policy = self.layout_cfg.resilience.policy
-    if policy == "oobleck":
-      self.log(f"{lost}; restoring the latest checkpoint onto new pipelines on the "
-               f"{len(alive)} surviving devices")
-      self._build(dataclasses.replace(self.layout_cfg, faults=FaultsConfig()), alive)
-    else:
-      dp, pp = largest_layout(
-        len(alive),
-        self.cfg.model.num_layers,
-        self.cfg.train.global_batch,
-        self.cfg.pipeline.microbatches,
-        min_pp=2 if policy == "bamboo" else 1,
-      )
-      self.log(
-        f"{lost}; restoring the latest checkpoint onto dp={dp} pp={pp} "
-        f"({dp * pp} of {len(alive)} surviving devices)"
-      )
-      cfg = dataclasses.replace(
-        self.cfg,
-        mesh=MeshConfig(dp=dp, pp=pp),
-        pipeline=dataclasses.replace(self.cfg.pipeline, partition=()),
-        faults=FaultsConfig(),
-      )
-      self._build(cfg, alive[: dp * pp])
-    restored = self._restore()
-    self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
-    return restored
+  def _write_recovery(self) -> None:
+    (self.workdir / "recovery.json").write_text(json.dumps(self.recovery, indent=1) + "\n")
 
   # ---------------------------------------------------------------- the loop
 
   def _write_timeline(self, step: int, result: StepResult, stem: str) -> None:
+    plan = self.coordinator.plan
+    if not isinstance(plan, GridPlan) or not result.records:
+      return
     from resilient_jax.profiling import write_step_timeline
 
-    write_step_timeline(
-      self.coordinator.schedule, result.records, self.workdir, title=f"step {step}", stem=stem
-    )
+    write_step_timeline(plan.schedule, result.records, self.workdir, title=f"step {step}",
+                        stem=stem)
 
   def run(self) -> TrainResult:
     cfg = self.cfg
-    (self.workdir / "config.json").write_text(
-      json.dumps(dataclasses.asdict(cfg), indent=1, default=str)
-    )
+    if self.chief:
+      (self.workdir / "config.json").write_text(
+        json.dumps(dataclasses.asdict(cfg), indent=1, default=str)
+      )
     metrics_path = self.workdir / "metrics.jsonl"
-    start = self._restore() + 1
-    metrics = _read_metrics(metrics_path, up_to=start - 1)
+    start = self._load("start") + 1
+    metrics = _read_metrics(metrics_path, up_to=start - 1) if self.chief else []
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     every = cfg.checkpoint.every_steps
     failure_steps = {f.step for f, _ in self.faults}
@@ -434,17 +466,16 @@ class Trainer:
       after_failure = step > 1 and (step - 1) in failure_steps
       try:
         result, mb_ids = self.run_step(step, profile=last or after_failure)
-      except NeedsRestore as lost:
-        if isinstance(lost, StageLost) and not cfg.resilience.restore_on_stage_loss:
-          raise
-        step = self._restore_onto_survivors(lost, step) + 1
+      except _Restored as r:
+        step = r.step + 1
         metrics = [m for m in metrics if m["step"] < step]
-        _write_metrics(metrics_path, metrics)
+        if self.chief:
+          _write_metrics(metrics_path, metrics)
         continue
       ids = processed_ids(mb_ids, result)
-      if after_failure and not last and result.records:
-        self._write_timeline(step, result, stem=f"timeline_step{step}")
       coord = self.coordinator
+      if after_failure and not last:
+        self._write_timeline(step, result, stem=f"timeline_step{step}")
       if not schedules_seen or schedules_seen[-1] != coord.plan_text():
         schedules_seen.append(coord.plan_text())
       row = {
@@ -457,10 +488,13 @@ class Trainer:
         "samples_per_s": round(len(ids) / result.step_time_s, 3),
         "schedule": coord.plan_name,
       }
+      if self.cluster is not None:
+        row.update(attempts=result.attempts, time=round(time.time(), 3))
       metrics.append(row)
-      with metrics_path.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-      self.coordinator.record_step_time(step, result.step_time_s, profiled=bool(result.records))
+      if self.chief:
+        with metrics_path.open("a") as f:
+          f.write(json.dumps(row) + "\n")
+      coord.record_step_time(step, result.step_time_s, profiled=bool(result.records))
       self.log(
         f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
         f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
@@ -469,19 +503,48 @@ class Trainer:
       if (every and step % every == 0) or (last and (every or cfg.train.stop_after)):
         self._save(step)
       step += 1
-    self.writer.wait()
-    if end < cfg.train.steps:
-      self.log(
-        f"stopped after step {end} (train.stop_after); run again on the same workdir to resume"
-      )
-    if self.coordinator.failed:
-      self.log("step times by schedule:")
-      for line in self.coordinator.summary():
-        self.log(line)
-    (self.workdir / "schedule.txt").write_text("\n\n".join(schedules_seen) + "\n")
-    if result is not None and result.records:
-      self._write_timeline(end, result, stem="timeline")
-    return TrainResult(metrics, self.executor, self.coordinator, result)
+    if self.chief:
+      self.writer.wait()
+      if end < cfg.train.steps:
+        self.log(
+          f"stopped after step {end} (train.stop_after); run again on the same workdir to resume"
+        )
+      if self.coordinator.failed:
+        self.log("step times by schedule:")
+        for line in self.coordinator.summary():
+          self.log(line)
+      (self.workdir / "schedule.txt").write_text("\n\n".join(schedules_seen) + "\n")
+      if result is not None:
+        self._write_timeline(end, result, stem="timeline")
+    if self.cluster is not None:
+      self.leave_together("finished")
+    return TrainResult(metrics, self.interpreter, self.coordinator, result)
+
+  def leave_together(self, key: str) -> None:
+    """Called by every surviving process before it leaves: process 0, which hosts the
+    key-value store, waits until every other live process of the plan has reached this point
+    too (or is proven dead), so that none of them loses the store while still reading a
+    decision (it would exit 5 instead of reaching the same end). The others go at once."""
+    cl = self.cluster
+    me = cl.process_id
+    if not self.chief:
+      cl.kv_set(f"{key}/{me}", True)
+      return
+    others = set(self.coordinator.live) - {me}
+    for p in sorted(others):
+      cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
+
+
+def _describe(plan: Plan) -> str:
+  if isinstance(plan, GridPlan):
+    return f"dp={plan.schedule.dp} pp={plan.schedule.pp}"
+  return f"{len(plan.pipelines)} new {plan.name} pipelines"
+
+
+class _Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer.run`
+  def __init__(self, step: int):
+    super().__init__(f"restored step {step}")
+    self.step = step
 
 
 def _read_metrics(path: Path, up_to: int) -> list[dict]:
@@ -499,5 +562,13 @@ def _write_metrics(path: Path, rows: list[dict]) -> None:
 
 
 def train(cfg: RunConfig, workdir: str | os.PathLike, **kwargs) -> TrainResult:
-  """Trains `cfg` to the end; see `Trainer` for the keyword arguments."""
+  """Trains `cfg` to the end; see `Trainer` for the keyword arguments.
+
+  With `distributed.enabled` this process joins the `jax.distributed` job (before JAX starts
+  its backends) unless a `cluster` is given, and trains its share of it.
+  """
+  if cfg.distributed.enabled and kwargs.get("cluster") is None:
+    from resilient_jax.runtime.cluster import Cluster
+
+    kwargs["cluster"] = Cluster(cfg.distributed)
   return Trainer(cfg, workdir, **kwargs).run()

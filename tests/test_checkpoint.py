@@ -57,10 +57,10 @@ def test_resume_on_another_layout(saved, tmp_path, dp, pp):
   assert any("restored step 4" in x and f"onto dp={dp} pp={pp}" in x for x in lines)
   assert [m["step"] for m in result.metrics] == list(range(1, STEPS + 1))
   assert [m["sample_digest"] for m in result.metrics] == [m["sample_digest"] for m in full.metrics]
-  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
   # Optimizer state, leaf by leaf, against the uninterrupted run.
-  _, opt_full = full.executor.export_state()
-  _, opt_resumed = result.executor.export_state()
+  _, opt_full = full.interpreter.export_state()
+  _, opt_resumed = result.interpreter.export_state()
   assert sorted(opt_full) == sorted(opt_resumed)
   for key, value in opt_full.items():
     np.testing.assert_allclose(
@@ -71,7 +71,7 @@ def test_resume_on_another_layout(saved, tmp_path, dp, pp):
 def test_restored_state_is_exactly_the_saved_one(saved, tmp_path):
   base, stopped, _ = saved
   loaded = ckpt.load(ckpt.step_dir(base / "stopped" / "checkpoints", 4))
-  params, opt = stopped.executor.export_state()
+  params, opt = stopped.interpreter.export_state()
   for name, value in params.items():
     np.testing.assert_array_equal(loaded.params[name], np.asarray(value))
   for key, value in opt.items():
@@ -111,7 +111,7 @@ def test_corrupt_latest_falls_back_to_previous(saved, tmp_path, how):
   assert any("step 4 is unusable" in x for x in lines)
   assert any("restored step 2" in x for x in lines)
   assert [m["sample_digest"] for m in result.metrics] == [m["sample_digest"] for m in full.metrics]
-  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
 def test_half_written_checkpoint_is_never_latest(saved, tmp_path):
@@ -209,7 +209,7 @@ def test_stage_loss_restores_onto_survivors(tmp_path):
   ref_cfg = cfg_of()
   plan_digests = [m["sample_digest"] for m in train(ref_cfg, tmp_path / "ref", log=quiet).metrics]
   assert [r["sample_digest"] for r in rows] == plan_digests
-  assert_matches_reference(result.metrics, result.executor.all_params(), ref_cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), ref_cfg)
 
 
 def test_restart_policy_restores_and_matches(tmp_path):
@@ -229,4 +229,4 @@ def test_restart_policy_restores_and_matches(tmp_path):
   rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
   ref_cfg = cfg_of()
-  assert_matches_reference(result.metrics, result.executor.all_params(), ref_cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), ref_cfg)

@@ -46,7 +46,7 @@ def run_with_failures(tmp_path, dp, pp, schedule, policy="recycle"):
 def test_failures_keep_samples_losses_and_parameters(tmp_path, dp, pp, schedule):
   cfg, result, lines = run_with_failures(tmp_path, dp, pp, schedule)
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
-  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
   dead = 1 + cfg.faults.schedule.__len__()
   assert result.metrics[-1]["live_workers"] == dp * pp - dead
   assert result.metrics[-1]["schedule"] == "adaptive"
@@ -54,21 +54,21 @@ def test_failures_keep_samples_losses_and_parameters(tmp_path, dp, pp, schedule)
   assert any("failed during step 3" in line for line in lines)
   assert any("re-routed" in line and "takes micro-batches" in line for line in lines)
   # The failed workers hold nothing any more; the survivors of each stage agree.
-  assert len(result.executor.params) == dp * pp - dead
+  assert len(result.interpreter.params) == dp * pp - dead
 
 
 def test_naive_policy_matches_too(tmp_path):
   cfg, result, _ = run_with_failures(tmp_path, 2, 4, "zb-h1", policy="naive")
   assert result.metrics[-1]["schedule"] == "naive"
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
-  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
 def test_rerouted_work_runs_on_the_peer(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, faults__schedule="2:1.1")
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   trainer.run()
-  sched = trainer.coordinator.schedule
+  sched = trainer.coordinator.plan.schedule
   m = cfg.pipeline.microbatches
   for mb in range(m, 2 * m):  # pipeline 1's micro-batches
     assert sched.route[mb] == (1, 0)  # stage 0 at home, stage 1 on the peer
@@ -128,8 +128,8 @@ def test_failure_outside_the_grid_is_a_config_error(tmp_path):
 
 def test_digest_changes_if_a_microbatch_is_lost():
   """The metric is computed from what ran, so a dropped micro-batch cannot go unnoticed."""
-  from resilient_jax.runtime.executor import StepResult
-  from resilient_jax.trainer import processed_ids
+  from resilient_jax.recipe import processed_ids
+  from resilient_jax.runtime.interpreter import StepResult
 
   mb_ids = np.arange(8).reshape(4, 2)
   ok = StepResult(0.0, {}, 0.0, [], processed=[2, 0, 1, 3])

@@ -93,6 +93,29 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
     assert e["detect_to_next_step_s"] < 1.0, e
 
 
+@pytest.mark.parametrize("policy", ["oobleck", "bamboo", "restart", "auto"])
+def test_every_policy_survives_a_sigkill(tmp_path, policy):
+  """The same interpreter and loop run every policy across processes: Oobleck copies the layers
+  a survivor lacks from another process, Bamboo's predecessor takes over from the replica it
+  pulled after every step, restart restores the checkpoint onto the survivors inside the job."""
+  workdir = tmp_path / "multi"
+  extra = [f"--config.resilience.policy={policy}", "--config.checkpoint.every_steps=1"]
+  proc = run_local(workdir, "--kill=3:2", extra=extra)
+  assert proc.returncode == 0, tail(proc)
+  assert "exit codes: p0=0, p1=0, p2=killed, p3=0" in proc.stdout, tail(proc)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS, resilience__policy=policy,
+                    checkpoint__every_steps=1)
+  single = train(cfg, tmp_path / "in_process", faults=[FaultEvent(3, (1, 0))],
+                 log=lambda _: None).metrics
+  multi = read_rows(workdir / "metrics.jsonl")
+  assert_same_run(multi, single)
+  fault_free = train(tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS),
+                     tmp_path / "fault_free", log=lambda _: None).metrics
+  assert [m["sample_digest"] for m in multi] == [m["sample_digest"] for m in fault_free]
+  for m, f in zip(multi, fault_free, strict=True):
+    assert m["loss"] == pytest.approx(f["loss"], rel=2e-6), m["step"]
+
+
 def test_tied_head_sums_gradients_across_processes(tmp_path):
   """The tied embedding lives on stage 0 and the last stage (different processes): its
   gradient is summed over the workers of both, before and after a failure."""
@@ -126,12 +149,29 @@ def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path)
 
 
 def test_losing_a_whole_stage_ends_every_survivor_with_exit_3(tmp_path):
-  """Both workers of stage 1 die: the survivors agree on it and all exit 3 (none exits 5 for
-  losing the store of process 0 before it read the outcome)."""
-  proc = run_local(tmp_path / "multi", "--kill=3:1,3:3")
+  """Both workers of stage 1 die and restores are off: the survivors agree on it and all exit 3
+  (none exits 5 for losing the store of process 0 before it read the outcome)."""
+  proc = run_local(tmp_path / "multi", "--kill=3:1,3:3",
+                   extra=["--config.resilience.restore_on_stage_loss=false"])
   assert proc.returncode == 3, tail(proc)
   assert "exit codes: p0=3, p1=killed, p2=3, p3=killed" in proc.stdout, tail(proc)
   assert "every worker of stage 1 has failed" in proc.stdout, tail(proc)
+
+
+def test_losing_a_whole_stage_restores_inside_the_job(tmp_path):
+  """Both workers of stage 1 die: the survivors restore the latest checkpoint onto the grid
+  they can form, inside the same job, and finish as the in-process run of the same failures."""
+  workdir = tmp_path / "multi"
+  ckpt = ["--config.checkpoint.every_steps=1"]
+  proc = run_local(workdir, "--kill=3:1,3:3", extra=ckpt)
+  assert proc.returncode == 0, tail(proc)
+  assert "exit codes: p0=0, p1=killed, p2=0, p3=killed" in proc.stdout, tail(proc)
+  assert "restored step 2" in proc.stdout, tail(proc)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS, checkpoint__every_steps=1)
+  single = train(cfg, tmp_path / "in_process", faults=[FaultEvent(3, (0, 1)),
+                                                      FaultEvent(3, (1, 1))],
+                 log=lambda _: None).metrics
+  assert_same_run(read_rows(workdir / "metrics.jsonl"), single)
 
 
 def test_slurm_rehearsal_uses_auto_detection(tmp_path):
@@ -302,7 +342,7 @@ def test_a_process_declared_dead_exits_7():
           "c.declared_dead([2], 'step 4')\n")
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                         timeout=120)
-  from resilient_jax.runtime.cluster import EXIT_DECLARED_DEAD
+  from resilient_jax.exit_codes import EXIT_DECLARED_DEAD
 
   assert proc.returncode == EXIT_DECLARED_DEAD == 7
   assert "still here" in proc.stdout and "declared this one dead (step 4)" in proc.stderr

@@ -19,7 +19,7 @@ def test_matches_single_device(tmp_path, dp, pp, schedule):
   cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, pipeline__schedule=schedule)
   result = train(cfg, tmp_path, log=lambda _: None)
   assert [m["step"] for m in result.metrics] == [1, 2, 3]
-  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
 @pytest.mark.parametrize("dp,pp,schedule", [(2, 2, "zb-h1"), (1, 4, "1f1b"), (1, 1, "gpipe")])
@@ -27,10 +27,10 @@ def test_tied_head_matches_single_device(tmp_path, dp, pp, schedule):
   """The head shares the token embedding; with pp > 1 two stages hold it and sum its grads."""
   cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, pipeline__schedule=schedule, model__tied_head=True)
   result = train(cfg, tmp_path, log=lambda _: None)
-  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
   if pp > 1:
-    first = np.asarray(result.executor.stage_params(0)["wte.embedding"])
-    last = np.asarray(result.executor.stage_params(pp - 1)["wte.embedding"])
+    first = np.asarray(result.interpreter.stage_params(0)["wte.embedding"])
+    last = np.asarray(result.interpreter.stage_params(pp - 1)["wte.embedding"])
     np.testing.assert_array_equal(first, last)
 
 
@@ -39,13 +39,13 @@ def test_uneven_partition_matches(tmp_path):
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   assert [list(p.info.layers) for p in trainer.programs] == [[0, 1, 2], [3]]
   result = trainer.run()
-  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
 def test_data_parallel_replicas_stay_identical(tmp_path):
   cfg = tiny_config(mesh__dp=4, mesh__pp=2, pipeline__schedule="zb-h1")
   result = train(cfg, tmp_path, log=lambda _: None)
-  ex = result.executor
+  ex = result.interpreter
   for stage in range(2):
     replicas = [ex.params[(d, stage)] for d in range(4)]
     for name in replicas[0]:

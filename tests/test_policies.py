@@ -6,15 +6,16 @@ import jax
 import numpy as np
 import pytest
 
-from resilient_jax import policies
+from resilient_jax import policy as policies
 from resilient_jax.config import ConfigError
-from resilient_jax.runtime.executor import WorkerLost
-from resilient_jax.runtime.pipelines import PipelineSetExecutor, dispatch_order
+from resilient_jax.recipe import step_batch
+from resilient_jax.runtime.interpreter import Interpreter, WorkerLost
 from resilient_jax.schedule.core import FR
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.pipelines import Pipeline, PipelineSet, bamboo_set
-from resilient_jax.trainer import Trainer, step_batch
+from resilient_jax.schedule.plan import step_program
+from resilient_jax.trainer import Trainer
 from tests.helpers import assert_matches_reference, run_launcher, tiny_config
 from tests.test_failures import SCENARIOS, expected_digests
 
@@ -27,7 +28,7 @@ def run_policy(tmp_path, policy, dp, pp, **overrides):
   lines = []
   result = Trainer(cfg, tmp_path, log=lines.append, faults=[mid]).run()
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
-  assert_matches_reference(result.metrics, result.executor.all_params(), cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
   failures = sum("FAILURE" in line for line in lines)
   if policy == "restart":
     # The smaller grid after a restore may leave a later fault's device out: it never fails.
@@ -117,7 +118,7 @@ def test_tied_head_is_reduced_by_name_across_different_splits(tmp_path):
     ),
     4,
   )
-  ex = PipelineSetExecutor(trainer._programs_for, trainer.executor.devices, plan)
+  ex = Interpreter(trainer._programs_for, trainer.transport, plan)
   holders = [slot for slot in plan.slots if "wte.embedding" in ex.params[slot]]
   assert holders == [(0, 0), (1, 0), (1, 1)]
   metrics = []
@@ -135,7 +136,7 @@ def test_tied_head_is_reduced_by_name_across_different_splits(tmp_path):
 def test_bamboo_runs_the_redundant_forward_of_every_microbatch(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="bamboo", train__steps=1)
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
-  ex = trainer.executor
+  ex = trainer.interpreter
   seen = []
   _, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, 1)
   ex.run_step(inputs, targets, after_op=lambda node, op: seen.append((node, op)))
@@ -159,7 +160,7 @@ def test_bamboo_runs_the_redundant_forward_of_every_microbatch(tmp_path):
 def test_failure_mid_step_leaves_committed_state_untouched(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="oobleck", train__steps=1)
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
-  ex = trainer.executor
+  ex = trainer.interpreter
   before = {k: np.asarray(v) for k, v in ex.export_state()[0].items()}
   _, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, 1)
 
@@ -177,7 +178,7 @@ def test_failure_mid_step_leaves_committed_state_untouched(tmp_path):
 def test_place_copies_only_what_a_device_lacks(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="oobleck")
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
-  ex: PipelineSetExecutor = trainer.executor
+  ex: Interpreter = trainer.interpreter
   assert ex.place(ex.plan, ex.sources()) == 0  # the same plan: everything is already there
   held = {node: set() for node in ex.plan.nodes}
   sizes = {}
@@ -185,7 +186,7 @@ def test_place_copies_only_what_a_device_lacks(tmp_path):
     node = ex.plan.pipelines[slot[0]].nodes[slot[1]]
     held[node] |= set(ex.params[slot])
     sizes.update({n: v.nbytes for n, v in ex.params[slot].items()})
-  plan = trainer.coordinator.fail(2, 1)
+  plan = trainer.coordinator.fail({2}, 1).plan
   copied = ex.place(plan, ex.sources({2}))
   missing = [
     n
@@ -223,10 +224,10 @@ def test_bamboo_set_hosts_failed_stages_on_the_predecessor():
   # Neither a host nor a failed stage keeps a replica; the others still do.
   assert [plan.pipelines[0].replica_of(s) for s in range(4)] == [None, 2, 3, None]
   assert [plan.pipelines[1].replica_of(s) for s in range(4)] == [1, None, None, 0]
-  order = dispatch_order(plan.pipelines[0].schedule)
-  assert len(order) == sum(
-    1 for ops in plan.pipelines[0].schedule.ops.values() for op in ops if op.mb >= 0
-  )
+  # Every slot's dependencies are met inside the plan: each op waits only on ops that exist.
+  sp = step_program(plan)
+  ops = {(slot, op) for slot, p in sp.slots.items() for op in p.ops}
+  assert all(dep in ops for slot, op in ops for dep in sp.dependencies(slot, op))
   with pytest.raises(ScheduleError, match="failed together"):
     bamboo_set(2, 4, 2, [(0, 1), (1, 2), (2, 3), (3, 4)], [(1, 3), (1, 0)])
 
@@ -236,7 +237,7 @@ def test_bamboo_set_hosts_failed_stages_on_the_predecessor():
   [
     (["--config.resilience.policy=bamboo", "--config.mesh.pp=1"], "needs mesh.pp >= 2"),
     (["--config.resilience.policy=oobleck", "--config.distributed.enabled=true"],
-     "runs in one process only"),
+     "distributed.enabled=true: coordinator_address should be defined"),
     (["--config.resilience.tolerate=-1"], "resilience.tolerate must be an integer >= 0"),
   ],
 )
@@ -257,7 +258,7 @@ def test_config_rejects_unknown_policy():
 def test_devices_hold_only_their_slots(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="oobleck", train__steps=1)
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
-  used = {trainer.executor.device(s) for s in trainer.executor.plan.slots}
+  used = {trainer.interpreter.device(s) for s in trainer.interpreter.local_slots}
   assert used == set(jax.devices()[:4])
 
 
@@ -274,4 +275,4 @@ def test_checkpoints_move_between_policies(tmp_path):
   result = Trainer(second, tmp_path, log=lines.append).run()
   assert any("restored step 2" in line for line in lines)
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(second)
-  assert_matches_reference(result.metrics, result.executor.all_params(), second)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), second)

@@ -44,11 +44,9 @@ def _inspect(path: Path) -> None:
   print(f"  {meta['bytes'] / 2**20:.2f} MiB in {sum(len(g) for g in meta['entries'].values())} "
         "entries")
   for group, entries in meta["entries"].items():
-    total = 0
     print(f"  {group}:")
     for name, info in sorted(entries.items()):
       nbytes = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
-      total += nbytes
       print(f"    {name:48s} {str(tuple(info['shape'])):>16s} {info['dtype']:8s} {nbytes:>12,d} B")
 
 

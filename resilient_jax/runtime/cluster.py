@@ -49,14 +49,7 @@ from typing import Any, TypeVar
 import jax
 
 from resilient_jax.config import DistributedConfig
-
-EXIT_COORDINATOR_LOST = 5
-"""The coordination service (process 0) died: requeue the job; it resumes from a checkpoint."""
-EXIT_WAIT_TIMEOUT = 6
-"""A blocking wait passed `distributed.wait_timeout_s` (a live peer stopped making progress)."""
-EXIT_DECLARED_DEAD = 7
-"""The other processes declared this one dead (its heartbeat stopped for
-`distributed.heartbeat_timeout_s`) and went on without it; it must not rejoin."""
+from resilient_jax.exit_codes import EXIT_COORDINATOR_LOST, EXIT_DECLARED_DEAD, EXIT_WAIT_TIMEOUT
 
 PROBE_TIMEOUT_S = 0.25
 """A probe that gets no answer within this proves nothing (a silent host: left to heartbeats)."""

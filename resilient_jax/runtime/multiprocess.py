@@ -1,17 +1,15 @@
-"""Executes this process's part of a `Schedule` in a multi-process job (one worker per process).
+"""The multi-process transport: the interpreter's slots spread over a `jax.distributed` job.
 
-Every process runs the same loop on the same schedule (derived deterministically from the agreed
-set of failed workers) and executes only its own worker's op list, in order:
+Every process runs the same interpreter on the same plan (derived deterministically from the
+agreed set of failed nodes; nodes are process ids) and executes only its own slots' ops:
 
-* `F` of stage s > 0 pulls the activation from the worker that ran stage s-1 of that
-  micro-batch (`schedule.route`), `B` of stage s < last pulls the activation gradient from
-  stage s+1; outputs are offered to the consumer under an id derived from
-  (step, attempt, micro-batch, stage, kind), so a stale attempt's data can never be mistaken
-  for the current one's.
-* `AR` first waits for this worker's gradients, then agrees with the other members of the
-  stage whether to run the collective, and sums over the stage with it; parameters held by
-  several stages (a tied embedding) are summed over the union of their workers.
-* `OPT` computes the new state, which is installed only when the attempt commits.
+* an activation or activation gradient for a slot of another process is offered to it under
+  an id derived from (step, attempt, micro-batch, stage, kind), so a stale attempt's data can
+  never be mistaken for the current one's; the consumer pulls it asynchronously;
+* a reduction whose holders span processes first agrees with its members whether to run the
+  collective, then sums with one `psum` over their devices (`GroupSum`);
+* the end of the attempt is agreed: every process installs its new state on a commit, or every
+  survivor drops the attempt on a loss and the step is re-run on the new plan.
 
 **An attempt either commits everywhere or nowhere.** A live process always runs its whole op
 list, even after a peer died: data from a dead peer arrives as an error array (or zeros, if the
@@ -28,10 +26,8 @@ decision, never its own proposal:
   nobody waits for a heartbeat timeout to learn of a crash.
 * At the end, each process writes `end/{pid}` (its status: ok, or why not, and its losses),
   then follows `end/outcome`: `{"commit": true}` is proposed once every participant reported
-  success, `{"lost": [pids]}` once a participant is proven dead. On commit every process
-  installs its new state; on a loss every survivor drops the attempt, replans without the lost
-  processes and re-runs the step with the same samples. A process that finds itself in `lost`
-  (after a false heartbeat verdict) exits with `EXIT_DECLARED_DEAD`.
+  success, `{"lost": [pids]}` once a participant is proven dead. A process that finds itself
+  in `lost` (after a false heartbeat verdict) exits with `EXIT_DECLARED_DEAD`.
 
 Each directory is read whole in one call, and a waiter blocks on its decision key between
 reads, so it follows a decision as soon as it is written. Every wait has the
@@ -40,7 +36,6 @@ reads, so it follows a decision as soon as it is written. Every wait has the
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,14 +43,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from resilient_jax.runtime.cluster import Cluster
-from resilient_jax.runtime.executor import GroupSum, Params, shared_params
-from resilient_jax.schedule.core import AR, BW, OPT, B, F, Schedule, W, Worker
-from resilient_jax.stages import StagePrograms
-
-ACT, GRAD, STATE = 0, 1, 2
+from resilient_jax.runtime.transport import STATE, Key, LocalTransport, Outcome, Params
 
 PauseHook = Callable[[int, str], None]
 """Called with (step, where) at points a test may kill this process: "start" before a step,
@@ -73,197 +63,138 @@ def transfer_id(step: int, attempt: int, mb: int, stage: int, kind: int) -> int:
   return (((step * 64 + attempt % 64) * 65536 + mb) * 1024 + stage) * 4 + kind
 
 
-@dataclasses.dataclass
-class Attempt:
-  """The outcome of one attempt at a step, identical in every surviving process."""
-
-  committed: bool
-  lost: set[int]
-  """Process ids that died during the attempt (empty when committed)."""
-  microbatch_losses: dict[int, float]
-  """Every micro-batch's loss (from all last-stage processes) when committed."""
-  step_time_s: float
-  detected_at: float = 0.0
-  """`time.time()` when this process read the agreed outcome."""
-
-
-class ProcessExecutor:
-  """Holds this process's worker state and runs its ops of each step.
+class ProcessTransport(LocalTransport):
+  """Nodes are processes (one device each); this process holds its own node's slots.
 
   Args:
-    programs: one `StagePrograms` per stage (only this worker's stage is compiled).
     cluster: the joined job.
-    process_of: the process of every worker of the full grid.
+    pause: the test hook (see `PauseHook`).
   """
 
-  def __init__(
-    self, programs: Sequence[StagePrograms], cluster: Cluster, process_of: Mapping[Worker, int]
-  ):
-    self.programs = list(programs)
+  remote_collectives = True
+
+  def __init__(self, cluster: Cluster, pause: PauseHook | None = None):
+    super().__init__({cluster.process_id: cluster.device})
     self.cluster = cluster
-    self.process_of = dict(process_of)
-    self.worker = next(w for w, p in self.process_of.items() if p == cluster.process_id)
-    self.device = cluster.device
-    prog = self.programs[self.worker[1]]
-    self.params: Params = prog.initial_params(self.device)
-    self.opt_state: Any = prog.init_opt_state(self.params, self.device)
-    self.shared = shared_params(self.programs)
-    self._group_sum = GroupSum()
-    # Any worker of a neighbouring stage may become this one's producer or consumer.
-    s = self.worker[1]
-    cluster.connect(p for w, p in self.process_of.items() if abs(w[1] - s) == 1)
+    self.pause = pause
+    self.step = self.attempt = 0
+    self.participants: list[int] = []
+    self.doomed: list[str] = []
 
-  def warm_up(self) -> None:
-    """Compiles the split backward (`B`, `W`) by running it once on zeros.
+  def device(self, node: int) -> jax.Device:
+    return self.devices[node] if node in self.devices else _device_of(node)
 
-    Fault-free schedules may use only the fused backward; the replanned schedule after a
-    failure splits it, and compiling then would add to the recovery time.
-    """
-    prog, dev = self.programs[self.stage], self.device
-    zeros = lambda spec: jax.device_put(jnp.zeros(spec.shape, spec.dtype), dev)  # noqa: E731
-    tgt = zeros(prog.target_spec) if prog.info.last else None
-    _, res, saved = prog.forward(self.params, zeros(prog.input_spec), tgt)
-    g = zeros(jax.ShapeDtypeStruct((), jnp.float32)) if prog.info.last else zeros(prog.output_spec)
-    _, taps = prog.backward_input(res, g)
-    acc = prog.backward_weight(self.params, saved, taps, prog.zero_grads(self.params, dev))
-    self.cluster.wait(acc, "the warm-up of the split backward")
+  def begin(self, step: int, attempt: int, nodes: Sequence[int] = ()) -> None:
+    super().begin(step, attempt)
+    self.step, self.attempt = step, attempt
+    self.participants = sorted(nodes)
+    self.doomed = []
+    if self.pause is not None:
+      self.pause(step, "start")
 
-  @property
-  def stage(self) -> int:
-    return self.worker[1]
+  def _tid(self, key: Key) -> int:
+    mb, stage, kind = key
+    return transfer_id(self.step, self.attempt, mb, stage, kind)
 
-  # ---------------------------------------------------------------- one attempt
+  def send(self, key: Key, value: jax.Array, consumer: int) -> None:
+    if self.is_local(consumer):
+      super().send(key, value, consumer)
+    else:
+      self.cluster.offer(self._tid(key), [value])
 
-  def run_attempt(
+  def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: jax.Device):
+    if self.is_local(producer):
+      return super().recv(key, producer, spec, device)
+    got = self.cluster.pull(producer, self._tid(key), [spec])
+    if got is None:
+      self.doomed.append(f"process {producer} unreachable")
+      return jax.device_put(jnp.zeros(spec.shape, spec.dtype), device)
+    return got[0]
+
+  def _failed(self, what: str, err: BaseException) -> None:
+    self.doomed.append(f"{what}: {str(err).splitlines()[0][:120]}")
+
+  def reduce(
     self,
-    schedule: Schedule,
-    inputs: np.ndarray,
-    targets: np.ndarray,
-    step: int,
-    attempt: int,
-    pause: PauseHook | None = None,
-  ) -> Attempt:
-    """Runs this worker's ops of `step`, then agrees with every participant on the outcome."""
-    t0 = time.perf_counter()
-    cl, w = self.cluster, self.worker
-    d, s = w
-    if w not in schedule.ops:
-      raise RuntimeError(f"process {cl.process_id} (worker {w}) is not in the schedule")
-    prog, dev = self.programs[s], self.device
-    last = schedule.pp - 1
-    participants = sorted(self.process_of[p] for p in schedule.workers)
-    residuals: dict[int, Any] = {}
-    saved: dict[int, Any] = {}
-    taps: dict[int, Any] = {}
-    losses: dict[int, jax.Array] = {}
-    doomed: list[str] = []
-    acc = prog.zero_grads(self.params, dev)
-    new_state: tuple[Params, Any] | None = None
-
-    def tid(mb: int, stage: int, kind: int) -> int:
-      return transfer_id(step, attempt, mb, stage, kind)
-
-    def pull(worker: Worker, uid: int, spec: jax.ShapeDtypeStruct) -> jax.Array:
-      got = cl.pull(self.process_of[worker], uid, [spec])
-      if got is None:
-        doomed.append(f"worker {worker} unreachable")
-        return jax.device_put(jnp.zeros(spec.shape, spec.dtype), dev)
-      return got[0]
-
-    def producer(mb: int, stage: int) -> Worker:
-      return (schedule.route[mb][stage], stage)
-
-    def reduce(group: list[Worker], grads: Params, what: str) -> Params:
-      """Sums `grads` over `group` if its members agree to; else marks the attempt doomed."""
-      if len(group) == 1:
-        return grads
-      procs = [self.process_of[g] for g in group]
-      skipped = self._agree_collective(step, attempt, what, procs)
-      if pause is not None:
-        pause(step, "AR")
-      if skipped is not None:
-        doomed.append(f"{what} skipped: {skipped}")
-        return grads
-      group_devices = tuple(_device_of(p) for p in procs)
-      try:
-        out = self._group_sum(group_devices, {dev: grads})[dev]
-      except Exception as e:  # a peer died inside the collective
-        doomed.append(f"{what}: {str(e).splitlines()[0][:120]}")
-        return grads
-      err = cl.wait(out, what)
-      if err is not None:
-        doomed.append(f"{what}: {str(err).splitlines()[0][:120]}")
-        return grads
-      return out
-
-    if pause is not None:
-      pause(step, "start")
-    for op in schedule.ops[w]:
-      mb = op.mb
-      if op.kind == F:
-        if s == 0:
-          x = jax.device_put(inputs[mb], dev)
-        else:
-          x = pull(producer(mb, s - 1), tid(mb, s - 1, ACT), prog.input_spec)
-        tgt = jax.device_put(targets[mb], dev) if s == last else None
-        out, residuals[mb], saved[mb] = prog.forward(self.params, x, tgt)
-        if s == last:
-          losses[mb] = out
-        else:
-          cl.offer(tid(mb, s, ACT), [out])
-      elif op.kind in (B, BW):
-        if s == last:
-          g = jax.device_put(jnp.float32(1.0), dev)
-        else:
-          g = pull(producer(mb, s + 1), tid(mb, s + 1, GRAD), prog.output_spec)
-        if op.kind == B:
-          dx, taps[mb] = prog.backward_input(residuals.pop(mb), g)
-        else:
-          dx, acc = prog.backward_fused(residuals.pop(mb), saved.pop(mb), self.params, g, acc)
-        if s > 0:
-          cl.offer(tid(mb, s, GRAD), [dx])
-      elif op.kind == W:
-        acc = prog.backward_weight(self.params, saved.pop(mb), taps.pop(mb), acc)
-      elif op.kind == AR:
-        err = cl.wait(acc, "this worker's gradients")
-        if err is not None:  # computed from a lost peer's data: the attempt cannot commit
-          doomed.append(f"gradients: {str(err).splitlines()[0][:120]}")
-          acc = prog.zero_grads(self.params, dev)
-        own = {n: v for n, v in acc.items() if n not in self.shared}
-        acc = {**acc, **reduce(list(schedule.stage_workers(s)), own, f"stage {s} all-reduce")}
-        mine = {n: v for n, v in acc.items() if n in self.shared}
-        if mine:
-          holders = sorted({t for n in mine for t in self.shared[n]})
-          group = sorted(x for x in schedule.workers if x[1] in holders)
-          acc = {**acc, **reduce(group, mine, "tied-parameter all-reduce")}
-      elif op.kind == OPT:
-        new_state = prog.optimizer_step(self.params, self.opt_state, acc)
-      else:
-        raise ValueError(f"cannot execute {op}")
-      if pause is not None and op.kind in (F, B, W, BW):
-        pause(step, str(op))
-
-    err = cl.wait((new_state, losses), "the step's results")
+    index: int,
+    nodes: Sequence[int],
+    devices: tuple[jax.Device, ...],
+    local: dict[jax.Device, Params],
+  ) -> dict[jax.Device, Params]:
+    """Sums over processes if every member agrees to run the collective; else keeps the local
+    values and marks the attempt doomed."""
+    what = f"all-reduce {index}"
+    err = self.cluster.wait(local, f"this process's gradients for {what}")
+    if err is not None:  # computed from a lost peer's data: the attempt cannot commit
+      self._failed("gradients", err)
+      local = {d: {n: jnp.zeros_like(v) for n, v in g.items()} for d, g in local.items()}
+    procs = sorted(set(nodes))
+    skipped = self._agree_collective(self.step, self.attempt, what, procs)
+    if self.pause is not None:
+      self.pause(self.step, "AR")
+    if skipped is not None:
+      self.doomed.append(f"{what} skipped: {skipped}")
+      return local
+    try:
+      out = self._group_sum(devices, local)
+    except Exception as e:  # a peer died inside the collective
+      self._failed(what, e)
+      return local
+    err = self.cluster.wait(out, what)
     if err is not None:
-      doomed.append(f"results: {str(err).splitlines()[0][:120]}")
+      self._failed(what, err)
+      return local
+    return out
+
+  def conclude(self, losses: Mapping[int, jax.Array], new_params: Sequence[Any]) -> Outcome:
+    cl = self.cluster
+    err = cl.wait((list(new_params), dict(losses)), "the step's results")
+    if err is not None:
+      self._failed("results", err)
+    doomed = self.doomed
     status = {
       "ok": not doomed,
       "why": doomed[:3],
       "losses": {} if doomed else {str(k): float(v) for k, v in losses.items()},
     }
-    base = _attempt_key(step, attempt)
+    base = _attempt_key(self.step, self.attempt)
     cl.kv_set(f"{base}/end/{cl.process_id}", status)
-    decision, statuses = self._agree_outcome(base, participants, f"step {step}, attempt {attempt}")
+    what = f"step {self.step}, attempt {self.attempt}"
+    decision, statuses = self._agree_outcome(base, self.participants, what)
     detected = time.time()
-    elapsed = time.perf_counter() - t0
     if "lost" in decision:
-      cl.declared_dead(decision["lost"], f"step {step}, attempt {attempt}")
-      return Attempt(False, set(decision["lost"]), {}, elapsed, detected)
-    if new_state is None:
-      raise RuntimeError(f"worker {w}'s op list has no OPT")
-    self.params, self.opt_state = new_state
+      cl.declared_dead(decision["lost"], what)
+      return Outcome(False, {}, set(decision["lost"]), detected, remote=True)
     mb_losses = {int(k): v for st in statuses.values() for k, v in st["losses"].items()}
-    return Attempt(True, set(), mb_losses, elapsed, detected)
+    return Outcome(True, mb_losses, detected_at=detected, remote=True)
+
+  def wait(self, tree: Any, what: str) -> None:
+    self.cluster.wait(tree, what)
+
+  def exchange(
+    self,
+    transfers: Sequence[tuple[int, int, Sequence[str]]],
+    lookup: Callable[[int, str], jax.Array],
+    specs: Mapping[str, jax.ShapeDtypeStruct],
+    channel: int,
+    tag: tuple[int, int],
+  ) -> dict[int, dict[str, jax.Array]]:
+    step, attempt = tag
+    cl = self.cluster
+    uids = [transfer_id(step, attempt, i, 1023 - channel, STATE) for i in range(len(transfers))]
+    for uid, (src, dst, keys) in zip(uids, transfers, strict=True):
+      if self.is_local(src) and not self.is_local(dst):
+        cl.offer(uid, [lookup(src, k) for k in keys])
+    received: dict[int, dict[str, jax.Array]] = {}
+    for uid, (src, dst, keys) in zip(uids, transfers, strict=True):
+      if not self.is_local(dst) or self.is_local(src):
+        continue
+      got = cl.pull(src, uid, [specs[k] for k in keys])
+      what = f"state from process {src}"
+      if got is None or cl.wait(got, what) is not None:
+        raise RuntimeError(f"process {cl.process_id}: {what} was lost during the hand-over")
+      received.setdefault(dst, {}).update(zip(keys, got, strict=True))
+    return received
 
   # ---------------------------------------------------------------- agreement
 
@@ -352,62 +283,52 @@ class ProcessExecutor:
 
   # ---------------------------------------------------------------- checkpoints
 
-  def offer_state(self, step: int) -> None:
-    """Offers this worker's parameters and optimizer entries (universal layout) to process 0."""
-    from resilient_jax.checkpoint import universal
-
-    entries = {"p/" + k: v for k, v in self.params.items()}
-    entries.update({"o/" + k: v for k, v in universal.flatten_state(self.opt_state).items()})
-    names = sorted(entries)
-    self.cluster.kv_set(
-      f"state/{step}/{self.stage}",
-      [[n, list(entries[n].shape), str(entries[n].dtype)] for n in names],
-    )
-    self.cluster.offer(transfer_id(step, 63, 0, self.stage, STATE), [entries[n] for n in names])
-
-  def gather_state(
-    self, step: int, holders: Mapping[int, Worker]
+  def share_state(
+    self, step: int, holders: Mapping[int, int], export: Callable[[], tuple[dict, dict]]
   ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """Process 0: every stage's state from `holders[stage]`, in the universal layout.
+    """Hands one replica of every stage's state to process 0, which returns it all.
 
-    Returns None if a holder died before handing its state over.
+    Args:
+      step: the committed step (names the transfers).
+      holders: for each stage key (any int the processes agree on), the node that hands its
+        state over.
+      export: this process's own state in the universal layout.
+
+    Returns:
+      On process 0 the whole state, or None if a holder died before handing its state over;
+      None on every other process.
     """
     from resilient_jax.checkpoint import universal
 
-    params: dict[str, Any] = {}
-    opt: list[dict[str, Any]] = []
-    for stage, holder in sorted(holders.items()):
-      if holder == self.worker:
-        params.update(self.params)
-        opt.append(universal.flatten_state(self.opt_state))
+    cl = self.cluster
+    me = cl.process_id
+    own_params, own_opt = export()
+    if me != 0:
+      for key, node in sorted(holders.items()):
+        if node == me:
+          entries = {"p/" + k: v for k, v in own_params.items()}
+          entries.update({"o/" + k: v for k, v in own_opt.items()})
+          names = sorted(entries)
+          cl.kv_set(f"state/{step}/{key}",
+                    [[n, list(entries[n].shape), str(entries[n].dtype)] for n in names])
+          cl.offer(transfer_id(step, 63, 0, key, STATE), [entries[n] for n in names])
+      return None
+    params: dict[str, Any] = dict(own_params)
+    opt: list[dict[str, Any]] = [own_opt]
+    for key, node in sorted(holders.items()):
+      if node == me:
         continue
-      spec = self.cluster.await_key(
-        f"state/{step}/{stage}", self.process_of[holder], f"stage {stage}'s state"
-      )
+      spec = cl.await_key(f"state/{step}/{key}", node, f"state {key} from process {node}")
       if spec is None:  # the holder died first
         return None
       specs = [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt)) for _, shape, dt in spec]
-      got = self.cluster.pull(
-        self.process_of[holder], transfer_id(step, 63, 0, stage, STATE), specs
-      )
-      if got is None or self.cluster.wait(got, f"stage {stage}'s state") is not None:
+      got = cl.pull(node, transfer_id(step, 63, 0, key, STATE), specs)
+      if got is None or cl.wait(got, f"state {key} from process {node}") is not None:
         return None
       values = dict(zip([n for n, _, _ in spec], got, strict=True))
       params.update({n[2:]: v for n, v in values.items() if n.startswith("p/")})
       opt.append({n[2:]: v for n, v in values.items() if n.startswith("o/")})
     return params, universal.merge(opt)
-
-  def import_state(self, params: Mapping[str, Any], opt_entries: Mapping[str, Any]) -> None:
-    """Loads universal-layout state into this worker."""
-    from resilient_jax.checkpoint import universal
-
-    prog = self.programs[self.stage]
-    missing = [n for n in prog.param_names if n not in params]
-    if missing:
-      raise KeyError(f"parameter {missing[0]!r} is missing from the checkpoint")
-    self.params = {n: jax.device_put(params[n], self.device) for n in prog.param_names}
-    state = universal.unflatten_state(self.opt_state, opt_entries, what="optimizer state")
-    self.opt_state = jax.device_put(state, self.device)
 
 
 def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[int, Any]]:

@@ -1,0 +1,39 @@
+"""Every exit code of a training process, defined once (launchers, docs and tests read these).
+
+A cluster scheduler acts on them: 2 and 3 need a person (a bad configuration; nothing left to
+train on), 4 a look at the storage, 5 a requeue of the whole job (it resumes from its latest
+checkpoint), 6 and 7 end one process while the others go on.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_BAD_CONFIG = 2
+"""Bad flags, configuration or workdir; or a checkpoint of another model or batch."""
+EXIT_NO_DEVICES = 3
+"""Failures left no device to continue on, or a whole stage with
+`resilience.restore_on_stage_loss=false`."""
+EXIT_CHECKPOINT = 4
+"""A checkpoint could not be written."""
+EXIT_COORDINATOR_LOST = 5
+"""The coordination service (process 0) died: requeue the job; it resumes from a checkpoint."""
+EXIT_WAIT_TIMEOUT = 6
+"""A blocking wait passed `distributed.wait_timeout_s` (a live peer stopped making progress)."""
+EXIT_DECLARED_DEAD = 7
+"""The other processes declared this one dead (its heartbeat stopped for
+`distributed.heartbeat_timeout_s`) and went on without it."""
+
+
+def exit_code_for(error: BaseException) -> int | None:
+  """The documented exit code for an error a run can end with, or None for a bug."""
+  from resilient_jax.checkpoint import CheckpointError
+  from resilient_jax.config import ConfigError
+  from resilient_jax.policy import NoDevicesLeft, StageLost
+
+  if isinstance(error, ConfigError):
+    return EXIT_BAD_CONFIG
+  if isinstance(error, (NoDevicesLeft, StageLost)):
+    return EXIT_NO_DEVICES
+  if isinstance(error, CheckpointError):
+    return EXIT_CHECKPOINT
+  return None

@@ -1,0 +1,604 @@
+"""The one op interpreter: runs a step of any plan (every policy) over a transport.
+
+A plan is compiled to a `StepProgram` (`schedule/plan.py`): slots, each with a node, a layer
+split, a stage and an op list with global micro-batch ids, and each micro-batch's route
+through the slots. The interpreter holds the parameters and optimizer state of the slots on
+this process's nodes and walks their op lists, dispatching an op as soon as the ops it depends
+on have been dispatched (JAX's asynchronous dispatch then overlaps the devices). Everything
+that crosses a slot boundary goes through the `Transport`: activations and activation
+gradients (`send`/`recv`), the gradient reductions (`reduce`), and the end of the step
+(`conclude`: commit, or the set of nodes lost). The in-process transport moves arrays between
+local devices; the multi-process one pulls them from other processes and agrees on every
+collective and on the step's outcome through the coordination service (`runtime/multiprocess.py`).
+
+**Gradient reduction is keyed by parameter name.** Every parameter's gradient is summed over
+every slot that holds it, whichever stage that is in its pipeline: a grid's stage group, a tied
+embedding/head held by the first and last stages, or an Oobleck set whose pipelines cut the
+model in different places. Names with the same holders share one collective; holders on one
+device are added there first (a Bamboo node running two stages). A slot's `AR` finishes when
+every group of its names is reduced, so each stage steps its optimizer as soon as its own
+gradients are ready (the staggered optimizer ReCycle fills bubbles with).
+
+New state is installed only when the step commits: a failure in the middle (`WorkerLost`
+raised by the `after_op` hook in-process, or a lost peer in a multi-process job) leaves the
+committed state untouched and the step is re-run on the new plan with the same samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resilient_jax.runtime.transport import ACT, GRAD, Outcome, Transport
+from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
+from resilient_jax.schedule.pipelines import LayerRange
+from resilient_jax.schedule.plan import Plan, Slot, StepProgram, step_program
+from resilient_jax.stages import StagePrograms
+
+Params = dict[str, jax.Array]
+ProgramsFor = Callable[[tuple[LayerRange, ...]], Sequence[StagePrograms]]
+Source = tuple[jax.Device | None, Mapping[str, Any], Mapping[str, Any]]
+"""State to place from: its device (None: host memory), parameters and flat optimizer entries."""
+AfterOp = Callable[[int, Op], None]
+"""Called with (node, op with its global micro-batch id) after each op is dispatched, and with
+`Op(AR)` per slot inside its reduction; may raise `WorkerLost` to inject a failure."""
+
+
+@dataclasses.dataclass
+class OpRecord:
+  """One executed op; times are host wall-clock seconds from the step start."""
+
+  worker: Slot
+  op: Op
+  start: float
+  end: float
+
+
+@dataclasses.dataclass
+class StepResult:
+  loss: float
+  microbatch_losses: dict[int, float]
+  step_time_s: float
+  records: list[OpRecord]
+  """Per-op timings; filled only in profile mode (each op is then waited for)."""
+  processed: list[int]
+  """Micro-batch ids whose loss was computed (each exactly once when committed)."""
+  dispatch_time_s: float = 0.0
+  """Host time until every op was dispatched, before waiting for the devices (benchmarks)."""
+  committed: bool = True
+  lost: frozenset[int] = frozenset()
+  """Nodes that died during the step (multi-process; the step did not commit)."""
+  detected_at: float = 0.0
+  """`time.time()` when the outcome was known."""
+  attempts: int = 1
+  """Attempts the step took (set by the training loop)."""
+
+
+class WorkerLost(Exception):
+  """Raised by a fault hook when a node dies in the middle of a step."""
+
+  def __init__(self, node: int):
+    super().__init__(f"node {node} failed")
+    self.node = node
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+  """One reduction: the names `names`, summed over `holders`."""
+
+  index: int
+  holders: tuple[Slot, ...]
+  names: tuple[str, ...]
+
+
+class Interpreter:
+  """Holds the state of this process's slots and runs steps.
+
+  Args:
+    programs_for: the stage programs of a layer split (cached by the caller).
+    transport: how data crosses slot boundaries.
+    plan: the plan to start with.
+    state: where the state comes from (`place`); default the model's initial parameters.
+  """
+
+  def __init__(
+    self,
+    programs_for: ProgramsFor,
+    transport: Transport,
+    plan: Plan,
+    state: Sequence[Source] | None = None,
+  ):
+    self._programs_for = programs_for
+    self.transport = transport
+    self.params: dict[Slot, Params] = {}
+    self.opt_state: dict[Slot, Any] = {}
+    self.replicas: dict[Slot, tuple[Params, Any]] = {}
+    self._specs: dict[tuple, dict[str, Any]] = {}
+    self._set_plan(plan)
+    if state is not None:
+      self.place(plan, state)
+      return
+    for slot in self.local_slots:
+      prog, dev = self.program(slot), self.device(slot)
+      self.params[slot] = prog.initial_params(dev)
+      self.opt_state[slot] = prog.init_opt_state(self.params[slot], dev)
+    self._refresh_replicas()
+
+  # ---------------------------------------------------------------- layout
+
+  def _set_plan(self, plan: Plan) -> None:
+    self.plan = plan
+    self.step_program: StepProgram = step_program(plan)
+    self.local_slots: list[Slot] = [
+      s for s, p in sorted(self.step_program.slots.items()) if self.transport.is_local(p.node)
+    ]
+    self._groups = self._reduction_groups()
+
+  def programs(self, split: tuple[LayerRange, ...]) -> Sequence[StagePrograms]:
+    return self._programs_for(split)
+
+  def program(self, slot: Slot, sp: StepProgram | None = None) -> StagePrograms:
+    p = (sp or self.step_program).slots[slot]
+    return self.programs(p.split)[p.stage]
+
+  def device(self, slot: Slot, sp: StepProgram | None = None) -> jax.Device:
+    return self.transport.device((sp or self.step_program).slots[slot].node)
+
+  def node(self, slot: Slot) -> int:
+    return self.step_program.slots[slot].node
+
+  @property
+  def devices(self) -> dict[int, jax.Device]:
+    """The device of every node of the current plan."""
+    return {n: self.transport.device(n) for n in self.step_program.nodes}
+
+  def _reduction_groups(self) -> list[_Group]:
+    """Every parameter name's holders, grouped; in one global order (every process the same)."""
+    holders: dict[str, list[Slot]] = {}
+    for slot in sorted(self.step_program.slots):
+      for n in self.program(slot).param_names:
+        holders.setdefault(n, []).append(slot)
+    by_holders: dict[tuple[Slot, ...], list[str]] = {}
+    for n, hs in holders.items():
+      by_holders.setdefault(tuple(hs), []).append(n)
+    ordered = sorted(by_holders.items())
+    return [_Group(i, hs, tuple(sorted(ns))) for i, (hs, ns) in enumerate(ordered)]
+
+  # ---------------------------------------------------------------- state
+
+  def sources(self, dead_nodes: set[int] = frozenset()) -> list[Source]:
+    """Every state held on a live local node: the slots' own and the replicas."""
+    from resilient_jax.checkpoint import universal
+
+    out: list[Source] = []
+    for slot in self.local_slots:
+      if self.node(slot) in dead_nodes:
+        continue
+      dev = self.device(slot)
+      out.append((dev, self.params[slot], universal.flatten_state(self.opt_state[slot])))
+      if slot in self.replicas:
+        params, opt = self.replicas[slot]
+        out.append((dev, params, universal.flatten_state(opt)))
+    return out
+
+  def place(
+    self,
+    plan: Plan,
+    sources: Sequence[Source],
+    *,
+    dead: frozenset[int] | set[int] = frozenset(),
+    tag: tuple[int, int] = (0, 0),
+  ) -> int:
+    """Switches to `plan`, taking every local slot's state from `sources`; returns bytes copied.
+
+    A slot uses an array already on its device when one exists, else copies one from another
+    device (or host memory). With `dead` given, this is a hand-over after a failure: what no
+    local source holds comes from a live node of another process that held it in the old plan
+    (`Transport.exchange`, named by `tag`, the step and attempt of the failure).
+
+    Raises:
+      KeyError: no source holds a parameter or optimizer entry a slot needs.
+    """
+    from resilient_jax.checkpoint import universal
+
+    old = self.step_program
+    self._set_plan(plan)
+    sources = list(sources)
+    if dead and self.transport.remote_collectives:
+      sources += self._handover(old, set(dead), sources, tag)
+    params: dict[Slot, Params] = {}
+    opt: dict[Slot, Any] = {}
+    copied = 0
+
+    def pick(key: str, dev: jax.Device, table: int) -> jax.Array:
+      nonlocal copied
+      held = [src for src in sources if key in src[table]]
+      if not held:
+        what = "parameter" if table == 1 else "optimizer entry"
+        raise KeyError(f"{what} {key!r} has no surviving replica")
+      local = next((src for src in held if src[0] == dev), None)
+      if local is not None:
+        return local[table][key]
+      value = held[0][table][key]
+      if held[0][0] is not None:
+        copied += value.nbytes
+      return jax.device_put(value, dev)
+
+    for slot in self.local_slots:
+      prog, dev = self.program(slot), self.device(slot)
+      params[slot] = {n: pick(n, dev, 1) for n in prog.param_names}
+      template = jax.eval_shape(prog.optimizer.init, prog.abstract_params())
+      entries = {k: pick(k, dev, 2) for k in universal.flatten_state(template)}
+      opt[slot] = universal.unflatten_state(template, entries, what="optimizer state")
+    self.params, self.opt_state = params, opt
+    self._refresh_replicas(tag, channel=1)
+    return copied
+
+  def _state_specs(self, split: tuple[LayerRange, ...], stage: int) -> dict[str, Any]:
+    """Every state key a slot of `(split, stage)` holds ("p/" parameter names, "o/" optimizer
+    entries) with its shape and dtype."""
+    key = (split, stage)
+    if key not in self._specs:
+      from resilient_jax.checkpoint import universal
+
+      prog = self.programs(split)[stage]
+      params = prog.abstract_params()
+      opt = universal.flatten_state(jax.eval_shape(prog.optimizer.init, params))
+      specs = {"p/" + n: v for n, v in params.items()}
+      specs.update({"o/" + k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in opt.items()})
+      self._specs[key] = specs
+    return self._specs[key]
+
+  def _slot_keys(self, sp: StepProgram, slot: Slot, replica: bool = True) -> set[str]:
+    p = sp.slots[slot]
+    keys = set(self._state_specs(p.split, p.stage))
+    if replica and p.replica is not None:
+      keys |= set(self._state_specs(p.split, p.replica))
+    return keys
+
+  def _exchange(
+    self, transfers: list[tuple[int, int, list[str]]], sources: Sequence[Source],
+    specs: Mapping[str, Any], channel: int, tag: tuple[int, int],
+  ) -> list[Source]:
+    """Runs `transfers` (source node, destination node, keys) between processes; returns what
+    arrived here as sources."""
+
+    def lookup(node: int, key: str) -> jax.Array:
+      dev, table = self.transport.device(node), (1 if key.startswith("p/") else 2)
+      return next(src[table][key[2:]] for src in sources if src[0] == dev and key[2:] in src[table])
+
+    received = self.transport.exchange(transfers, lookup, specs, channel, tag)
+    return [
+      (self.transport.device(node),
+       {k[2:]: v for k, v in got.items() if k.startswith("p/")},
+       {k[2:]: v for k, v in got.items() if k.startswith("o/")})
+      for node, got in sorted(received.items())
+    ]
+
+  def _handover(
+    self, old: StepProgram, dead: set[int], sources: Sequence[Source], tag: tuple[int, int]
+  ) -> list[Source]:
+    """What the current plan's slots need from other processes after a failure, exchanged.
+
+    Every process computes the same list from the old and the new plan: each key a node lacks
+    comes from the lowest live node that held it in the old plan.
+    """
+    held: dict[int, set[str]] = {}
+    for slot, p in old.slots.items():
+      if p.node not in dead:
+        held.setdefault(p.node, set()).update(self._slot_keys(old, slot))
+    specs: dict[str, Any] = {}
+    wanted: dict[tuple[int, int], set[str]] = {}
+    new = self.step_program
+    for slot, p in sorted(new.slots.items()):
+      specs.update(self._state_specs(p.split, p.stage))
+      for key in sorted(self._slot_keys(new, slot, replica=False) - held.get(p.node, set())):
+        owners = sorted(n for n, keys in held.items() if key in keys)
+        if owners:  # none: `place` reports the missing key
+          wanted.setdefault((owners[0], p.node), set()).add(key)
+    transfers = [(src, dst, sorted(keys)) for (src, dst), keys in sorted(wanted.items())]
+    return self._exchange(transfers, sources, specs, channel=0, tag=tag)
+
+  def _refresh_replicas(self, tag: tuple[int, int] = (0, 0), channel: int = 2) -> None:
+    """Every slot that runs FR gets a copy of its successor stage's current state (from
+    another process if that stage's slot lives there)."""
+    from resilient_jax.checkpoint import universal
+
+    self.replicas = {}
+    sp = self.step_program
+    remote: list[tuple[int, int, list[str]]] = []
+    specs: dict[str, Any] = {}
+    for slot, p in sorted(sp.slots.items()):
+      if p.replica is None:
+        continue
+      src = (slot[0], p.replica)
+      src_node = sp.slots[src].node
+      if self.transport.is_local(p.node) and self.transport.is_local(src_node):
+        state = (self.params[src], self.opt_state[src])
+        self.replicas[slot] = jax.device_put(state, self.device(slot))
+      elif self.transport.is_local(p.node) or self.transport.is_local(src_node):
+        keys = self._state_specs(p.split, p.replica)
+        specs.update(keys)
+        remote.append((src_node, p.node, sorted(keys)))
+    if not remote:
+      return
+    got = self._exchange(remote, self.sources(), specs, channel=channel, tag=tag)
+    for slot, p in sorted(sp.slots.items()):
+      if p.replica is None or slot in self.replicas or not self.transport.is_local(p.node):
+        continue
+      dev = self.device(slot)
+      _, params, entries = next(src for src in got if src[0] == dev)
+      prog = self.programs(p.split)[p.replica]
+      template = jax.eval_shape(prog.optimizer.init, prog.abstract_params())
+      self.replicas[slot] = (
+        {n: params[n] for n in prog.param_names},
+        universal.unflatten_state(template, entries, what="replica state"),
+      )
+
+  def export_state(self) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+    """This process's parameters by global name and optimizer entries (universal layout), one
+    holder each; arrays stay on their devices."""
+    from resilient_jax.checkpoint import universal
+
+    params: dict[str, jax.Array] = {}
+    opt: list[dict[str, Any]] = []
+    for slot in self.local_slots:
+      params.update({k: v for k, v in self.params[slot].items() if k not in params})
+      opt.append(universal.flatten_state(self.opt_state[slot]))
+    return params, universal.merge(opt)
+
+  def import_state(self, params: Mapping[str, Any], opt_entries: Mapping[str, Any]) -> None:
+    """Loads universal-layout state (a checkpoint) into every local slot (any layout).
+
+    Raises:
+      KeyError: the state lacks a parameter or optimizer entry some slot needs.
+    """
+    for slot in self.local_slots:
+      missing = [n for n in self.program(slot).param_names if n not in params]
+      if missing:
+        raise KeyError(f"parameter {missing[0]!r} is missing from the checkpoint")
+    self.place(self.plan, [(None, dict(params), dict(opt_entries))])
+
+  def stage_params(self, stage: int) -> Params:
+    """Parameters of the first local slot of `stage`."""
+    for slot in self.local_slots:
+      if self.step_program.slots[slot].stage == stage:
+        return self.params[slot]
+    raise KeyError(f"no live slot holds stage {stage}")
+
+  def all_params(self) -> dict[str, np.ndarray]:
+    """Every local parameter by global name, fetched to the host."""
+    return {k: np.asarray(v) for k, v in self.export_state()[0].items()}
+
+  def warm_up(self) -> None:
+    """Compiles every local slot's split backward (`B`, `W`) by running it once on zeros.
+
+    Fault-free schedules may use only the fused backward; the replanned schedule after a
+    failure splits it, and compiling then would add to the recovery time.
+    """
+    outs = []
+    for slot in self.local_slots:
+      prog, dev = self.program(slot), self.device(slot)
+      zeros = lambda spec, dev=dev: jax.device_put(jnp.zeros(spec.shape, spec.dtype), dev)  # noqa: E731
+      tgt = zeros(prog.target_spec) if prog.info.last else None
+      _, res, saved = prog.forward(self.params[slot], zeros(prog.input_spec), tgt)
+      scalar = jax.ShapeDtypeStruct((), jnp.float32)
+      _, taps = prog.backward_input(res, zeros(scalar if prog.info.last else prog.output_spec))
+      outs.append(prog.backward_weight(self.params[slot], saved, taps,
+                                       prog.zero_grads(self.params[slot], dev)))
+    self.transport.wait(outs, "the warm-up of the split backward")
+
+  # ---------------------------------------------------------------- one step
+
+  def run_step(
+    self,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    *,
+    step: int = 0,
+    attempt: int = 0,
+    profile: bool = False,
+    after_op: AfterOp | None = None,
+  ) -> StepResult:
+    """Runs one attempt at a step of the current plan.
+
+    Args:
+      inputs: token ids `[num_microbatches, microbatch_size, seq_len]`, by global id.
+      targets: next-token targets, same shape.
+      step, attempt: name the transfers and agreements of a multi-process job.
+      profile: wait for every op to record its duration (serialises the devices).
+      after_op: see `AfterOp`.
+
+    Returns:
+      The outcome; in a multi-process job it may be uncommitted, naming the nodes lost.
+    """
+    sp, tp = self.step_program, self.transport
+    t0 = time.perf_counter()
+    tp.begin(step, attempt, sp.nodes)
+    residuals: dict[tuple[Slot, int], Any] = {}
+    saved: dict[tuple[Slot, int], Any] = {}
+    taps: dict[tuple[Slot, int], Any] = {}
+    fr_in: dict[tuple[Slot, int], jax.Array] = {}
+    losses: dict[int, jax.Array] = {}
+    processed: list[int] = []
+    acc: dict[Slot, Params] = {}
+    new_state: dict[Slot, tuple[Params, Any]] = {}
+    records: list[OpRecord] = []
+
+    def grads_of(slot: Slot) -> Params:
+      if slot not in acc:
+        acc[slot] = self.program(slot).zero_grads(self.params[slot], self.device(slot))
+      return acc[slot]
+
+    def compute(slot: Slot, op: Op) -> list[jax.Array]:
+      p = sp.slots[slot]
+      progs = self.programs(p.split)
+      prog, dev, s, mb, key = progs[p.stage], self.device(slot), p.stage, op.mb, (slot, op.mb)
+      if op.kind == F:
+        if s == 0:
+          x = jax.device_put(inputs[mb], dev)
+        else:
+          x = tp.recv((mb, s - 1, ACT), sp.slots[sp.route[mb][s - 1]].node, prog.input_spec, dev)
+        tgt = jax.device_put(targets[mb], dev) if p.last else None
+        out, residuals[key], saved[key] = prog.forward(self.params[slot], x, tgt)
+        if p.last:
+          losses[mb] = out
+          processed.append(mb)
+        else:
+          tp.send((mb, s, ACT), out, sp.slots[sp.route[mb][s + 1]].node)
+          if p.replica is not None:
+            fr_in[key] = out
+        return [out]
+      if op.kind == FR:
+        r = p.replica
+        x = jax.device_put(inputs[mb], dev) if p.last else fr_in.pop(key)
+        tgt = jax.device_put(targets[mb], dev) if r == len(p.split) - 1 else None
+        return [progs[r].forward(self.replicas[slot][0], x, tgt)[0]]  # a warm copy; unread
+      if op.kind == W:
+        acc[slot] = prog.backward_weight(self.params[slot], saved.pop(key), taps.pop(key),
+                                         grads_of(slot))
+        return list(acc[slot].values())[:1]
+      if op.kind not in (B, BW):
+        raise ValueError(f"not a compute op: {op}")
+      if p.last:
+        g = jax.device_put(jnp.float32(1.0), dev)
+      else:
+        g = tp.recv((mb, s + 1, GRAD), sp.slots[sp.route[mb][s + 1]].node, prog.output_spec, dev)
+      if op.kind == B:
+        dx, taps[key] = prog.backward_input(residuals.pop(key), g)
+      else:
+        dx, acc[slot] = prog.backward_fused(residuals.pop(key), saved.pop(key), self.params[slot],
+                                            g, grads_of(slot))
+      if dx is not None:
+        tp.send((mb, s, GRAD), dx, sp.slots[sp.route[mb][s - 1]].node)
+        return [dx]
+      return list(jax.tree.leaves(taps[key]))[:1] if op.kind == B else list(acc[slot].values())[:1]
+
+    def reduce(group: _Group) -> None:
+      """Sums `group`'s names over its holders: on-device first, then one collective."""
+      began = time.perf_counter() - t0
+      for h in group.holders:
+        ar_start.setdefault(h, began)  # an AR's record starts with its first collective
+      per_dev: dict[jax.Device, Params] = {}
+      for h in group.holders:
+        if h in self.params:
+          dev, g = self.device(h), grads_of(h)
+          part = {n: g[n] for n in group.names}
+          per_dev[dev] = {n: per_dev[dev][n] + v for n, v in part.items()} if dev in per_dev \
+            else part
+      devices = tuple(sorted({self.device(h) for h in group.holders}, key=lambda d: d.id))
+      nodes = sorted({sp.slots[h].node for h in group.holders})
+      if len(devices) > 1:
+        per_dev = tp.reduce(group.index, nodes, devices, per_dev)
+      for h in group.holders:
+        if h in self.params:
+          acc[h] = {**grads_of(h), **per_dev[self.device(h)]}
+
+    local = set(self.local_slots)
+    slot_groups = {s: [g for g in self._groups if s in g.holders] for s in local}
+    group_done: set[int] = set()
+    arrived: set[Slot] = set()
+    pos = {s: 0 for s in local}
+    done: set[tuple[Slot, Op]] = set()
+    ar_start: dict[Slot, float] = {}
+
+    def after(slot: Slot, op: Op) -> None:
+      if after_op is not None:
+        after_op(sp.slots[slot].node, op)
+
+    def ready(slot: Slot, op: Op) -> bool:
+      return all(d in done or d[0] not in local for d in sp.dependencies(slot, op))
+
+    def finish(slot: Slot, op: Op, start: float, outs: Any) -> None:
+      if profile:
+        jax.block_until_ready(outs)
+        records.append(OpRecord(slot, op, start, time.perf_counter() - t0))
+      done.add((slot, op))
+      pos[slot] += 1
+
+    remaining = [sum(len(sp.slots[s].ops) for s in local)]
+
+    def complete(g: _Group) -> None:
+      """Finishes the AR of every local holder of `g` whose groups are now all reduced (at
+      once, so that a profiled AR ends when its collective does)."""
+      for h in g.holders:
+        if h in arrived and (h, Op(AR)) not in done and all(
+          x.index in group_done for x in slot_groups[h]
+        ):
+          finish(h, Op(AR), ar_start[h], [acc.get(h)])
+          remaining[0] -= 1
+          after(h, Op(AR))
+
+    def try_reduce(blocking_ok: bool) -> bool:
+      """Runs every group whose local holders have all arrived at their AR; a group with
+      holders on other processes only when `blocking_ok` (nothing else can be dispatched),
+      in the global group order, so no two processes wait on each other."""
+      ran = False
+      for g in self._groups:
+        if g.index in group_done or not any(h in local for h in g.holders):
+          continue
+        if not all(h in arrived for h in g.holders if h in local):
+          if tp.remote_collectives:
+            return ran  # keep the global order
+          continue
+        remote = any(h not in local for h in g.holders)
+        if remote and not blocking_ok:
+          return ran
+        reduce(g)
+        group_done.add(g.index)
+        complete(g)
+        ran = True
+      return ran
+
+    while remaining[0]:
+      progressed = False
+      for slot in self.local_slots:
+        ops = sp.slots[slot].ops
+        while pos[slot] < len(ops) and ready(slot, ops[pos[slot]]):
+          op = ops[pos[slot]]
+          if op.kind == AR:
+            if slot in arrived:
+              break  # waiting for the other holders of its names
+            arrived.add(slot)
+            try_reduce(blocking_ok=False)
+            progressed = True
+            continue
+          progressed = True
+          start = time.perf_counter() - t0
+          if op.kind == OPT:
+            new_state[slot] = self.program(slot).optimizer_step(
+              self.params[slot], self.opt_state[slot], grads_of(slot))
+            finish(slot, op, start, new_state[slot][0])
+          else:
+            finish(slot, op, start, compute(slot, op))
+            after(slot, op)
+          remaining[0] -= 1
+      if not progressed and not try_reduce(blocking_ok=True):
+        heads = {s: str(sp.slots[s].ops[pos[s]]) for s in local if pos[s] < len(sp.slots[s].ops)}
+        raise RuntimeError(f"plan {sp.name} cannot make progress; stuck at {heads}")
+    dispatch_time = time.perf_counter() - t0
+
+    outcome: Outcome = tp.conclude(losses, [p for p, _ in new_state.values()])
+    elapsed = time.perf_counter() - t0
+    if not outcome.committed:
+      return StepResult(0.0, {}, elapsed, records, [], dispatch_time, committed=False,
+                        lost=frozenset(outcome.lost), detected_at=outcome.detected_at)
+    for slot, (params, opt_state) in new_state.items():
+      self.params[slot], self.opt_state[slot] = params, opt_state
+    self._refresh_replicas((step, attempt))
+    mb_losses = outcome.losses
+    return StepResult(
+      loss=float(sum(mb_losses[mb] for mb in sorted(mb_losses))),
+      microbatch_losses=mb_losses,
+      step_time_s=elapsed,
+      records=records,
+      processed=sorted(mb_losses) if outcome.remote else processed,
+      dispatch_time_s=dispatch_time,
+      detected_at=outcome.detected_at,
+    )

@@ -1,0 +1,196 @@
+"""How data crosses slot boundaries: the interpreter's one interface to devices and processes.
+
+`LocalTransport` serves a single process that holds every node (device) of the plan: arrays
+move with `jax.device_put`, a reduction is one `psum` over a mesh of exactly the holders'
+devices (`GroupSum`), and every step commits. `runtime.multiprocess.ProcessTransport` extends it
+to a `jax.distributed` job, where some nodes live in other processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Params = dict[str, jax.Array]
+ACT, GRAD, STATE = 0, 1, 2
+Key = tuple[int, int, int]
+"""(micro-batch, producing stage, ACT or GRAD): unique within one step attempt."""
+
+
+@dataclasses.dataclass
+class Outcome:
+  """How a step attempt ended, the same in every surviving process."""
+
+  committed: bool
+  losses: dict[int, float]
+  """Every micro-batch's loss (all of them, from every process) when committed."""
+  lost: set[int] = dataclasses.field(default_factory=set)
+  detected_at: float = 0.0
+  remote: bool = False
+  """Whether other processes contributed losses (`processed` then comes from them)."""
+
+
+class Transport(Protocol):
+  """What the interpreter needs from the world outside its slots."""
+
+  remote_collectives: bool
+
+  def is_local(self, node: int) -> bool:
+    """Whether `node`'s device belongs to this process."""
+    ...
+
+  def device(self, node: int) -> jax.Device: ...
+
+  def begin(self, step: int, attempt: int, nodes: Sequence[int]) -> None:
+    """Starts an attempt at `step` on `nodes`: transfers and agreements are named after it."""
+    ...
+
+  def send(self, key: Key, value: jax.Array, consumer: int) -> None:
+    """Offers an activation or gradient to the node that consumes it."""
+    ...
+
+  def recv(
+    self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: jax.Device
+  ) -> jax.Array:
+    """The array `producer` sent under `key`, on `device` (asynchronously filled)."""
+    ...
+
+  def reduce(
+    self,
+    index: int,
+    nodes: Sequence[int],
+    devices: tuple[jax.Device, ...],
+    local: dict[jax.Device, Params],
+  ) -> dict[jax.Device, Params]:
+    """Sums `local` (this process's devices' dicts) over `devices` (of `nodes`)."""
+    ...
+
+  def conclude(self, losses: Mapping[int, jax.Array], new_params: Sequence[Any]) -> Outcome:
+    """Ends the attempt: commit (with every micro-batch's loss) or the nodes lost."""
+    ...
+
+  def wait(self, tree: Any, what: str) -> Any:
+    """Blocks (bounded) until `tree` is computed."""
+    ...
+
+  def exchange(
+    self,
+    transfers: Sequence[tuple[int, int, Sequence[str]]],
+    lookup: Callable[[int, str], jax.Array],
+    specs: Mapping[str, jax.ShapeDtypeStruct],
+    channel: int,
+    tag: tuple[int, int],
+  ) -> dict[int, dict[str, jax.Array]]:
+    """Moves state between processes: each (source node, destination node, keys) is offered by
+    the source's process (`lookup` gives its arrays) and pulled by the destination's. Every
+    process passes the same list; returns {local destination node: {key: array}}."""
+    ...
+
+
+class GroupSum:
+  """Sums dicts of arrays over a group of devices with one `psum` collective.
+
+  The group is a mesh of exactly those devices, so a smaller group after a failure is just
+  another mesh; one compiled program per group. Works within a process and across processes
+  (each process passes its own devices' dicts).
+  """
+
+  def __init__(self):
+    self._programs: dict[tuple[jax.Device, ...], tuple[Callable, NamedSharding]] = {}
+
+  def _program(self, devices: tuple[jax.Device, ...]) -> tuple[Callable, NamedSharding]:
+    if devices not in self._programs:
+      mesh = Mesh(np.array(devices), ("dp",))
+      spec = PartitionSpec("dp")
+      summed = jax.shard_map(
+        lambda tree: jax.tree.map(lambda x: jax.lax.psum(x, "dp"), tree),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+      )
+      self._programs[devices] = (jax.jit(summed), NamedSharding(mesh, spec))
+    return self._programs[devices]
+
+  def __call__(
+    self, devices: tuple[jax.Device, ...], local: Mapping[jax.Device, Params]
+  ) -> dict[jax.Device, Params]:
+    """`local` holds the dicts of the group's devices this process owns; returns their sums."""
+    fn, sharding = self._program(devices)
+    names = sorted(next(iter(local.values())))
+    stacked = {}
+    for n in names:
+      shards = [local[d][n] for d in devices if d in local]
+      shape = (shards[0].shape[0] * len(devices), *shards[0].shape[1:])
+      stacked[n] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    out = fn(stacked)
+    result: dict[jax.Device, Params] = {d: {} for d in local}
+    for n in names:
+      for shard in out[n].addressable_shards:
+        result[shard.device][n] = shard.data
+    return result
+
+
+class LocalTransport:
+  """Every node is a device of this process.
+
+  Args:
+    devices: the device of every node.
+  """
+
+  remote_collectives = False
+  """Whether a reduction may wait on other processes (then groups run in one global order)."""
+
+  def __init__(self, devices: Mapping[int, jax.Device]):
+    self.devices = dict(devices)
+    self._box: dict[Key, jax.Array] = {}
+    self._group_sum = GroupSum()
+
+  def is_local(self, node: int) -> bool:
+    return node in self.devices
+
+  def device(self, node: int) -> jax.Device:
+    return self.devices[node]
+
+  def begin(self, step: int, attempt: int, nodes: Sequence[int] = ()) -> None:
+    del step, attempt, nodes
+    self._box.clear()
+
+  def send(self, key: Key, value: jax.Array, consumer: int) -> None:
+    del consumer
+    self._box[key] = value
+
+  def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: jax.Device):
+    del producer, spec
+    return jax.device_put(self._box.pop(key), device)
+
+  def reduce(
+    self,
+    index: int,
+    nodes: Sequence[int],
+    devices: tuple[jax.Device, ...],
+    local: dict[jax.Device, Params],
+  ) -> dict[jax.Device, Params]:
+    """Sums `local` (one dict per device) over `devices`; `index` names the group."""
+    del index, nodes
+    return self._group_sum(devices, local)
+
+  def conclude(self, losses: Mapping[int, jax.Array], new_params: Sequence[Any]) -> Outcome:
+    values = jax.device_get(dict(losses))
+    jax.block_until_ready(list(new_params))
+    return Outcome(True, {mb: float(v) for mb, v in values.items()}, detected_at=time.time())
+
+  def wait(self, tree: Any, what: str) -> None:
+    del what
+    jax.block_until_ready(tree)
+
+  def exchange(self, transfers, lookup, specs, channel, tag) -> dict[int, dict[str, jax.Array]]:
+    del lookup, specs, channel, tag
+    if any(not (self.is_local(a) and self.is_local(b)) for a, b, _ in transfers):
+      raise ValueError("a single-process run has no other process to exchange state with")
+    return {}  # every node is local: `Interpreter.place` copies between devices itself

@@ -1,0 +1,173 @@
+"""What one training step runs, as *slots*: the single form the runtime's interpreter executes.
+
+The policies plan in two shapes:
+
+* a `GridPlan`: a DP x PP grid in which every pipeline cuts the model the same way and
+  micro-batches may be re-routed to another pipeline's worker of the same stage (ReCycle, naive,
+  restart, and `auto` while it re-routes);
+* a `PipelineSet`: independent pipelines, each with its own cut of the layers (Oobleck), or a
+  grid in which a stage may run on its predecessor's node and stages keep replicas (Bamboo).
+
+`step_program` turns either into a `StepProgram`: per slot (a worker of the grid, or a
+`(pipeline, stage)` of a set) the node it runs on, the layer split its stage programs come from,
+its op list with *global* micro-batch ids, and for every micro-batch the slot that runs each of
+its stages. The interpreter needs nothing else, so one interpreter runs every policy, in one
+process or across many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Mapping
+
+from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
+from resilient_jax.schedule.pipelines import LayerRange, PipelineSet
+
+Slot = tuple[int, int]
+"""`(dp, stage)` of a grid, or `(pipeline, stage)` of a pipeline set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPlan:
+  """A DP x PP grid run with re-routing.
+
+  Attributes:
+    schedule: the op lists of the live workers and every micro-batch's route.
+    partition: the layers `[lo, hi)` of every stage.
+    nodes: the node (device, or process) of every worker of the grid, failed ones included.
+  """
+
+  schedule: Schedule
+  partition: tuple[LayerRange, ...]
+  nodes: Mapping[Worker, int]
+
+  @property
+  def name(self) -> str:
+    return self.schedule.name
+
+  def to_text(self) -> str:
+    return self.schedule.to_text()
+
+
+Plan = GridPlan | PipelineSet
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotProgram:
+  """One slot's part of a step.
+
+  Attributes:
+    node: where it runs.
+    split: the layer split of its pipeline (which stage programs it uses).
+    stage: its stage index in that split.
+    ops: its ops in order, micro-batch ids global.
+    replica: the stage of its split whose replica it keeps and runs `FR` on, or None.
+  """
+
+  node: int
+  split: tuple[LayerRange, ...]
+  stage: int
+  ops: tuple[Op, ...]
+  replica: int | None = None
+
+  @property
+  def last(self) -> bool:
+    return self.stage == len(self.split) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+  """A whole step: every slot's ops and every micro-batch's route through the slots.
+
+  Attributes:
+    name: the planner or policy that made it.
+    slots: every live slot's program.
+    route: `route[mb][s]` is the slot running stage `s` of micro-batch `mb` (stages of the
+      split of the pipeline that owns `mb`).
+  """
+
+  name: str
+  slots: Mapping[Slot, SlotProgram]
+  route: tuple[tuple[Slot, ...], ...]
+
+  @property
+  def num_microbatches(self) -> int:
+    return len(self.route)
+
+  @property
+  def nodes(self) -> list[int]:
+    return sorted({p.node for p in self.slots.values()})
+
+  @functools.cached_property
+  def _backward(self) -> dict[tuple[Slot, int], Op]:
+    index: dict[tuple[Slot, int], Op] = {}
+    for slot, prog in self.slots.items():
+      for op in prog.ops:
+        if op.kind in (B, BW):
+          index.setdefault((slot, op.mb), op)
+    return index
+
+  @functools.cached_property
+  def holders(self) -> dict[tuple[LayerRange, ...], dict[int, list[Slot]]]:
+    """Slots per (split, stage), for looking up who holds which parameters."""
+    out: dict[tuple[LayerRange, ...], dict[int, list[Slot]]] = {}
+    for slot, prog in sorted(self.slots.items()):
+      out.setdefault(prog.split, {}).setdefault(prog.stage, []).append(slot)
+    return out
+
+  def dependencies(self, slot: Slot, op: Op) -> Iterator[tuple[Slot, Op]]:
+    """The ops (on any slot) that must be dispatched before `op` on `slot`.
+
+    AR's dependencies are local (this slot's weight-gradient ops); the collective's
+    synchronisation with the other holders is the interpreter's. OPT depends on this slot's AR.
+    FR depends on this slot's own F of the micro-batch, except on the last stage (its input is
+    the data).
+    """
+    prog = self.slots[slot]
+    s = prog.stage
+    if op.kind == F:
+      if s > 0:
+        yield self.route[op.mb][s - 1], Op(F, op.mb)
+    elif op.kind in (B, BW):
+      yield slot, Op(F, op.mb)
+      if not prog.last:
+        nxt = self.route[op.mb][s + 1]
+        yield nxt, self._backward[(nxt, op.mb)]
+    elif op.kind == W:
+      yield slot, Op(B, op.mb)
+    elif op.kind == AR:
+      for other in prog.ops:
+        if other.kind in (W, BW):
+          yield slot, other
+    elif op.kind == OPT:
+      yield slot, Op(AR)
+    elif op.kind == FR and not prog.last:
+      yield slot, Op(F, op.mb)
+
+
+def step_program(plan: Plan) -> StepProgram:
+  """The slots of `plan` (see the module docstring)."""
+  if isinstance(plan, GridPlan):
+    sched = plan.schedule
+    split = tuple(plan.partition)
+    slots = {
+      w: SlotProgram(plan.nodes[w], split, w[1], tuple(ops)) for w, ops in sched.ops.items()
+    }
+    route = tuple(tuple((d, s) for s, d in enumerate(r)) for r in sched.route)
+    return StepProgram(sched.name, slots, route)
+  slots = {}
+  route: list[tuple[Slot, ...] | None] = [None] * plan.num_microbatches
+  for p, pipe in enumerate(plan.pipelines):
+    gid = pipe.microbatches
+    for s in range(pipe.num_stages):
+      ops = tuple(
+        Op(op.kind, gid[op.mb]) if op.mb >= 0 else op for op in pipe.schedule.ops[(0, s)]
+      )
+      slots[(p, s)] = SlotProgram(pipe.nodes[s], pipe.stages, s, ops, pipe.replica_of(s))
+    for mb in gid:
+      route[mb] = tuple((p, s) for s in range(pipe.num_stages))
+  return StepProgram(plan.name, slots, tuple(route))  # type: ignore[arg-type]
+
+
+__all__ = ["GridPlan", "Plan", "Slot", "SlotProgram", "StepProgram", "step_program"]
