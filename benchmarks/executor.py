@@ -64,7 +64,7 @@ def build_executor(cfg):
 
   from resilient_jax.recipe import make_data, make_model, make_optimizer
   from resilient_jax.runtime.interpreter import Interpreter
-  from resilient_jax.runtime.transport import LocalTransport
+  from resilient_jax.runtime.transport import Transport
   from resilient_jax.schedule.generators import generate
   from resilient_jax.schedule.plan import GridPlan
   from resilient_jax.stages import build_stage_programs
@@ -81,7 +81,7 @@ def build_executor(cfg):
   schedule = generate(cfg.pipeline.schedule, dp, pp, cfg.pipeline.microbatches)
   split = tuple((r.start, r.stop) for r in cfg.partition)
   plan = GridPlan(schedule, split, {(d, s): d * pp + s for d in range(dp) for s in range(pp)})
-  transport = LocalTransport(dict(enumerate(jax.devices()[: dp * pp])))
+  transport = Transport(dict(enumerate(jax.devices()[: dp * pp])))
   source, data = make_data(cfg)
   return Interpreter(lambda _: programs, transport, plan), schedule, source, data
 

@@ -52,7 +52,7 @@ from resilient_jax.recipe import (
   step_batch,
 )
 from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
-from resilient_jax.runtime.transport import LocalTransport
+from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.core import AR, Op, Worker
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
@@ -195,7 +195,7 @@ class Trainer:
         raise ConfigError(
           f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devs)}"
         )
-      transport = LocalTransport(dict(enumerate(devs[:need])))
+      transport = Transport(dict(enumerate(devs[:need])))
       nodes = list(range(need))
     else:
       from resilient_jax.runtime.multiprocess import ProcessTransport

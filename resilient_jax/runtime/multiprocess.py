@@ -45,7 +45,18 @@ import jax
 import jax.numpy as jnp
 
 from resilient_jax.runtime.cluster import Cluster
-from resilient_jax.runtime.transport import STATE, Key, LocalTransport, Outcome, Params
+from resilient_jax.runtime.transport import (
+  STATE,
+  Devices,
+  Key,
+  Lookup,
+  Outcome,
+  PerDevice,
+  Specs,
+  Tag,
+  Transfer,
+  Transport,
+)
 
 PauseHook = Callable[[int, str], None]
 """Called with (step, where) at points a test may kill this process: "start" before a step,
@@ -63,7 +74,7 @@ def transfer_id(step: int, attempt: int, mb: int, stage: int, kind: int) -> int:
   return (((step * 64 + attempt % 64) * 65536 + mb) * 1024 + stage) * 4 + kind
 
 
-class ProcessTransport(LocalTransport):
+class ProcessTransport(Transport):
   """Nodes are processes (one device each); this process holds its own node's slots.
 
   Args:
@@ -115,12 +126,8 @@ class ProcessTransport(LocalTransport):
     self.doomed.append(f"{what}: {str(err).splitlines()[0][:120]}")
 
   def reduce(
-    self,
-    index: int,
-    nodes: Sequence[int],
-    devices: tuple[jax.Device, ...],
-    local: dict[jax.Device, Params],
-  ) -> dict[jax.Device, Params]:
+    self, index: int, nodes: Sequence[int], devices: Devices, local: PerDevice
+  ) -> PerDevice:
     """Sums over processes if every member agrees to run the collective; else keeps the local
     values and marks the attempt doomed."""
     what = f"all-reduce {index}"
@@ -172,12 +179,7 @@ class ProcessTransport(LocalTransport):
     self.cluster.wait(tree, what)
 
   def exchange(
-    self,
-    transfers: Sequence[tuple[int, int, Sequence[str]]],
-    lookup: Callable[[int, str], jax.Array],
-    specs: Mapping[str, jax.ShapeDtypeStruct],
-    channel: int,
-    tag: tuple[int, int],
+    self, transfers: Sequence[Transfer], lookup: Lookup, specs: Specs, channel: int, tag: Tag
   ) -> dict[int, dict[str, jax.Array]]:
     step, attempt = tag
     cl = self.cluster

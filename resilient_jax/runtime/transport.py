@@ -1,6 +1,6 @@
 """How data crosses slot boundaries: the interpreter's one interface to devices and processes.
 
-`LocalTransport` serves a single process that holds every node (device) of the plan: arrays
+`Transport` serves a single process that holds every node (device) of the plan: arrays
 move with `jax.device_put`, a reduction is one `psum` over a mesh of exactly the holders'
 devices (`GroupSum`), and every step commits. `runtime.multiprocess.ProcessTransport` extends it
 to a `jax.distributed` job, where some nodes live in other processes.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,6 +21,16 @@ Params = dict[str, jax.Array]
 ACT, GRAD, STATE = 0, 1, 2
 Key = tuple[int, int, int]
 """(micro-batch, producing stage, ACT or GRAD): unique within one step attempt."""
+Transfer = tuple[int, int, Sequence[str]]
+"""State keys to move from a source node to a destination node (`Transport.exchange`)."""
+Lookup = Callable[[int, str], jax.Array]
+"""A source node's array of a state key."""
+Specs = Mapping[str, jax.ShapeDtypeStruct]
+Devices = tuple[jax.Device, ...]
+PerDevice = dict[jax.Device, Params]
+"""One dict of arrays per device (a reduction's inputs and outputs)."""
+Tag = tuple[int, int]
+"""The step and attempt a state exchange belongs to."""
 
 
 @dataclasses.dataclass
@@ -34,63 +44,6 @@ class Outcome:
   detected_at: float = 0.0
   remote: bool = False
   """Whether other processes contributed losses (`processed` then comes from them)."""
-
-
-class Transport(Protocol):
-  """What the interpreter needs from the world outside its slots."""
-
-  remote_collectives: bool
-
-  def is_local(self, node: int) -> bool:
-    """Whether `node`'s device belongs to this process."""
-    ...
-
-  def device(self, node: int) -> jax.Device: ...
-
-  def begin(self, step: int, attempt: int, nodes: Sequence[int]) -> None:
-    """Starts an attempt at `step` on `nodes`: transfers and agreements are named after it."""
-    ...
-
-  def send(self, key: Key, value: jax.Array, consumer: int) -> None:
-    """Offers an activation or gradient to the node that consumes it."""
-    ...
-
-  def recv(
-    self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: jax.Device
-  ) -> jax.Array:
-    """The array `producer` sent under `key`, on `device` (asynchronously filled)."""
-    ...
-
-  def reduce(
-    self,
-    index: int,
-    nodes: Sequence[int],
-    devices: tuple[jax.Device, ...],
-    local: dict[jax.Device, Params],
-  ) -> dict[jax.Device, Params]:
-    """Sums `local` (this process's devices' dicts) over `devices` (of `nodes`)."""
-    ...
-
-  def conclude(self, losses: Mapping[int, jax.Array], new_params: Sequence[Any]) -> Outcome:
-    """Ends the attempt: commit (with every micro-batch's loss) or the nodes lost."""
-    ...
-
-  def wait(self, tree: Any, what: str) -> Any:
-    """Blocks (bounded) until `tree` is computed."""
-    ...
-
-  def exchange(
-    self,
-    transfers: Sequence[tuple[int, int, Sequence[str]]],
-    lookup: Callable[[int, str], jax.Array],
-    specs: Mapping[str, jax.ShapeDtypeStruct],
-    channel: int,
-    tag: tuple[int, int],
-  ) -> dict[int, dict[str, jax.Array]]:
-    """Moves state between processes: each (source node, destination node, keys) is offered by
-    the source's process (`lookup` gives its arrays) and pulled by the destination's. Every
-    process passes the same list; returns {local destination node: {key: array}}."""
-    ...
 
 
 class GroupSum:
@@ -136,8 +89,9 @@ class GroupSum:
     return result
 
 
-class LocalTransport:
-  """Every node is a device of this process.
+class Transport:
+  """How data crosses slot boundaries; this base class serves a single process, in which every
+  node is a local device (`runtime.multiprocess.ProcessTransport` extends it across processes).
 
   Args:
     devices: the device of every node.
@@ -152,44 +106,51 @@ class LocalTransport:
     self._group_sum = GroupSum()
 
   def is_local(self, node: int) -> bool:
+    """Whether `node`'s device belongs to this process."""
     return node in self.devices
 
   def device(self, node: int) -> jax.Device:
     return self.devices[node]
 
   def begin(self, step: int, attempt: int, nodes: Sequence[int] = ()) -> None:
+    """Starts an attempt at `step` on `nodes`: transfers and agreements are named after it."""
     del step, attempt, nodes
     self._box.clear()
 
   def send(self, key: Key, value: jax.Array, consumer: int) -> None:
+    """Offers an activation or gradient to the node that consumes it."""
     del consumer
     self._box[key] = value
 
   def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: jax.Device):
+    """The array `producer` sent under `key`, on `device` (possibly filled asynchronously)."""
     del producer, spec
     return jax.device_put(self._box.pop(key), device)
 
   def reduce(
-    self,
-    index: int,
-    nodes: Sequence[int],
-    devices: tuple[jax.Device, ...],
-    local: dict[jax.Device, Params],
-  ) -> dict[jax.Device, Params]:
+    self, index: int, nodes: Sequence[int], devices: Devices, local: PerDevice
+  ) -> PerDevice:
     """Sums `local` (one dict per device) over `devices`; `index` names the group."""
     del index, nodes
     return self._group_sum(devices, local)
 
   def conclude(self, losses: Mapping[int, jax.Array], new_params: Sequence[Any]) -> Outcome:
+    """Ends the attempt: commit (with every micro-batch's loss) or the nodes lost."""
     values = jax.device_get(dict(losses))
     jax.block_until_ready(list(new_params))
     return Outcome(True, {mb: float(v) for mb, v in values.items()}, detected_at=time.time())
 
   def wait(self, tree: Any, what: str) -> None:
+    """Blocks (bounded, across processes) until `tree` is computed."""
     del what
     jax.block_until_ready(tree)
 
-  def exchange(self, transfers, lookup, specs, channel, tag) -> dict[int, dict[str, jax.Array]]:
+  def exchange(
+    self, transfers: Sequence[Transfer], lookup: Lookup, specs: Specs, channel: int, tag: Tag
+  ) -> dict[int, dict[str, jax.Array]]:
+    """Moves state between processes: each (source node, destination node, keys) is offered by
+    the source's process (`lookup` gives its arrays) and pulled by the destination's. Every
+    process passes the same list; returns {local destination node: {key: array}}."""
     del lookup, specs, channel, tag
     if any(not (self.is_local(a) and self.is_local(b)) for a, b, _ in transfers):
       raise ValueError("a single-process run has no other process to exchange state with")

@@ -1,0 +1,93 @@
+"""State hand-over between plans and processes: which node sends which state to which.
+
+After a failure the new plan's slots take their parameters and optimizer entries from surviving
+replicas. Within a process `Interpreter.place` copies between devices itself; what a process
+lacks comes from another process, and every process computes the same list of transfers from
+the old and the new plan, so the holder offers exactly what the receiver pulls
+(`Transport.exchange`). Bamboo's replicas of a successor stage held by another process are
+refreshed the same way after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from resilient_jax.schedule.pipelines import LayerRange
+from resilient_jax.schedule.plan import Slot, StepProgram
+
+Source = tuple[jax.Device | None, Mapping[str, Any], Mapping[str, Any]]
+"""State to place from: its device (None: host memory), parameters and flat optimizer entries."""
+
+
+class StateHandover:
+  """The hand-over part of `Interpreter` (which provides `programs`, `transport`,
+  `step_program` and `_specs`)."""
+
+  def _state_specs(self, split: tuple[LayerRange, ...], stage: int) -> dict[str, Any]:
+    """Every state key a slot of `(split, stage)` holds ("p/" parameter names, "o/" optimizer
+    entries) with its shape and dtype."""
+    key = (split, stage)
+    if key not in self._specs:
+      from resilient_jax.checkpoint import universal
+
+      prog = self.programs(split)[stage]
+      params = prog.abstract_params()
+      opt = universal.flatten_state(jax.eval_shape(prog.optimizer.init, params))
+      specs = {"p/" + n: v for n, v in params.items()}
+      specs.update({"o/" + k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in opt.items()})
+      self._specs[key] = specs
+    return self._specs[key]
+
+  def _slot_keys(self, sp: StepProgram, slot: Slot, replica: bool = True) -> set[str]:
+    p = sp.slots[slot]
+    keys = set(self._state_specs(p.split, p.stage))
+    if replica and p.replica is not None:
+      keys |= set(self._state_specs(p.split, p.replica))
+    return keys
+
+  def _exchange(
+    self, transfers: list[tuple[int, int, list[str]]], sources: Sequence[Source],
+    specs: Mapping[str, Any], channel: int, tag: tuple[int, int],
+  ) -> list[Source]:
+    """Runs `transfers` (source node, destination node, keys) between processes; returns what
+    arrived here as sources."""
+
+    def lookup(node: int, key: str) -> jax.Array:
+      dev, table = self.transport.device(node), (1 if key.startswith("p/") else 2)
+      return next(src[table][key[2:]] for src in sources if src[0] == dev and key[2:] in src[table])
+
+    received = self.transport.exchange(transfers, lookup, specs, channel, tag)
+    return [
+      (self.transport.device(node),
+       {k[2:]: v for k, v in got.items() if k.startswith("p/")},
+       {k[2:]: v for k, v in got.items() if k.startswith("o/")})
+      for node, got in sorted(received.items())
+    ]
+
+  def _handover(
+    self, old: StepProgram, dead: set[int], sources: Sequence[Source], tag: tuple[int, int]
+  ) -> list[Source]:
+    """What the current plan's slots need from other processes after a failure, exchanged.
+
+    Every process computes the same list from the old and the new plan: each key a node lacks
+    comes from the lowest live node that held it in the old plan.
+    """
+    held: dict[int, set[str]] = {}
+    for slot, p in old.slots.items():
+      if p.node not in dead:
+        held.setdefault(p.node, set()).update(self._slot_keys(old, slot))
+    specs: dict[str, Any] = {}
+    wanted: dict[tuple[int, int], set[str]] = {}
+    new = self.step_program
+    for slot, p in sorted(new.slots.items()):
+      specs.update(self._state_specs(p.split, p.stage))
+      for key in sorted(self._slot_keys(new, slot, replica=False) - held.get(p.node, set())):
+        owners = sorted(n for n, keys in held.items() if key in keys)
+        if owners:  # none: `place` reports the missing key
+          wanted.setdefault((owners[0], p.node), set()).add(key)
+    transfers = [(src, dst, sorted(keys)) for (src, dst), keys in sorted(wanted.items())]
+    return self._exchange(transfers, sources, specs, channel=0, tag=tag)
+
