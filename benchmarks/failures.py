@@ -33,7 +33,7 @@ from resilient_jax import runtime_setup  # noqa: E402
 
 
 def planner_part() -> None:
-  from resilient_jax.schedule import report
+  from resilient_jax.schedule.analysis import report
 
   rows = report.planner_table([(8, 8, 16), (4, 4, 8)])
   print(report.format_table(rows))

@@ -46,7 +46,7 @@ def costs_from_records(records: Sequence[OpRecord], pp: int) -> OpCosts:
 
 
 def write_profile(costs: OpCosts, pp: int, path: str | Path) -> None:
-  """Writes measured op times in the simulator's profile format (`resilient_jax.sim.costs`)."""
+  """Writes measured op times in the simulator's profile format (`resilient_jax.sim.cost_model`)."""
 
   def seq(v) -> list[float]:
     return [float(x) for x in v] if isinstance(v, tuple) else [float(v)] * pp

@@ -33,9 +33,15 @@ from resilient_jax.schedule import (
   simulate,
   validate,
 )
-from resilient_jax.schedule.adaptive import _VARIANTS, _list_schedule, _live_workers, _to_ops
-from resilient_jax.schedule.exact import optimal_makespan, solve_exact
-from resilient_jax.schedule.report import GPT_COSTS, failure_sets, format_table, planner_table
+from resilient_jax.schedule.adaptive import _VARIANTS, _list_schedule, _to_ops
+from resilient_jax.schedule.analysis.exact import optimal_makespan, solve_exact
+from resilient_jax.schedule.analysis.report import (
+  GPT_COSTS,
+  failure_sets,
+  format_table,
+  planner_table,
+)
+from resilient_jax.schedule.routing import _live_workers
 
 COSTS = GPT_COSTS  # f=1, b=1, w=0.8, ar=opt=0.1
 UNEVEN = OpCosts(f=(1.0, 1.5, 1.0, 0.5), b=(1.0, 2.0, 1.5, 1.0), w=0.7, ar=0.3, opt=0.1, comm=0.05)

@@ -72,7 +72,7 @@ def test_workdir_outputs(tmp_path):
   assert {"F0", "B0", "W0", "AR", "OPT"} <= names
   assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   # Measured per-stage op times, in the format the simulator reads.
-  from resilient_jax.sim.costs import load_profile
+  from resilient_jax.sim.cost_model import load_profile
 
   profile = load_profile(tmp_path / "profile.json", pp=2)
   assert all(t > 0 for t in profile.f) and all(t > 0 for t in profile.w)

@@ -1,16 +1,6 @@
 """Pipeline schedules as plain data: build, validate, cost and replay them (no JAX here)."""
 
-from resilient_jax.schedule.adaptive import (
-  POLICIES,
-  StageLostError,
-  default_memory_cap,
-  plan,
-  plan_adaptive,
-  plan_naive,
-  relative_throughput_bound,
-  reroute,
-  route_lower_bound,
-)
+from resilient_jax.schedule.adaptive import POLICIES, plan, plan_adaptive, plan_naive
 from resilient_jax.schedule.core import (
   ALL_KINDS,
   AR,
@@ -39,6 +29,13 @@ from resilient_jax.schedule.cost import (
 )
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import GENERATORS, generate, gpipe, one_f_one_b, zb_h1
+from resilient_jax.schedule.routing import (
+  StageLostError,
+  default_memory_cap,
+  relative_throughput_bound,
+  reroute,
+  route_lower_bound,
+)
 from resilient_jax.schedule.validate import (
   ValidationReport,
   peak_activations,

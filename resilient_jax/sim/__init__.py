@@ -11,9 +11,8 @@ and `predict_relative_throughput` (a measured per-stage profile and a failed set
 predicted relative throughput out).
 """
 
-from resilient_jax.sim.cluster import PLACEMENTS, Layout
 from resilient_jax.sim.config import SimConfig, SimConfigError, from_config_dict
-from resilient_jax.sim.costs import (
+from resilient_jax.sim.cost_model import (
   CostModel,
   load_profile,
   p2p_seconds,
@@ -31,6 +30,7 @@ from resilient_jax.sim.engine import (
   sweep,
   sweep_failed_set,
 )
+from resilient_jax.sim.layout import PLACEMENTS, Layout
 from resilient_jax.sim.policies import (
   POLICY_NAMES,
   Grid,

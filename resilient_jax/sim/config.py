@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from resilient_jax.schedule.generators import GENERATORS
-from resilient_jax.sim.cluster import PLACEMENTS, Layout
 from resilient_jax.sim.engine import SWEEP_PLACEMENTS
+from resilient_jax.sim.layout import PLACEMENTS, Layout
 from resilient_jax.sim.policies import POLICY_NAMES, RecoveryParams
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 

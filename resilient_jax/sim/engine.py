@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from resilient_jax.schedule.adaptive import relative_throughput_bound
 from resilient_jax.schedule.core import Worker
-from resilient_jax.sim.cluster import Layout
-from resilient_jax.sim.costs import CostModel, load_profile
+from resilient_jax.schedule.routing import relative_throughput_bound
+from resilient_jax.sim.cost_model import CostModel, load_profile
+from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.policies import Grid, Policy, build_policies
 from resilient_jax.sim.traces import FailureTracker, Trace
 

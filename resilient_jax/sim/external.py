@@ -36,7 +36,7 @@ from resilient_jax.schedule.oobleck import (
   plan_templates,
   reinstantiate,
 )
-from resilient_jax.sim.costs import CostModel
+from resilient_jax.sim.cost_model import CostModel
 from resilient_jax.sim.policies import (
   Grid,
   PolicyUnavailableError,

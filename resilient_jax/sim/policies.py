@@ -46,7 +46,7 @@ from resilient_jax.schedule import adaptive
 from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.generators import GENERATORS, generate
-from resilient_jax.sim.costs import CostModel
+from resilient_jax.sim.cost_model import CostModel
 from resilient_jax.sim.reduce import failure_pattern, reduce_pattern
 
 __all__ = [

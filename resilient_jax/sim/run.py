@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient_jax.sim.config import SimConfig
-from resilient_jax.sim.costs import CostModel, load_profile
+from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.engine import TraceResult, run_trace, sweep
 from resilient_jax.sim.policies import (
   Grid,

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from resilient_jax.schedule.core import Worker
-from resilient_jax.sim.cluster import Layout
+from resilient_jax.sim.layout import Layout
 
 __all__ = [
   "EVENT_KINDS",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient_jax.schedule.cost import OpCosts
-from resilient_jax.sim.cluster import Layout
+from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 
 __all__ = [

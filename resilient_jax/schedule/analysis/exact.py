@@ -29,16 +29,11 @@ from collections.abc import Iterable
 import numpy as np
 from scipy import optimize, sparse
 
-from resilient_jax.schedule.adaptive import (
-  _check_grid,
-  _live_workers,
-  plan_adaptive,
-  reroute,
-  route_lower_bound,
-)
+from resilient_jax.schedule.adaptive import plan_adaptive
 from resilient_jax.schedule.core import AR, OPT, B, F, Op, Schedule, W, Worker, make_schedule
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
+from resilient_jax.schedule.routing import _check_grid, _live_workers, reroute, route_lower_bound
 
 __all__ = ["ExactResult", "optimal_makespan", "solve_exact"]
 

@@ -12,16 +12,15 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from resilient_jax.schedule.adaptive import (
-  default_memory_cap,
-  plan_adaptive,
-  plan_naive,
-  relative_throughput_bound,
-  route_lower_bound,
-)
+from resilient_jax.schedule.adaptive import plan_adaptive, plan_naive
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import OpCosts, lower_bound, simulate
 from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.routing import (
+  default_memory_cap,
+  relative_throughput_bound,
+  route_lower_bound,
+)
 from resilient_jax.schedule.validate import peak_inflight
 
 __all__ = ["GPT_COSTS", "PlannerRow", "failure_sets", "format_table", "planner_table"]

@@ -1,0 +1,202 @@
+"""Where a failed worker's micro-batches go, and what that costs at best.
+
+`reroute` spreads each failed worker's stage of its micro-batches evenly over the stage's live
+data-parallel peers; `relative_throughput_bound` and `route_lower_bound` say how fast any
+schedule on those routes can be, which the planners (`adaptive.py`) are measured against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable
+
+from resilient_jax.schedule.core import Worker
+from resilient_jax.schedule.cost import OpCosts
+from resilient_jax.schedule.errors import ScheduleError
+from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.validate import validate
+
+Route = tuple[tuple[int, ...], ...]
+
+
+class StageLostError(ScheduleError):
+  """Every data-parallel replica of one stage has failed: no planner can recover the step.
+
+  Attributes:
+    stage: the stage with no live worker.
+  """
+
+  def __init__(self, stage: int, dp: int):
+    super().__init__(
+      f"stage {stage} is lost: all {dp} of its data-parallel workers failed, so its weights "
+      "have no live replica to re-route to"
+    )
+    self.stage = stage
+
+
+def _check_grid(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> frozenset[Worker]:
+  for name, v in (("dp", dp), ("pp", pp), ("m", m)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  dead = frozenset(tuple(w) for w in failed)
+  for d, s in dead:
+    if not (0 <= d < dp and 0 <= s < pp):
+      raise ValueError(f"failed worker {(d, s)} is outside the {dp}x{pp} grid")
+  return dead
+
+
+def _live_workers(dp: int, pp: int, dead: Collection[Worker]) -> list[Worker]:
+  return [(d, s) for d in range(dp) for s in range(pp) if (d, s) not in dead]
+
+
+def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> Route:
+  """Routes every micro-batch's stages around the failed workers.
+
+  Stage `s` of a micro-batch whose owner `(d, s)` is alive stays there. The `k * m` micro-batches
+  of the `k` failed workers of stage `s` are dealt round-robin, in id order, to that stage's
+  `D - k` survivors so that every survivor ends with `floor(D*m/(D-k))` or `ceil(D*m/(D-k))`
+  micro-batches at that stage. Round-robin dealing gives every survivor an early orphan instead
+  of one late block, so the extra work reaches it while there are still bubbles to fill. Which
+  survivors take the `ceil` rotates with the stage so that failures in several stages do not
+  pile the extra micro-batches onto one pipeline. Deterministic: the same inputs give the same
+  routes.
+
+  Args:
+    dp: data-parallel pipelines (D), failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers `(dp, stage)`.
+
+  Returns:
+    `route[mb][stage]`: the dp index of the live worker running that stage of `mb`.
+
+  Raises:
+    StageLostError: when every worker of some stage has failed.
+    ValueError: for a bad shape or a failed worker outside the grid.
+  """
+  dead = _check_grid(dp, pp, m, failed)
+  route = [[mb // m] * pp for mb in range(dp * m)]
+  for s in range(pp):
+    lost = [d for d in range(dp) if (d, s) in dead]
+    if not lost:
+      continue
+    live = [d for d in range(dp) if (d, s) not in dead]
+    if not live:
+      raise StageLostError(s, dp)
+    q, r = divmod(dp * m, len(live))
+    # Rotate which survivors get the one extra micro-batch, by stage.
+    extra = {live[(s + i) % len(live)] for i in range(r)}
+    room = [q - m + (1 if d in extra else 0) for d in live]
+    orphans = [mb for d in lost for mb in range(d * m, (d + 1) * m)]
+    i = 0
+    for mb in orphans:
+      while room[i] == 0:
+        i = (i + 1) % len(live)
+      route[mb][s] = live[i]
+      room[i] -= 1
+      i = (i + 1) % len(live)
+  return tuple(tuple(r) for r in route)
+
+
+def relative_throughput_bound(dp: int, pp: int, m: int, k: int) -> float:
+  """ReCycle's ceiling on throughput with `k` of a stage's `dp` workers failed, vs fault free.
+
+  With perfect reuse of 1F1B's bubble (`pp - 1` of `m + pp - 1` slots), the `dp - k` survivors
+  of the stage carry `m * dp / (dp - k)` micro-batches, so the step keeps at most
+  `min(1, (m + pp - 1) * (dp - k) / (m * dp))` of its fault-free throughput.
+
+  Args:
+    dp: data-parallel pipelines (D).
+    pp: pipeline stages (p).
+    m: micro-batches per pipeline.
+    k: failed workers in the most damaged stage, `0 <= k < dp`.
+
+  Returns:
+    The bound, in (0, 1].
+
+  Raises:
+    ValueError: unless `0 <= k < dp`.
+  """
+  if not 0 <= k < dp:
+    raise ValueError(f"k must be in [0, dp={dp}), got {k}")
+  return min(1.0, (m + pp - 1) * (dp - k) / (m * dp))
+
+
+def _loads(route: Route) -> dict[Worker, int]:
+  """Micro-batches per (live) worker under `route`."""
+  loads: dict[Worker, int] = {}
+  for r in route:
+    for s, d in enumerate(r):
+      loads[(d, s)] = loads.get((d, s), 0) + 1
+  return loads
+
+
+def default_memory_cap(dp: int, pp: int, m: int, failed: Iterable[Worker], base: str) -> int:
+  """The in-flight cap `plan_adaptive` uses when none is given.
+
+  The fault-free base schedule's peak (micro-batches with F done and W/BW not done, worst
+  worker), scaled by how many micro-batches the busiest survivor carries relative to `m`:
+  `ceil(peak * max_load / m)`, and never above `max_load`. A survivor that does `x` times the
+  work may hold `x` times the stash, which keeps its bubbles fillable; a grid without failures
+  keeps exactly the base schedule's memory.
+
+  Args:
+    dp: data-parallel pipelines.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers.
+    base: the fault-free generator whose peak is scaled.
+
+  Returns:
+    The cap, at least 1.
+  """
+  route = reroute(dp, pp, m, failed)
+  max_load = max(_loads(route).values())
+  peak = validate(generate(base, 1, pp, m)).max_peak_inflight
+  return max(1, min(max_load, math.ceil(peak * max_load / m)))
+
+
+def route_lower_bound(
+  dp: int,
+  pp: int,
+  m: int,
+  failed: Iterable[Worker],
+  costs: OpCosts,
+  *,
+  memory_cap: int | None = None,
+) -> float:
+  """A makespan that no order of the survivors' ops on `reroute`'s routes can beat.
+
+  Per live worker `(d, s)` carrying `n` micro-batches: nothing reaches stage `s` before the
+  forward chain of the stages above it, and nothing but forwards can run there before the first
+  B comes back from the last stage; before that at most `min(n, memory_cap)` forwards fit (each
+  stays in flight until its W). So the worker's compute ends no earlier than
+  `first_B + n*(f+b+w) - min(min(n, cap)*f, first_B - first_F)`, and its stage's AR and OPT
+  follow. This is the pipeline fill that ReCycle's bound ignores: it explains why a stage deep
+  in the pipeline, whose survivors cannot start before the fill, misses that bound.
+
+  Args:
+    dp: data-parallel pipelines, failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers.
+    costs: op costs.
+    memory_cap: most micro-batches in flight per worker; None: no cap.
+
+  Returns:
+    The bound, in the unit of `costs`.
+  """
+  costs.check_stages(pp)
+  loads = _loads(reroute(dp, pp, m, failed))
+  comm = costs.comm
+  f = [costs.f_at(s) for s in range(pp)]
+  b = [costs.b_at(s) for s in range(pp)]
+  bound = 0.0
+  for (_, s), n in loads.items():
+    first_f = sum(f[:s]) + s * comm
+    first_b = sum(f) + sum(b[s + 1 :]) + (2 * pp - 2 - s) * comm
+    room = n if memory_cap is None else min(n, memory_cap)
+    work = n * (f[s] + b[s] + costs.w_at(s))
+    end = first_b + work - min(room * f[s], first_b - first_f)
+    bound = max(bound, end + costs.ar_at(s) + costs.opt_at(s))
+  return bound
