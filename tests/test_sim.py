@@ -329,6 +329,28 @@ def test_policy_registry(costs):
   assert auto.step_time(grid, failed, costs) in times.values()
 
 
+@pytest.mark.parametrize("duration_s", [3_000.0, 200_000.0])
+def test_auto_switches_only_when_the_switch_pays_back(costs, duration_s):
+  """Five workers of the last stage fail in a row. Restarting on fewer, fuller pipelines is the
+  fastest steady state, but a restart costs 630 s and a rollback: with events every 600 s on
+  average it never pays back and `auto` keeps going in place; with events 40000 s apart it does,
+  and `auto` restarts. Either way no single policy trains more."""
+  lay = Layout(dp=8, pp=4, microbatches=4, devices_per_node=4)
+  params = RecoveryParams(
+    detect_s=30.0, regroup_s=10.0, restart_s=600.0, checkpoint_interval_s=1000.0
+  )
+  trace = Trace(duration_s, tuple(Event(100.0 + d, "fail", d, 3) for d in range(5)), lay.nodes, 4)
+  policies = build_policies(["recycle", "naive", "bamboo", "restart", "auto"], params=params)
+  result = run_trace(lay, costs, policies, trace, checkpoint_interval_s=1000.0)
+  runs = result.policies
+  best_single = max(run.samples for name, run in runs.items() if name != "auto")
+  assert runs["auto"].samples >= best_single * (1 - 1e-9)
+  restarted = runs["auto"].paused_s >= params.restart_s
+  assert restarted == (duration_s > 100_000)
+  if not restarted:
+    assert runs["auto"].samples > runs["restart"].samples
+
+
 @pytest.mark.parametrize(
   "failed",
   [set(), {(1, 2)}, {(0, 0), (3, 2)}, {(1, 1), (1, 3), (2, 0)}, {(0, 1), (2, 1), (3, 1)}],

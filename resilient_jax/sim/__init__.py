@@ -31,16 +31,13 @@ from resilient_jax.sim.engine import (
   sweep_failed_set,
 )
 from resilient_jax.sim.layout import PLACEMENTS, Layout
-from resilient_jax.sim.policies import (
-  POLICY_NAMES,
+from resilient_jax.sim.policies import POLICY_NAMES, build_policies, policy_status, usable_policies
+from resilient_jax.sim.policy_base import (
   Grid,
   Policy,
   PolicyUnavailableError,
   Recovery,
   RecoveryParams,
-  build_policies,
-  policy_status,
-  usable_policies,
 )
 from resilient_jax.sim.reduce import FailurePattern, failure_pattern, max_load, reduce_pattern
 from resilient_jax.sim.run import build_costs, build_trace, format_table, run_simulation

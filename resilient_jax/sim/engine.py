@@ -30,7 +30,8 @@ from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.routing import relative_throughput_bound
 from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.layout import Layout
-from resilient_jax.sim.policies import Grid, Policy, build_policies
+from resilient_jax.sim.policies import build_policies
+from resilient_jax.sim.policy_base import Grid, Policy
 from resilient_jax.sim.traces import FailureTracker, Trace
 
 __all__ = [
@@ -240,6 +241,9 @@ def _run_policy(
   checkpoint_interval_s: float,
 ) -> PolicyTrace:
   out = PolicyTrace(policy.name)
+  reset = getattr(policy, "reset", None)
+  if reset is not None:  # a policy that chooses by what it expects until the next event
+    reset(duration_s / max(len(states) - 1, 1))
   step = policy.step_time(grid, frozenset(), costs)
   out.fault_free_throughput = samples_per_step / step
   failed = frozenset()

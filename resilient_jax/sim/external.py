@@ -37,7 +37,7 @@ from resilient_jax.schedule.oobleck import (
   reinstantiate,
 )
 from resilient_jax.sim.cost_model import CostModel
-from resilient_jax.sim.policies import (
+from resilient_jax.sim.policy_base import (
   Grid,
   PolicyUnavailableError,
   Recovery,

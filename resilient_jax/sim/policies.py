@@ -37,25 +37,30 @@ and the cluster scheduler restarts it from a checkpoint).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Hashable, Iterable, Mapping
-from typing import Protocol, runtime_checkable
 
 from resilient_jax.schedule import adaptive
 from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.schedule.cost import OpCosts, simulate
-from resilient_jax.schedule.generators import GENERATORS, generate
 from resilient_jax.sim.cost_model import CostModel
+from resilient_jax.sim.policy_base import (
+  Grid,
+  Policy,
+  PolicyUnavailableError,
+  Recovery,
+  RecoveryParams,
+  RestartPolicy,
+  _stage_lost,
+  is_failure,
+)
 from resilient_jax.sim.reduce import failure_pattern, reduce_pattern
 
 __all__ = [
   "POLICY_NAMES",
-  "Grid",
-  "Policy",
-  "PolicyUnavailableError",
-  "Recovery",
-  "RecoveryParams",
+  "AutoPolicy",
+  "PlannerPolicy",
+  "UnavailablePolicy",
   "build_policies",
   "policy_status",
   "usable_policies",
@@ -67,183 +72,6 @@ POLICY_NAMES = ("recycle", "naive", "oobleck", "bamboo", "restart", "auto")
 # planning 12k ops takes well under a second.
 DEFAULT_EXACT_OPS = 12_000
 AUTO_TIE = 0.01
-
-
-class PolicyUnavailableError(RuntimeError):
-  """A registered policy cannot be evaluated: its planner is missing from this checkout, or it
-  cannot handle this grid or cost model (the message says which)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Grid:
-  """The DP x PP grid a policy plans for.
-
-  Attributes:
-    dp: data-parallel pipelines (D), failed ones included.
-    pp: pipeline stages (p).
-    m: micro-batches per pipeline per step.
-    base: fault-free base schedule ("gpipe", "1f1b" or "zb-h1"), as the coordinator uses it.
-    memory_cap: in-flight cap for the adaptive planner; None: its default.
-  """
-
-  dp: int
-  pp: int
-  m: int
-  base: str = "zb-h1"
-  memory_cap: int | None = None
-
-  def __post_init__(self):
-    for key in ("dp", "pp", "m"):
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"Grid.{key} must be a positive integer, got {v!r}")
-    if self.base not in GENERATORS:
-      raise ValueError(f"Grid.base={self.base!r} is not one of {sorted(GENERATORS)}")
-
-  @property
-  def workers(self) -> int:
-    return self.dp * self.pp
-
-  @property
-  def compute_ops(self) -> int:
-    return 3 * self.dp * self.pp * self.m
-
-  def live_per_stage(self, failed: Iterable[Worker]) -> tuple[int, ...]:
-    live = [self.dp] * self.pp
-    for _, s in failed:
-      live[s] -= 1
-    return tuple(live)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecoveryParams:
-  """Seconds that recovery steps take.
-
-  Attributes:
-    detect_s: from a failure to the coordinator knowing. The runtime proves a crashed process
-      dead at once (its ports refuse connections); a host that goes silent is declared dead
-      only after the heartbeat timeout, which this default models.
-    regroup_s: replanning and rebuilding the all-reduce groups over the survivors.
-    restart_s: a whole-job restart: rescheduling, start-up, checkpoint restore.
-    checkpoint_interval_s: wall time between checkpoints (what a rollback can lose).
-  """
-
-  detect_s: float = 30.0
-  regroup_s: float = 10.0
-  restart_s: float = 600.0
-  checkpoint_interval_s: float = 1800.0
-
-  def __post_init__(self):
-    for field in dataclasses.fields(self):
-      v = getattr(self, field.name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"recovery.{field.name} must be a non-negative number, got {v!r}")
-    if self.checkpoint_interval_s <= 0:
-      raise ValueError("recovery.checkpoint_interval_s must be positive")
-
-
-@dataclasses.dataclass(frozen=True)
-class Recovery:
-  """The one-off cost of entering a failure state.
-
-  Attributes:
-    pause_s: seconds without training progress.
-    rollback: whether the progress since the last checkpoint is lost (the job restarts).
-    restart: whether the job restarts from a checkpoint saved at the event (a planned restart:
-      nothing is lost, and the checkpoint clock starts again when it resumes).
-  """
-
-  pause_s: float
-  rollback: bool = False
-  restart: bool = False
-
-
-@runtime_checkable
-class Policy(Protocol):
-  """What the simulator needs from a resilience policy."""
-
-  name: str
-  available: bool
-  description: str
-
-  def check(self, grid: Grid, costs: CostModel) -> None:
-    """Raises `PolicyUnavailableError` (with the reason) if it cannot evaluate this grid."""
-    ...
-
-  def step_time(self, grid: Grid, failed: frozenset[Worker], costs: CostModel) -> float:
-    """Steady-state seconds per step with `failed` workers down; `inf` if it cannot train."""
-    ...
-
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
-    """The one-off cost of going from failure state `before` to `after`."""
-    ...
-
-
-def is_failure(before: frozenset[Worker], after: frozenset[Worker]) -> bool:
-  """Whether going from `before` to `after` loses a worker (a failure, not only rejoins)."""
-  return not after <= before
-
-
-def _stage_lost(grid: Grid, failed: frozenset[Worker]) -> bool:
-  return min(grid.live_per_stage(failed)) == 0
-
-
-class RestartPolicy:
-  """Checkpoint-restart onto the largest grid the survivors form (see the module docstring)."""
-
-  name = "restart"
-  available = True
-  description = "checkpoint-restart on the largest D'' x p grid of survivors"
-
-  def __init__(self, params: RecoveryParams):
-    self.params = params
-    self._cache: dict[Hashable, float] = {}
-
-  def check(self, grid: Grid, costs: CostModel) -> None:
-    del grid, costs  # any grid
-
-  def pipelines(self, grid: Grid, failed: frozenset[Worker]) -> int:
-    """Pipelines `D''` the survivors form after a restart."""
-    return (grid.workers - len(failed)) // grid.pp
-
-  def step_time(self, grid: Grid, failed: frozenset[Worker], costs: CostModel) -> float:
-    dp = self.pipelines(grid, failed)
-    key = (grid, dp, costs)
-    if key not in self._cache:
-      if dp == 0:
-        self._cache[key] = math.inf
-      else:
-        # Pipelines of a fault-free grid are independent and identical, and every stage's
-        # all-reduce is one collective: one pipeline with the all-reduce of D'' gives the makespan
-        # of the whole grid. The busiest pipelines carry ceil(D*m / D'') micro-batches.
-        m = -(-grid.dp * grid.m // dp)
-        op = costs.op_costs((dp,) * grid.pp)
-        self._cache[key] = simulate(generate(grid.base, 1, grid.pp, m), op).makespan
-    return self._cache[key]
-
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
-    del costs, step_time_before
-    if before == after:
-      return Recovery(0.0)
-    if is_failure(before, after):
-      return Recovery(self.params.detect_s + self.params.restart_s, rollback=True)
-    if self.pipelines(grid, after) > self.pipelines(grid, before):
-      return Recovery(self.params.restart_s, restart=True)
-    return Recovery(0.0)
 
 
 class PlannerPolicy:
@@ -408,15 +236,22 @@ class UnavailablePolicy:
 
 
 class AutoPolicy:
-  """Per failure state, the fastest of `candidates` by the cost model.
+  """The policy expected to train the most until the next failure or repair.
 
-  Step times within `AUTO_TIE` (1%) of the fastest count as a tie, which the candidate listed
-  first wins (the re-routing policies come before `restart`).
+  In a sweep (no run in progress) it is the fastest candidate in the steady state of each
+  failure state: step times within `AUTO_TIE` (1%) of the fastest count as a tie, which the
+  candidate listed first wins (the re-routing policies come before `restart`).
+
+  Through a trace (`reset` starts a run) it chooses at every event, weighing the one-off cost of
+  getting there: for each candidate, the pause of moving to it from the policy in force (a
+  switch to or from `restart` is a re-layout: a restart, with a rollback when a failure forced
+  it; other switches cost what the new policy's own recovery costs), plus on a rollback the
+  expected work lost (half a checkpoint interval), against its step time in the new state, over
+  `horizon_s`, the expected time until the next event. A faster steady state that cannot pay
+  back its switch before the next failure is not taken.
 
   Candidates that cannot evaluate the grid (`check` fails, e.g. Oobleck past its size limit)
-  are left out. Switching between two in-place policies costs what the new one's recovery
-  costs; switching to or from `restart` is a re-layout of the job, so it costs a restart (with a
-  rollback when a failure forced it).
+  are left out.
   """
 
   name = "auto"
@@ -427,8 +262,20 @@ class AutoPolicy:
       raise ValueError("auto needs at least one available policy")
     self.candidates = dict(candidates)
     self.params = params
-    self.description = "per failure state the fastest of " + ", ".join(self.candidates)
+    self.description = (
+      "per event the policy expected to train the most until the next one, switch costs "
+      "included, of " + ", ".join(self.candidates)
+    )
     self._usable: dict[Hashable, list[Policy]] = {}
+    self.horizon_s = params.checkpoint_interval_s
+    self._current: Policy | None = None
+    self._running = False
+
+  def reset(self, horizon_s: float) -> None:
+    """Starts a run through a trace whose events are `horizon_s` apart on average."""
+    self.horizon_s = horizon_s
+    self._current = None
+    self._running = True
 
   def usable(self, grid: Grid, costs: CostModel) -> list[Policy]:
     """The candidates that can evaluate this grid with these costs."""
@@ -454,8 +301,7 @@ class AutoPolicy:
     for policy in self.usable(grid, costs):
       t = policy.step_time(grid, failed, costs)
       # Within AUTO_TIE of the fastest counts as a tie, won by the policy listed first (in-place
-      # policies before restart): switching layout costs a restart of minutes, which a step a
-      # few microseconds shorter (e.g. one fewer all-reduce peer) never pays back.
+      # policies before restart).
       if best is None or t < best_t * (1 - AUTO_TIE):
         best, best_t = policy, t
     if best is None:
@@ -463,7 +309,27 @@ class AutoPolicy:
     return best
 
   def step_time(self, grid: Grid, failed: frozenset[Worker], costs: CostModel) -> float:
-    return self.choice(grid, failed, costs).step_time(grid, failed, costs)
+    if self._running and self._current is None:
+      self._current = self.choice(grid, failed, costs)  # the run's fault-free start
+    policy = self._current if self._running else self.choice(grid, failed, costs)
+    return policy.step_time(grid, failed, costs)
+
+  def _switch(
+    self,
+    old: Policy,
+    new: Policy,
+    grid: Grid,
+    before: frozenset[Worker],
+    after: frozenset[Worker],
+    costs: CostModel,
+    step_time_before: float,
+  ) -> Recovery:
+    """The one-off cost of going from `before` under `old` to `after` under `new`."""
+    if old is new or "restart" not in (old.name, new.name):
+      return new.recovery(grid, before, after, costs, step_time_before)
+    if is_failure(before, after):
+      return Recovery(self.params.detect_s + self.params.restart_s, rollback=True)
+    return Recovery(self.params.restart_s, restart=True)
 
   def recovery(
     self,
@@ -473,12 +339,23 @@ class AutoPolicy:
     costs: CostModel,
     step_time_before: float,
   ) -> Recovery:
-    old, new = self.choice(grid, before, costs), self.choice(grid, after, costs)
-    if old is new or "restart" not in (old.name, new.name):
-      return new.recovery(grid, before, after, costs, step_time_before)
-    if is_failure(before, after):
-      return Recovery(self.params.detect_s + self.params.restart_s, rollback=True)
-    return Recovery(self.params.restart_s, restart=True)
+    if not self._running:
+      old, new = self.choice(grid, before, costs), self.choice(grid, after, costs)
+      return self._switch(old, new, grid, before, after, costs, step_time_before)
+    old = self._current or self.choice(grid, before, costs)
+    best, best_value, best_rec = None, -math.inf, None
+    for policy in self.usable(grid, costs):
+      rec = self._switch(old, policy, grid, before, after, costs, step_time_before)
+      lost = self.params.checkpoint_interval_s / 2 if rec.rollback else 0.0
+      t = policy.step_time(grid, after, costs)
+      steps = max(self.horizon_s - rec.pause_s - lost, 0.0) / t if math.isfinite(t) else 0.0
+      # Ties (within AUTO_TIE) keep the policy in force, then the first listed.
+      if best is None or steps > best_value * (1 + AUTO_TIE) or (
+        policy is old and steps >= best_value * (1 - AUTO_TIE)
+      ):
+        best, best_value, best_rec = policy, steps, rec
+    self._current = best
+    return best_rec
 
 
 def _external(name: str, params: RecoveryParams, restart: RestartPolicy) -> Policy:

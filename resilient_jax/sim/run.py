@@ -16,13 +16,8 @@ from typing import Any
 from resilient_jax.sim.config import SimConfig
 from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.engine import TraceResult, run_trace, sweep
-from resilient_jax.sim.policies import (
-  Grid,
-  PolicyUnavailableError,
-  build_policies,
-  policy_status,
-  usable_policies,
-)
+from resilient_jax.sim.policies import build_policies, policy_status, usable_policies
+from resilient_jax.sim.policy_base import Grid, PolicyUnavailableError
 from resilient_jax.sim.traces import Trace, poisson_trace, read_csv_trace
 
 __all__ = ["build_costs", "build_trace", "format_table", "run_simulation"]
