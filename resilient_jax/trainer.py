@@ -328,6 +328,12 @@ class Trainer:
       The step restored from when the policy restored a checkpoint (the caller redoes the
       steps after it), else None.
     """
+    first = not self.coordinator.failed
+    if first and self.cluster is None and isinstance(self.coordinator.plan, GridPlan) and \
+        self.transport.device(next(iter(nodes))).platform == "cpu":
+      self.log("  note: simulated CPU devices share this host's cores, so wall-clock step times "
+               "do not show the schedule; timeline_step*.png replays measured op times with "
+               "one core per worker")
     try:
       decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
     except (StageLost, NoDevicesLeft):
