@@ -174,7 +174,7 @@ def test_losing_a_whole_stage_restores_inside_the_job(tmp_path):
   assert "restored step 2" in proc.stdout, tail(proc)
   multi = read_rows(workdir / "metrics.jsonl")
   assert_same_run(multi, fault_free(), workers=False)
-  assert [m["live_workers"] for m in multi] == [4, 4, 2, 2, 2]  # dp=2 x pp=1 on the survivors
+  assert [m["live_workers"] for m in multi] == [4, 4, 2, 2, 2]  # dp=1 x pp=2 on the survivors
 
 
 def test_slurm_rehearsal_uses_auto_detection(tmp_path):

@@ -13,6 +13,7 @@ from resilient_jax.policy.coordinator import (
   RunCoordinator,
   StageLost,
   largest_layout,
+  restore_layout,
 )
 from resilient_jax.policy.costs import block_and_head_flops, layer_profile, stage_costs
 from resilient_jax.policy.templates import AutoChoice, auto_choice
@@ -29,5 +30,6 @@ __all__ = [
   "block_and_head_flops",
   "largest_layout",
   "layer_profile",
+  "restore_layout",
   "stage_costs",
 ]

@@ -17,8 +17,9 @@ multi-process job); the initial grid's worker `(d, s)` is `nodes[d * pp + s]`. O
 
 When a policy cannot go on (a stage lost every worker, a layer lost every replica, two
 neighbouring Bamboo stages died) the decision is a restore onto a fresh plan on the survivors:
-Oobleck's templates on all of them, else the largest DP x PP grid (Bamboo: pp >= 2) with an
-even split (the configured one when the stage count is kept). Planning inputs are deterministic
+Oobleck's templates on all of them, else a grid of the same stage count with as many pipelines
+as they fill (`restore_layout`, the simulator's rule too; fewer stages only when not one pipeline
+of that depth is left). Planning inputs are deterministic
 (grid shape, failed set, FLOP-based costs), so every process of a job derives the same plan.
 """
 
@@ -107,6 +108,30 @@ def largest_layout(
   if best is None:
     raise NoDevicesLeft(f"no device is left to continue on ({num_devices} survivors)")
   return best[1]
+
+
+def restore_layout(
+  num_live: int,
+  pp: int,
+  num_layers: int,
+  global_batch: int,
+  microbatches: int,
+  min_pp: int = 1,
+) -> tuple[int, int]:
+  """The grid a restore goes on with: the same stage count (the depth that makes a stage fit
+  in memory), with as many pipelines as the survivors fill and the global batch divides into
+  evenly; fewer stages only when not one pipeline of that depth is left (`largest_layout`).
+
+  The simulator's restart follows the same rule (`floor(live / pp)` pipelines; it may deal the
+  micro-batches unevenly, the runtime needs equal micro-batches to keep the mathematics).
+
+  Raises:
+    NoDevicesLeft: no layout fits.
+  """
+  for dp in range(num_live // pp, 0, -1):
+    if global_batch % (dp * microbatches) == 0:
+      return dp, pp
+  return largest_layout(num_live, num_layers, global_batch, microbatches, min_pp)
 
 
 class RunCoordinator(PhaseLog):
@@ -357,8 +382,9 @@ class RunCoordinator(PhaseLog):
     else:
       if configured == "auto":
         self.policy = "recycle"  # after a restore `auto` goes on re-routing
-      dp, pp = largest_layout(
+      dp, pp = restore_layout(
         len(alive),
+        self.layout.mesh.pp,
         self.cfg.model.num_layers,
         self.cfg.train.global_batch,
         self.cfg.pipeline.microbatches,

@@ -165,7 +165,8 @@ class ProcessTransport(Transport):
       "losses": {} if doomed else {str(k): float(v) for k, v in losses.items()},
     }
     base = _attempt_key(self.step, self.attempt)
-    cl.kv_set(f"{base}/end/{cl.process_id}", status)
+    if cl.process_id in self.participants:  # a process the plan left idle only follows
+      cl.kv_set(f"{base}/end/{cl.process_id}", status)
     what = f"step {self.step}, attempt {self.attempt}"
     decision, statuses = self._agree_outcome(base, self.participants, what)
     detected = time.time()
@@ -259,7 +260,7 @@ class ProcessTransport(Transport):
     def check() -> dict | None:
       decided, got = _split(cl.kv_dir(directory), "outcome")
       statuses.clear()
-      statuses.update(got)
+      statuses.update({p: st for p, st in got.items() if p in participants})
       if decided is not None:
         return decided
       missing = [p for p in participants if p not in statuses]
@@ -278,7 +279,8 @@ class ProcessTransport(Transport):
     decided = cl.poll(f"the outcome of {what}", check, wake_key=key)
     if "commit" in decided and set(statuses) != set(participants):
       statuses.clear()
-      statuses.update(_split(cl.kv_dir(directory), "outcome")[1])
+      got = _split(cl.kv_dir(directory), "outcome")[1]
+      statuses.update({p: st for p, st in got.items() if p in participants})
       if set(statuses) != set(participants):
         raise RuntimeError(f"{what} committed without every participant's status")
     return decided, statuses
