@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resilient_jax.sim.config import from_config_dict, load_config_file  # noqa: E402
 from resilient_jax.sim.policies import build_policies  # noqa: E402
-from resilient_jax.sim.policy_base import Grid, PolicyUnavailableError  # noqa: E402
+from resilient_jax.sim.policy_base import Grid, PolicyUnavailableError, Transition  # noqa: E402
 from resilient_jax.sim.run import build_costs  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     try:
       policy.check(grid, costs)
       times = {k: policy.step_time(grid, f, costs) for k, f in states.items()}
-      rec = policy.recovery(grid, states[0], states[1], costs, times[0])
+      rec = policy.recovery(Transition(grid, states[0], states[1], costs, times[0]))
     except PolicyUnavailableError as e:
       print(f"{name:9s} unavailable: {e}")
       continue

@@ -44,6 +44,7 @@ from resilient_jax.sim import (
 )
 from resilient_jax.sim.config import load_config_file
 from resilient_jax.sim.policies import UnavailablePolicy
+from resilient_jax.sim.policy_base import Transition
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 from resilient_jax.sim.traces import Trace
 
@@ -372,7 +373,8 @@ def test_bamboo_adjacent_failures_restart(costs):
   assert policies["bamboo"].step_time(grid, failed, costs) == policies["restart"].step_time(
     grid, failed, costs
   )
-  assert policies["bamboo"].recovery(grid, frozenset({(2, 1)}), failed, costs, 1.0).rollback
+  move = Transition(grid, frozenset({(2, 1)}), failed, costs, 1.0)
+  assert policies["bamboo"].recovery(move).rollback
 
 
 def test_oobleck_adapter_uses_the_oobleck_planner():
@@ -401,7 +403,7 @@ def test_stage_lost_falls_back_to_restart(costs):
   assert policies["recycle"].step_time(grid, failed, costs) == policies["restart"].step_time(
     grid, failed, costs
   )
-  rec = policies["recycle"].recovery(grid, frozenset({(0, 1)}), failed, costs, 1.0)
+  rec = policies["recycle"].recovery(Transition(grid, frozenset({(0, 1)}), failed, costs, 1.0))
   assert rec.rollback
 
 

@@ -31,7 +31,7 @@ from resilient_jax.schedule.routing import relative_throughput_bound
 from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.policies import build_policies
-from resilient_jax.sim.policy_base import Grid, Policy
+from resilient_jax.sim.policy_base import Grid, Policy, Transition
 from resilient_jax.sim.traces import FailureTracker, Trace
 
 __all__ = [
@@ -280,7 +280,7 @@ def _run_policy(
     prev = t
     if after is None:
       break
-    rec = policy.recovery(grid, failed, after, costs, step)
+    rec = policy.recovery(Transition(grid, failed, after, costs, step))
     if rec.rollback:
       since = max(t - ckpt_base, 0.0)
       roll_back(ckpt_base + math.floor(since / checkpoint_interval_s) * checkpoint_interval_s)

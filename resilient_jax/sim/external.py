@@ -43,7 +43,7 @@ from resilient_jax.sim.policy_base import (
   Recovery,
   RecoveryParams,
   RestartPolicy,
-  is_failure,
+  Transition,
 )
 
 __all__ = ["BambooPolicy", "OobleckPolicy", "oobleck_profile"]
@@ -109,25 +109,19 @@ class BambooPolicy:
         self._cache[key] = self.restart.step_time(grid, failed, costs)
     return self._cache[key]
 
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
-    if before == after:
+  def recovery(self, t: Transition) -> Recovery:
+    if t.before == t.after:
       return Recovery(0.0)
-    lost_before, lost_after = self._unrecoverable(grid, before), self._unrecoverable(grid, after)
+    lost_before = self._unrecoverable(t.grid, t.before)
+    lost_after = self._unrecoverable(t.grid, t.after)
     if lost_after and not lost_before:
       return Recovery(self.params.detect_s + self.params.restart_s, rollback=True)
     if lost_before and not lost_after:
       return Recovery(self.params.restart_s, restart=True)
     if lost_before:
-      return self.restart.recovery(grid, before, after, costs, step_time_before)
-    if is_failure(before, after):
-      lost = step_time_before / 2 if math.isfinite(step_time_before) else 0.0
+      return self.restart.recovery(t)
+    if t.failure:
+      lost = t.step_time_before / 2 if math.isfinite(t.step_time_before) else 0.0
       return Recovery(self.params.detect_s + self.params.regroup_s + lost)
     return Recovery(self.params.regroup_s)
 
@@ -266,25 +260,18 @@ class OobleckPolicy:
     )
     return worst / self._allreduce_bandwidth(costs)
 
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
-    if before == after:
+  def recovery(self, t: Transition) -> Recovery:
+    if t.before == t.after:
       return Recovery(0.0)
-    old, new = self.instance(grid, before, costs), self.instance(grid, after, costs)
+    old, new = self.instance(t.grid, t.before, t.costs), self.instance(t.grid, t.after, t.costs)
     if new is None and old is not None:
       return Recovery(self.params.detect_s + self.params.restart_s, rollback=True)
     if old is None and new is not None:
       return Recovery(self.params.restart_s, restart=True)
     if new is None:
-      return self.restart.recovery(grid, before, after, costs, step_time_before)
-    copy = self._copy_seconds(new, costs)
-    if is_failure(before, after):
-      lost = step_time_before / 2 if math.isfinite(step_time_before) else 0.0
+      return self.restart.recovery(t)
+    copy = self._copy_seconds(new, t.costs)
+    if t.failure:
+      lost = t.step_time_before / 2 if math.isfinite(t.step_time_before) else 0.0
       return Recovery(self.params.detect_s + self.params.regroup_s + copy + lost)
     return Recovery(self.params.regroup_s + copy)

@@ -51,8 +51,8 @@ from resilient_jax.sim.policy_base import (
   Recovery,
   RecoveryParams,
   RestartPolicy,
+  Transition,
   _stage_lost,
-  is_failure,
 )
 from resilient_jax.sim.reduce import failure_pattern, reduce_pattern
 
@@ -179,27 +179,20 @@ class PlannerPolicy:
       self._cache[key] = simulate(sched, op).makespan
     return self._cache[key]
 
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
-    if before == after:
+  def recovery(self, t: Transition) -> Recovery:
+    if t.before == t.after:
       return Recovery(0.0)
-    lost_before, lost_after = _stage_lost(grid, before), _stage_lost(grid, after)
+    lost_before, lost_after = _stage_lost(t.grid, t.before), _stage_lost(t.grid, t.after)
     if lost_after or lost_before:
       if not lost_after:
         # The stage is back: a planned restart onto the full grid re-routing can run on again.
         return Recovery(self.params.restart_s, restart=True)
       if not lost_before:
         return Recovery(self.params.detect_s + self.params.restart_s, rollback=True)
-      return self.restart.recovery(grid, before, after, costs, step_time_before)
-    if is_failure(before, after):
+      return self.restart.recovery(t)
+    if t.failure:
       # The step in flight when the worker died is redone: on average half of it is lost.
-      lost = step_time_before / 2 if math.isfinite(step_time_before) else 0.0
+      lost = t.step_time_before / 2 if math.isfinite(t.step_time_before) else 0.0
       return Recovery(self.params.detect_s + self.params.regroup_s + lost)
     return Recovery(self.params.regroup_s)
 
@@ -223,14 +216,7 @@ class UnavailablePolicy:
   def step_time(self, grid: Grid, failed: frozenset[Worker], costs: CostModel) -> float:
     return self._fail()
 
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
+  def recovery(self, t: Transition) -> Recovery:
     self._fail()
     raise AssertionError("unreachable")
 
@@ -314,41 +300,25 @@ class AutoPolicy:
     policy = self._current if self._running else self.choice(grid, failed, costs)
     return policy.step_time(grid, failed, costs)
 
-  def _switch(
-    self,
-    old: Policy,
-    new: Policy,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
-    """The one-off cost of going from `before` under `old` to `after` under `new`."""
+  def _switch(self, old: Policy, new: Policy, t: Transition) -> Recovery:
+    """The one-off cost of `t` when `old` was in force and `new` takes over."""
     if old is new or "restart" not in (old.name, new.name):
-      return new.recovery(grid, before, after, costs, step_time_before)
-    if is_failure(before, after):
+      return new.recovery(t)
+    if t.failure:
       return Recovery(self.params.detect_s + self.params.restart_s, rollback=True)
     return Recovery(self.params.restart_s, restart=True)
 
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
+  def recovery(self, t: Transition) -> Recovery:
     if not self._running:
-      old, new = self.choice(grid, before, costs), self.choice(grid, after, costs)
-      return self._switch(old, new, grid, before, after, costs, step_time_before)
-    old = self._current or self.choice(grid, before, costs)
+      old, new = self.choice(t.grid, t.before, t.costs), self.choice(t.grid, t.after, t.costs)
+      return self._switch(old, new, t)
+    old = self._current or self.choice(t.grid, t.before, t.costs)
     best, best_value, best_rec = None, -math.inf, None
-    for policy in self.usable(grid, costs):
-      rec = self._switch(old, policy, grid, before, after, costs, step_time_before)
+    for policy in self.usable(t.grid, t.costs):
+      rec = self._switch(old, policy, t)
       lost = self.params.checkpoint_interval_s / 2 if rec.rollback else 0.0
-      t = policy.step_time(grid, after, costs)
-      steps = max(self.horizon_s - rec.pause_s - lost, 0.0) / t if math.isfinite(t) else 0.0
+      step = policy.step_time(t.grid, t.after, t.costs)
+      steps = max(self.horizon_s - rec.pause_s - lost, 0.0) / step if math.isfinite(step) else 0.0
       # Ties (within AUTO_TIE) keep the policy in force, then the first listed.
       if best is None or steps > best_value * (1 + AUTO_TIE) or (
         policy is old and steps >= best_value * (1 - AUTO_TIE)

@@ -105,6 +105,27 @@ class Recovery:
   restart: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Transition:
+  """A move from failure state `before` to `after` on `grid`, priced with `costs`.
+
+  Attributes:
+    step_time_before: the step time in force when it happens (a failure in the middle of a
+      step loses, on average, half of it).
+  """
+
+  grid: Grid
+  before: frozenset[Worker]
+  after: frozenset[Worker]
+  costs: CostModel
+  step_time_before: float
+
+  @property
+  def failure(self) -> bool:
+    """Whether a worker is lost (a failure, not only rejoins)."""
+    return not self.after <= self.before
+
+
 @runtime_checkable
 class Policy(Protocol):
   """What the simulator needs from a resilience policy."""
@@ -121,21 +142,11 @@ class Policy(Protocol):
     """Steady-state seconds per step with `failed` workers down; `inf` if it cannot train."""
     ...
 
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
-    """The one-off cost of going from failure state `before` to `after`."""
+  def recovery(self, t: Transition) -> Recovery:
+    """The one-off cost of the move `t` from one failure state to the next."""
     ...
 
 
-def is_failure(before: frozenset[Worker], after: frozenset[Worker]) -> bool:
-  """Whether going from `before` to `after` loses a worker (a failure, not only rejoins)."""
-  return not after <= before
 
 
 def _stage_lost(grid: Grid, failed: frozenset[Worker]) -> bool:
@@ -175,19 +186,11 @@ class RestartPolicy:
         self._cache[key] = simulate(generate(grid.base, 1, grid.pp, m), op).makespan
     return self._cache[key]
 
-  def recovery(
-    self,
-    grid: Grid,
-    before: frozenset[Worker],
-    after: frozenset[Worker],
-    costs: CostModel,
-    step_time_before: float,
-  ) -> Recovery:
-    del costs, step_time_before
-    if before == after:
+  def recovery(self, t: Transition) -> Recovery:
+    if t.before == t.after:
       return Recovery(0.0)
-    if is_failure(before, after):
+    if t.failure:
       return Recovery(self.params.detect_s + self.params.restart_s, rollback=True)
-    if self.pipelines(grid, after) > self.pipelines(grid, before):
+    if self.pipelines(t.grid, t.after) > self.pipelines(t.grid, t.before):
       return Recovery(self.params.restart_s, restart=True)
     return Recovery(0.0)
