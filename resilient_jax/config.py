@@ -143,7 +143,7 @@ class ResilienceConfig:
   `bamboo`: every stage keeps its successor's state and runs its forward redundantly, the
   predecessor takes over a failed stage; `restart`: stop, restore the latest checkpoint onto the
   survivors, continue; `auto`: per failure, whichever of re-routing, re-templating and restoring
-  the cost model says is fastest (see `resilient_jax/policies.py`)."""
+  the cost model says is fastest (see `resilient_jax/policy/`)."""
   memory_cap: int = 0
   """Per-worker cap on in-flight micro-batches for the replanned schedule; 0: planner default."""
   tolerate: int = 1
