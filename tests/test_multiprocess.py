@@ -23,6 +23,9 @@ from resilient_jax.schedule.core import AR, F, Op
 from resilient_jax.trainer import FaultEvent, train
 from tests.helpers import ROOT, tiny_config
 
+# Real processes take most of the suite's time: `pytest -m "not slow"` leaves them out.
+pytestmark = pytest.mark.slow
+
 STEPS = 5
 HEARTBEAT_S = 10
 GRID = ["--config.mesh.dp=2", "--config.mesh.pp=2"]
