@@ -75,7 +75,7 @@ def build_executor(cfg):
     cfg.microbatch_size,
     cfg.model.seq_len,
     make_optimizer(cfg),
-    global_tokens=cfg.train.global_batch * cfg.model.seq_len,
+    cfg.train.global_batch,
   )
   dp, pp = cfg.mesh.dp, cfg.mesh.pp
   schedule = generate(cfg.pipeline.schedule, dp, pp, cfg.pipeline.microbatches)

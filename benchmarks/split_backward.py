@@ -1,15 +1,18 @@
-"""Split backward (B + W) against a true fused backward, for one middle GPT stage.
+"""Split backward (B + W) against a true fused backward, for one middle stage of a GPT or a
+Llama-style model built from stock nnx layers (the split is derived automatically from the
+stage's backward, `resilient_jax.model.split`).
 
 Run:
-  python benchmarks/split_backward.py --d_model=256 --layers=4 --seq_len=128 --batch=8
+  python benchmarks/split_backward.py --model=gpt --d_model=256 --layers=4 --seq_len=128 --batch=8
+  python benchmarks/split_backward.py --model=llama
 
 Times, interleaved and repeated (medians):
-  - B: `StagePrograms.backward_input` (input gradient and every layer's output cotangent);
-  - W: `StagePrograms.backward_weight` (local per-layer parameter vjps, from a zero accumulator);
-  - fused: the bwd half of `jax.fwd_and_bwd` of the plain stage function (no tape active)
-    w.r.t. (params, x): the baseline a pipeline without split backward would run;
+  - B: `StagePrograms.backward_input` (input gradient, and what W needs of B's work);
+  - W: `StagePrograms.backward_weight` (the rest of the backward, from a zero accumulator);
+  - fused: the bwd half of `jax.fwd_and_bwd` of the plain stage function w.r.t. (params, x):
+    the baseline a pipeline without split backward would run;
   - BW: `StagePrograms.backward_fused` (B then W in one program, what 1F1B runs);
-  - F tapped (`StagePrograms.forward`) against F plain (the fwd half of the same fwd_and_bwd).
+  - F split (`StagePrograms.forward`) against F plain (the fwd half of the same fwd_and_bwd).
 
 Memory comes from `compiled.memory_analysis()` and the byte sizes of the live buffers: what is
 held from F until the backward (deduplicated by buffer, parameters excluded) plus the backward
@@ -37,6 +40,7 @@ TARGET_RATIO = 1.05
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--model", choices=("gpt", "llama"), default="gpt")
   p.add_argument("--d_model", type=int, default=256)
   p.add_argument("--layers", type=int, default=4, help="transformer blocks in the stage")
   p.add_argument("--seq_len", type=int, default=128)
@@ -96,33 +100,28 @@ def main(argv: list[str] | None = None) -> None:
   import jax.numpy as jnp
   import numpy as np
   import optax
-  from flax import nnx
 
-  from models.gpt import GPT, GPTConfig
+  from resilient_jax.model.config import family
   from resilient_jax.stages import StageInfo, StagePrograms
 
   heads = args.heads or max(args.d_model // 64, 1)
-  cfg = GPTConfig(
-    vocab_size=256,
-    seq_len=args.seq_len,
-    num_layers=3 * args.layers,
-    num_heads=heads,
-    d_model=args.d_model,
-  )
-  model = GPT(cfg, rngs=nnx.Rngs(params=0))
+  keys = dict(vocab_size=256, seq_len=args.seq_len, num_layers=3 * args.layers, num_heads=heads,
+              d_model=args.d_model)
+  if args.model == "llama":
+    keys["num_kv_heads"] = max(heads // 2, 1)
+  cfg = family(args.model)(**keys)
+  model = cfg.build(0)
   info = StageInfo(index=1, num_stages=3, layers=range(args.layers, 2 * args.layers))
   x_spec = jax.ShapeDtypeStruct((args.batch, args.seq_len, args.d_model), jnp.float32)
   t_spec = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
-  prog = StagePrograms(
-    model, info, x_spec, t_spec, optax.sgd(1e-3), 1.0 / (args.batch * args.seq_len)
-  )
+  prog = StagePrograms(model, info, x_spec, t_spec, optax.sgd(1e-3), args.batch)
   dev = jax.devices()[0]
   params = prog.initial_params(dev)
   kx, kg = jax.random.split(jax.random.key(1))
   x = jax.device_put(jax.random.normal(kx, x_spec.shape, x_spec.dtype), dev)
   g = jax.device_put(jax.random.normal(kg, x_spec.shape, x_spec.dtype), dev)
 
-  # The baseline: the plain stage (no tape active, so no taps and no recorded inputs).
+  # The baseline: the plain stage function, differentiated as a whole.
   fwd, bwd = jax.fwd_and_bwd(lambda p, x: prog.bind(p)(x), argnums=(0, 1), jitted=False)
   fused_fwd, fused_bwd = jax.jit(fwd), jax.jit(bwd)
 
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     "W": run_w,
     "fused": lambda: fused_bwd(fused_res, g),
     "BW": run_bw,
-    "F_tapped": lambda: prog.forward(params, x, None),
+    "F_split": lambda: prog.forward(params, x, None),
     "F_plain": lambda: fused_fwd(params, x),
   }
   inner = args.inner
@@ -205,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
 
   mib = 1 / 2**20
   print(
-    f"stage: {args.layers} blocks (middle stage), d_model={args.d_model}, heads={heads}, "
+    f"{args.model} stage: {args.layers} blocks (middle stage), d_model={args.d_model}, "
+    f"heads={heads}, "
     f"seq_len={args.seq_len}, batch={args.batch}; {jax.devices()[0].platform}, "
     f"{args.repeats} rounds x {inner} calls"
   )
@@ -220,11 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     f"{statistics.median(round_ratios):.3f}; target <= {TARGET_RATIO}: {flag})"
   )
   print(f"t(BW program)      {med['BW'] * 1e3:9.2f} ms   (StagePrograms.backward_fused: B then W)")
-  print(f"t(F tapped)       {med['F_tapped'] * 1e3:9.2f} ms")
+  print(f"t(F split)       {med['F_split'] * 1e3:9.2f} ms")
   print(f"t(F plain)        {med['F_plain'] * 1e3:9.2f} ms")
-  f_rounds = [t / p for t, p in zip(times["F_tapped"], times["F_plain"], strict=True)]
+  f_rounds = [t / p for t, p in zip(times["F_split"], times["F_plain"], strict=True)]
   print(
-    f"F tapped/plain    {med['F_tapped'] / med['F_plain']:9.3f}   "
+    f"F split/plain    {med['F_split'] / med['F_plain']:9.3f}   "
     f"(median of per-round ratios {statistics.median(f_rounds):.3f})"
   )
   print("memory (MiB; parameters and gradient accumulators excluded):")
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     f"  split: held F->B/W {held_split * mib:.2f} (residuals {held_res_only * mib:.2f} + "
     f"saved not already in residuals {held_saved_only * mib:.2f}), "
     f"B temp {mem['B'].temp_size_in_bytes * mib:.2f}, W temp "
-    f"{mem['W'].temp_size_in_bytes * mib:.2f}, taps {taps_bytes * mib:.2f}"
+    f"{mem['W'].temp_size_in_bytes * mib:.2f}, B->W hand-over {taps_bytes * mib:.2f}"
   )
   print(
     f"  fused: held F->BW {held_fused * mib:.2f} (of which parameter copies "

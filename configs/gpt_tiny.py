@@ -16,6 +16,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = dict(
+    name="gpt",  # the model family: gpt or llama (configs/llama_tiny.py)
     vocab_size=256,
     seq_len=32,
     num_layers=4,

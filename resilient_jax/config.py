@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from models.gpt import GPTConfig, partition_layers
+from resilient_jax.model.config import ModelConfig, family, partition_layers
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 DATA_KINDS = ("synthetic", "text")
@@ -205,7 +205,7 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  model: GPTConfig
+  model: ModelConfig
   mesh: MeshConfig
   pipeline: PipelineConfig
   train: TrainConfig
@@ -289,8 +289,22 @@ def _faults(raw: dict) -> dict:
   return raw
 
 
-def from_config_dict(cd: Mapping[str, Any]) -> RunConfig:
+def _model_section(cd: Mapping[str, Any]) -> ModelConfig:
+  """The `model` section, in the config class of the family `model.name` picks (default gpt)."""
+  name = dict(cd.get("model", {}) or {}).get("name", "gpt")
+  try:
+    cls = family(name)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return _section(cd, "model", cls)
+
+
+def from_config_dict(cd: Mapping[str, Any], model: ModelConfig | None = None) -> RunConfig:
   """Converts and validates a config (a ConfigDict or nested dict).
+
+  Args:
+    cd: the config.
+    model: replaces the config's `model` section (a user's model, `train(model=...)`).
 
   Raises:
     ConfigError: the first invalid or unknown key.
@@ -302,7 +316,7 @@ def from_config_dict(cd: Mapping[str, Any]) -> RunConfig:
   if unknown:
     raise ConfigError(f"unknown config section {unknown[0]!r}")
   return RunConfig(
-    model=_section(cd, "model", GPTConfig),
+    model=model or _model_section(cd),
     mesh=_section(cd, "mesh", MeshConfig),
     pipeline=_section(cd, "pipeline", PipelineConfig, _pipeline),
     train=_section(cd, "train", TrainConfig),

@@ -8,7 +8,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.gpt import GPT
 from resilient_jax import data as data_lib
 from resilient_jax.config import RunConfig
 from resilient_jax.runtime.interpreter import StepResult
@@ -34,8 +33,9 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
   )
 
 
-def make_model(cfg: RunConfig) -> GPT:
-  return GPT(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+def make_model(cfg: RunConfig) -> nnx.Module:
+  """The configured model family's model, initialised from `train.seed`."""
+  return cfg.model.build(cfg.train.seed)
 
 
 def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:
@@ -65,6 +65,13 @@ def step_batch(
   inputs, targets = source.get(mbs.reshape(-1))
   shape = (*mbs.shape, cfg.model.seq_len)
   return mbs, inputs.reshape(shape), targets.reshape(shape)
+
+
+def sample_seeds(step: int, mb_ids: np.ndarray) -> np.ndarray:
+  """`(step, sample id)` of every sample, `[*mb_ids.shape, 2]` int32: what a model that draws
+  random numbers folds into its RNG streams (`model.staging.Binder.apply`)."""
+  ids = np.asarray(mb_ids, np.int64) % (2**31 - 1)
+  return np.stack([np.full(ids.shape, step, np.int64), ids], axis=-1).astype(np.int32)
 
 
 def processed_ids(mb_ids: np.ndarray, result: StepResult) -> np.ndarray:

@@ -7,38 +7,57 @@ stages, taps, schedules or collectives.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
-from models.layers import FlatBinder, flat_params
 from resilient_jax.config import RunConfig
-from resilient_jax.recipe import make_data, make_model, make_optimizer, step_batch
+from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names, whole
+from resilient_jax.recipe import (
+  make_data,
+  make_model,
+  make_optimizer,
+  sample_seeds,
+  step_batch,
+)
 
 
-def train_reference(cfg: RunConfig, steps: int | None = None) -> tuple[list[float], dict]:
-  """Trains on one device; returns per-step losses and the final flat parameters (numpy)."""
-  model = make_model(cfg)
-  bind = FlatBinder(model)
-  params = dict(flat_params(model))
+def train_reference(
+  cfg: RunConfig, steps: int | None = None, model: Any = None
+) -> tuple[list[float], dict]:
+  """Trains on one device; returns per-step losses and the final flat parameters (numpy).
+
+  Args:
+    cfg: the run's config (`run_config(config, model)` for a user's model).
+    steps: how many steps (default: `train.steps`).
+    model: a user's model (left unchanged); None builds the config's model family.
+  """
+  model = make_model(cfg) if model is None else model
+  names = variable_names(model)
+  stage = whole(model)
+  bind = Binder(stage, names)
+  params = dict(flat_params(stage, names))
+  per_token = loss_fn(model)
   optimizer = make_optimizer(cfg)
   opt_state = optimizer.init(params)
   source, plan = make_data(cfg)
 
-  def loss_fn(p, x, y):
-    mod = bind(p)
-    return mod.loss(mod(x), y).mean()
+  def mean_loss(p, x, y, seeds):
+    return per_token(bind.apply(p, x, seeds), y).mean()
 
   @jax.jit
-  def step(p, o, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+  def step(p, o, x, y, seeds):
+    loss, grads = jax.value_and_grad(mean_loss)(p, x, y, seeds)
     updates, o = optimizer.update(grads, o, p)
     return jax.tree.map(lambda a, u: a + u, p, updates), o, loss
 
   losses = []
   for t in range(1, (steps or cfg.train.steps) + 1):
-    _, inputs, targets = step_batch(cfg, source, plan, t)
+    ids, inputs, targets = step_batch(cfg, source, plan, t)
+    seeds = sample_seeds(t, ids).reshape(-1, 2)
     x = inputs.reshape(-1, inputs.shape[-1])
     y = targets.reshape(-1, targets.shape[-1])
-    params, opt_state, loss = step(params, opt_state, x, y)
+    params, opt_state, loss = step(params, opt_state, x, y, seeds)
     losses.append(float(loss))
   return losses, {k: np.asarray(v) for k, v in params.items()}

@@ -21,7 +21,14 @@ def configure_jax(num_cpu_devices: int, cache_dir: str | None = None) -> None:
   (`RESILIENT_JAX_CACHE`, default ~/.cache/resilient_jax/xla; set it to "" to disable).
   """
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    jax.config.update("jax_num_cpu_devices", max(num_cpu_devices, 1))
+    try:
+      jax.config.update("jax_num_cpu_devices", max(num_cpu_devices, 1))
+    except RuntimeError:  # JAX already started: fine if it has the devices
+      if jax.default_backend() == "cpu" and len(jax.devices()) < num_cpu_devices:
+        raise RuntimeError(
+          f"JAX already started with {len(jax.devices())} CPU devices; call "
+          f"configure_jax({num_cpu_devices}) before any JAX operation"
+        ) from None
   cache = os.environ.get("RESILIENT_JAX_CACHE", DEFAULT_CACHE) if cache_dir is None else cache_dir
   if cache:
     jax.config.update("jax_compilation_cache_dir", cache)

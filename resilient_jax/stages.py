@@ -4,19 +4,22 @@ One `StagePrograms` serves every worker of a stage: the programs are traced once
 whichever device holds their (committed) inputs, so a data-parallel peer that takes over a
 failed worker's micro-batches runs the very same programs on its own device.
 
-- `forward(params, x, targets) -> (out, residuals, saved)`: `out` is the stage output, or for
-  the last stage the micro-batch's share of the global mean loss. `residuals` (opaque) is what
-  B needs, `saved` the per-layer inputs W needs. A parameter or the stage input among them is
-  the caller's array itself, not a copy, and residuals B never reads are not kept.
-- `backward_input(residuals, g) -> (dx, taps)`: the input gradient and every tapped layer's
-  output cotangent (see `models.layers`); the first stage has no input gradient (dx is None).
-- `backward_weight(params, saved, taps, acc) -> acc + grads`: local per-layer parameter vjps,
-  no backward chain. Accumulates into `acc` (donated) so a deferred W adds no extra op.
+- `forward(params, x, targets, seeds) -> (out, residuals, saved)`: `out` is the stage output, or for
+  the last stage the micro-batch's share of the global mean loss. `residuals` are what B reads,
+  `saved` what W reads (`model.split`). A parameter or the stage input among them is the
+  caller's array itself, not a copy, and residuals neither reads are not kept. `seeds`
+  (`(step, sample id)` per sample) are read only by a model that draws random numbers.
+- `backward_input(residuals, g) -> (dx, handover)`: the input gradient and the values W needs
+  of B's work (the cotangents flowing back through the stage); the first stage has no input
+  gradient (dx is None) and its B is empty: the whole backward is W's, off the critical path.
+- `backward_weight(params, saved, handover, acc) -> acc + grads`: the rest of the backward,
+  no recomputation of B's. Accumulates into `acc` (donated) so a deferred W adds no extra op.
 - `backward_fused(residuals, saved, params, g, acc)`: B then W in one program (GPipe, 1F1B).
 - `optimizer_step(params, opt_state, grads) -> (params, opt_state)`: this stage's optax update.
 
-Parameters are flat dicts keyed by global parameter names (`blocks.3.mlp.fc.kernel`), so a
-stage's parameters, gradients and optimizer state do not depend on how the model was cut.
+Parameters are flat dicts keyed by global parameter names (their paths in the model,
+`blocks.3.mlp.fc.kernel`), so a stage's parameters, gradients and optimizer state do not depend
+on how the model was cut.
 """
 
 from __future__ import annotations
@@ -32,7 +35,14 @@ import optax
 from flax import nnx
 from jax.extend import core as jcore
 
-from models.layers import FlatBinder, Tape, flat_params, tapped_layers
+from resilient_jax.model.split import split_backward
+from resilient_jax.model.staging import (
+  Binder,
+  cut,
+  flat_params,
+  loss_fn,
+  variable_names,
+)
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -53,36 +63,21 @@ class StageInfo:
     return self.index == self.num_stages - 1
 
 
-def _live_inputs(jaxpr: jcore.Jaxpr, live_out: Sequence[bool] | None = None) -> list[bool]:
-  """Which inputs of `jaxpr` its (live) outputs depend on, looking inside nested jits."""
-  outs = jaxpr.outvars
-  live = {v for v, keep in zip(outs, live_out or [True] * len(outs), strict=True) if keep}
-  live = {v for v in live if isinstance(v, jcore.Var)}
-  for eqn in reversed(jaxpr.eqns):
-    needed = [v in live for v in eqn.outvars]
-    if not any(needed) and not eqn.effects:
-      continue
-    inner = eqn.params.get("jaxpr")
-    if eqn.primitive.name in ("jit", "pjit") and isinstance(inner, jcore.ClosedJaxpr):
-      used = _live_inputs(inner.jaxpr, needed)
-    else:
-      used = [True] * len(eqn.invars)
-    live.update(v for v, u in zip(eqn.invars, used, strict=True) if u and isinstance(v, jcore.Var))
-  return [v in live for v in jaxpr.invars]
-
-
 class StagePrograms:
   """The jitted programs of one pipeline stage.
 
   Args:
-    model: a `models.gpt.StageableModel` (its current parameter values are the initial ones).
-    info: which stage and which layers.
+    model: a stageable model (see `resilient_jax.model`); its current parameter values are the
+      initial ones.
+    info: which stage and which blocks.
     input_spec: shape/dtype of one micro-batch's stage input.
     target_spec: shape/dtype of one micro-batch's targets (used by the last stage).
     optimizer: any optax transformation; applied per stage, so it must act per parameter
       (AdamW, SGD, schedules; not global-norm clipping across stages).
-    loss_scale: multiplies the last stage's summed token losses (1 / tokens in the global
-      batch), so summing micro-batch losses and gradients gives the global mean.
+    global_batch: samples per step; the last stage scales its summed per-token losses by one
+      over the loss elements of the global batch, so summing micro-batch losses and gradients
+      gives the step's mean loss.
+    names: global variable names of `model` (`model.variable_names`), computed once per model.
   """
 
   def __init__(
@@ -92,71 +87,72 @@ class StagePrograms:
     input_spec: jax.ShapeDtypeStruct,
     target_spec: jax.ShapeDtypeStruct,
     optimizer: optax.GradientTransformation,
-    loss_scale: float,
+    global_batch: int,
+    names: dict[int, str] | None = None,
   ):
     self.info = info
     self.optimizer = optimizer
-    module = model.make_stage(info.layers, first=info.first, last=info.last)
-    self._binder = FlatBinder(module)
-    self.param_names: tuple[str, ...] = tuple(sorted(self._binder.order))
-    self._initial = {n: np.asarray(v) for n, v in flat_params(module).items()}
+    module = cut(model, info.layers, first=info.first, last=info.last)
+    names = variable_names(model) if names is None else names
+    self._binder = Binder(module, names)
+    self._initial = {n: np.asarray(v) for n, v in flat_params(module, names).items()}
+    self.param_names: tuple[str, ...] = tuple(sorted(self._initial))
     self.input_spec = input_spec
     self.target_spec = target_spec
-    loss_fn = model.loss
+    self.uses_rng = self._binder.uses_rng
+    seeds_spec = jax.ShapeDtypeStruct((input_spec.shape[0], 2), jnp.int32) \
+      if self.uses_rng else None
+    loss = loss_fn(model)
+    targets_spec = target_spec if info.last else None
+    loss_scale = 0.0
+    if info.last:
+      per_mb = jax.eval_shape(lambda p, x, t, r: loss(self._binder.apply(p, x, r), t),
+                              self.abstract_params(), input_spec, target_spec, seeds_spec)
+      loss_scale = input_spec.shape[0] / (global_batch * max(per_mb.size, 1))
 
-    def apply(tape: Tape, params: Params, x: Array, targets: Array | None) -> Array:
-      with tape:
-        out = self.bind(params)(x)
+    def apply(params: Params, x: Array, targets: Array | None, seeds: Array | None) -> Array:
+      out = self._binder.apply(params, x, seeds)
       if info.last:
-        out = loss_fn(out, targets).sum() * jnp.float32(loss_scale)
+        out = loss(out, targets).sum() * jnp.float32(loss_scale)
       return out
 
-    def run(params: Params, x: Array, taps: dict[str, Array], targets: Array | None):
-      tape = Tape(taps)
-      return apply(tape, params, x, targets), tape.inputs
-
-    discovered = Tape()
     self.output_spec: jax.ShapeDtypeStruct = jax.eval_shape(
-      lambda p, x, t: apply(discovered, p, x, t), self.abstract_params(), input_spec, target_spec
+      apply, self.abstract_params(), input_spec, targets_spec, seeds_spec
     )
-    tap_specs = dict(discovered.shapes)
+    argnums = (0,) if info.first else (0, 1)
+    fwd, bwd = jax.fwd_and_bwd(apply, argnums=argnums, jitted=False)
 
-    argnums = (2,) if info.first else (1, 2)
-    fwd, bwd = jax.fwd_and_bwd(run, argnums=argnums, has_aux=True, jitted=False)
-
-    def forward_all(params, x, targets):
-      zeros = {k: jnp.zeros(s.shape, s.dtype) for k, s in tap_specs.items()}
-      return fwd(params, x, zeros, targets)
-
-    def backward_all(residuals, g):
-      grads = bwd(residuals, g)
-      return (None, grads[0]) if info.first else (grads[0], grads[1])
-
-    # What F hands to B and W is trimmed once, on F's jaxpr, rather than copied out of a jit as
-    # is: a parameter or the stage input among the residuals would come back as a fresh copy
-    # per micro-batch (the residuals of `x @ kernel` include the kernel), and some residuals
-    # are dead in B (XLA drops them from B, but F would still keep them alive until B).
-    targets_spec = target_spec if info.last else None
-    closed, (out_tree, res_tree, saved_tree) = jax.make_jaxpr(forward_all, return_shape=True)(
-      self.abstract_params(), input_spec, targets_spec
+    # The backward, traced once and cut into B and W (`model.split`).
+    closed, (out_tree, res_tree) = jax.make_jaxpr(fwd, return_shape=True)(
+      self.abstract_params(), input_spec, targets_spec, seeds_spec
     )
     res_def = jax.tree.structure(res_tree)
     res_specs = jax.tree.leaves(res_tree)
-    n_out, n_res = len(jax.tree.leaves(out_tree)), len(res_specs)
-    b_jaxpr = jax.make_jaxpr(
-      lambda leaves, g: backward_all(jax.tree.unflatten(res_def, leaves), g)
-    )(res_specs, self.output_spec)
-    res_live = _live_inputs(b_jaxpr.jaxpr)[:n_res]
-    # Per output leaf of F: ("input", i) forwards input leaf i, ("kept", j) is output j of the
-    # trimmed program, ("dead", spec) a residual B never reads (B gets zeros, which XLA drops).
+    n_params = len(self.param_names)
+    split = split_backward(
+      lambda res, g: jax.tree.leaves(bwd(jax.tree.unflatten(res_def, res), g[0])),
+      res_specs,
+      [self.output_spec],
+      input_outs=[] if info.first else [n_params],
+      weight_outs=list(range(n_params)),
+    )
+    self.split = split
+    # What F hands to B and W is trimmed once, on F's jaxpr, rather than copied out of a jit as
+    # is: a parameter or the stage input among the residuals would come back as a fresh copy
+    # per micro-batch (the residuals of `x @ kernel` include the kernel), and residuals neither
+    # B nor W reads are not kept.
+    n_out = len(jax.tree.leaves(out_tree))
+    res_live = set(split.b_residuals) | set(split.w_residuals)
     in_index = {v: i for i, v in enumerate(closed.jaxpr.invars)}
     kept: list[int] = []  # positions of the outputs the trimmed program returns
     first_at: dict[Any, int] = {}  # each distinct variable is returned once
-    sources: list[tuple[str, Any]] = []
+    # Per live output leaf of F: ("input", i) forwards input leaf i, ("kept", j) is output j of
+    # the trimmed program.
+    sources: list[tuple[str, int] | None] = []
     for k, v in enumerate(closed.jaxpr.outvars):
       is_var = isinstance(v, jcore.Var)
-      if n_out <= k < n_out + n_res and not res_live[k - n_out]:
-        sources.append(("dead", res_specs[k - n_out]))
+      if k >= n_out and k - n_out not in res_live:
+        sources.append(None)
       elif is_var and v in in_index:
         sources.append(("input", in_index[v]))
       elif is_var and v in first_at:
@@ -166,44 +162,38 @@ class StagePrograms:
           first_at[v] = len(kept)
         sources.append(("kept", len(kept)))
         kept.append(k)
-    forward_all_flat = jcore.jaxpr_as_fun(closed)
+    forward_all = jcore.jaxpr_as_fun(closed)
 
     def stage_forward(*inputs):
-      outs = forward_all_flat(*inputs)
+      outs = forward_all(*inputs)
       return [outs[k] for k in kept]
 
     forward_program = jax.jit(stage_forward)
-    out_def, saved_def = jax.tree.structure(out_tree), jax.tree.structure(saved_tree)
-    not_dead = [src for src in sources if src[0] != "dead"]
-    n_live = sum(res_live)
-    dead_specs = [src[1] if src[0] == "dead" else None for src in sources[n_out : n_out + n_res]]
+    out_def = jax.tree.structure(out_tree)
 
-    def forward(params, x, targets):
-      inputs = jax.tree.leaves((params, x, targets if info.last else None))
+    def forward(params, x, targets, seeds=None):
+      inputs = jax.tree.leaves((params, x, targets if info.last else None,
+                                seeds if self.uses_rng else None))
       outs = forward_program(*inputs)
-      leaves = [outs[i] if kind == "kept" else inputs[i] for kind, i in not_dead]
+      leaves = [None if src is None else outs[src[1]] if src[0] == "kept" else inputs[src[1]]
+                for src in sources]
       out = jax.tree.unflatten(out_def, leaves[:n_out])
-      residuals = tuple(leaves[n_out : n_out + n_live])
-      saved = jax.tree.unflatten(saved_def, leaves[n_out + n_live :])
-      return out, residuals, saved
+      res = leaves[n_out:]
+      return (out, tuple(res[i] for i in split.b_residuals),
+              tuple(res[i] for i in split.w_residuals))
 
     def backward_input(residuals, g):
-      live = iter(residuals)
-      leaves = [next(live) if d is None else jnp.zeros(d.shape, d.dtype) for d in dead_specs]
-      return backward_all(jax.tree.unflatten(res_def, leaves), g)
+      dx, handover = split.backward_input(residuals, [g])
+      return (dx[0] if dx else None), tuple(handover)
 
-    def weight_grads(params, saved, taps, acc):
-      layers = tapped_layers(self.bind(params))
-      out = dict(acc)
-      for key, g in taps.items():
-        name, kind = key.rsplit(":", 1)
-        for k, v in layers[name].param_grads(saved[key], g, kind).items():
-          out[f"{name}.{k}"] = out[f"{name}.{k}"] + v
-      return out
+    def weight_grads(params, saved, handover, acc):
+      del params  # W reads what it needs of the parameters among the residuals
+      grads = split.backward_weight(saved, handover)
+      return {n: acc[n] + g for n, g in zip(self.param_names, grads, strict=True)}
 
     def backward_fused(residuals, saved, params, g, acc):
-      dx, taps = backward_input(residuals, g)
-      return dx, weight_grads(params, saved, taps, acc)
+      dx, handover = backward_input(residuals, g)
+      return dx, weight_grads(params, saved, handover, acc)
 
     def optimizer_step(params, opt_state, grads):
       updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -244,15 +234,16 @@ def build_stage_programs(
   microbatch_size: int,
   seq_len: int,
   optimizer: optax.GradientTransformation,
-  global_tokens: int,
+  global_batch: int,
 ) -> list[StagePrograms]:
   """Programs for every stage, chaining each stage's output shape into the next one's input."""
   tokens = jax.ShapeDtypeStruct((microbatch_size, seq_len), jnp.int32)
   spec = tokens
   programs = []
+  names = variable_names(model)
   for s, layers in enumerate(partition):
     info = StageInfo(index=s, num_stages=len(partition), layers=layers)
-    prog = StagePrograms(model, info, spec, tokens, optimizer, 1.0 / global_tokens)
+    prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names)
     programs.append(prog)
     spec = prog.output_spec
   return programs

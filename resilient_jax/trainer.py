@@ -32,8 +32,9 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -41,7 +42,7 @@ import numpy as np
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointWriter, load_latest
 from resilient_jax.checkpoint.store import Loaded, load, step_dir
-from resilient_jax.config import ConfigError, RunConfig
+from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
 from resilient_jax.recipe import (
   make_data,
@@ -49,6 +50,7 @@ from resilient_jax.recipe import (
   make_optimizer,
   num_microbatches,
   processed_ids,
+  sample_seeds,
   step_batch,
 )
 from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
@@ -163,6 +165,8 @@ class Trainer:
     faults: failures to inject besides the config's `faults.schedule` (in-process).
     cluster: the joined `jax.distributed` job (`runtime.cluster.Cluster`) for a multi-process
       run; None runs every slot in this process.
+    model: a user's model (see `run_config`, which describes it as `cfg.model`); None builds
+      the config's model family.
   """
 
   def __init__(
@@ -174,6 +178,7 @@ class Trainer:
     log: Logger = print,
     faults: Sequence[FaultEvent] = (),
     cluster=None,
+    model: Any = None,
   ):
     self.cfg = cfg
     self.workdir = Path(workdir)
@@ -182,7 +187,7 @@ class Trainer:
     self.log = log if self.chief else (lambda _: None)
     if self.chief:
       self.workdir.mkdir(parents=True, exist_ok=True)
-    self.model = make_model(cfg)
+    self.model = make_model(cfg) if model is None else model
     self.source, self.plan = make_data(cfg)
     self.ckpt_dir = self.workdir / "checkpoints"
     self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep) if self.chief \
@@ -193,7 +198,9 @@ class Trainer:
       devs = list(jax.devices() if devices is None else devices)
       if len(devs) < need:
         raise ConfigError(
-          f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devs)}"
+          f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devs)} (on CPU, "
+          f"call resilient_jax.configure_jax({need}) before any JAX operation, e.g. before "
+          "building the model)"
         )
       transport = Transport(dict(enumerate(devs[:need])))
       nodes = list(range(need))
@@ -236,7 +243,7 @@ class Trainer:
         self.microbatch_size,
         cfg.model.seq_len,
         make_optimizer(cfg),
-        global_tokens=cfg.train.global_batch * cfg.model.seq_len,
+        cfg.train.global_batch,
       )
     return self._programs[key]
 
@@ -401,7 +408,7 @@ class Trainer:
         self.attempts += 1
         result = self.interpreter.run_step(
           inputs, targets, step=step, attempt=self.attempts, profile=profile and not self.cluster,
-          after_op=hook,
+          after_op=hook, seeds=sample_seeds(step, mb_ids),
         )
       except WorkerLost as lost:
         result = StepResult(0.0, {}, 0.0, [], [], committed=False, lost=frozenset({lost.node}),
@@ -567,14 +574,48 @@ def _write_metrics(path: Path, rows: list[dict]) -> None:
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def train(cfg: RunConfig, workdir: str | os.PathLike, **kwargs) -> TrainResult:
-  """Trains `cfg` to the end; see `Trainer` for the keyword arguments.
+def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunConfig:
+  """`config` (a `RunConfig`, ConfigDict or dict) as a `RunConfig`; with a user's `model`,
+  checked against the protocol of `resilient_jax.model` and described in place of the config's
+  `model` section (whose `seq_len`, the data's sequence length, is kept).
+
+  Raises:
+    ConfigError: a bad config or a model that cannot be staged (one readable message).
+  """
+  if model is None:
+    return config if isinstance(config, RunConfig) else from_config_dict(config)
+  from resilient_jax.model.check import check_stageable, describe
+
+  if isinstance(config, RunConfig):
+    seq_len, pp = config.model.seq_len, config.mesh.pp
+  else:
+    seq_len = dict(config.get("model", {}) or {}).get("seq_len", 32)
+    pp = dict(config.get("mesh", {}) or {}).get("pp", 1)
+  check_stageable(model, num_stages=pp, seq_len=seq_len)
+  described = describe(model, seq_len)
+  if isinstance(config, RunConfig):
+    return dataclasses.replace(config, model=described)
+  return from_config_dict(config, model=described)
+
+
+def train(
+  config: RunConfig | Mapping[str, Any], workdir: str | os.PathLike, *, model: Any = None,
+  **kwargs,
+) -> TrainResult:
+  """Trains to the end; see `Trainer` for the keyword arguments.
+
+  Args:
+    config: the run's config: a `RunConfig`, or the launcher's keys as a ConfigDict or dict.
+    workdir: where outputs go; a workdir holding checkpoints is resumed from.
+    model: your own `nnx.Module` (`embed`, `blocks`, `head`; see `resilient_jax.model`) in
+      place of the config's model family; its current parameters are the initial ones.
 
   With `distributed.enabled` this process joins the `jax.distributed` job (before JAX starts
   its backends) unless a `cluster` is given, and trains its share of it.
   """
+  cfg = run_config(config, model)
   if cfg.distributed.enabled and kwargs.get("cluster") is None:
     from resilient_jax.runtime.cluster import Cluster
 
     kwargs["cluster"] = Cluster(cfg.distributed)
-  return Trainer(cfg, workdir, **kwargs).run()
+  return Trainer(cfg, workdir, model=model, **kwargs).run()

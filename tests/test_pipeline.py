@@ -29,8 +29,8 @@ def test_tied_head_matches_single_device(tmp_path, dp, pp, schedule):
   result = train(cfg, tmp_path, log=lambda _: None)
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
   if pp > 1:
-    first = np.asarray(result.interpreter.stage_params(0)["wte.embedding"])
-    last = np.asarray(result.interpreter.stage_params(pp - 1)["wte.embedding"])
+    first = np.asarray(result.interpreter.stage_params(0)["embed.wte.embedding"])
+    last = np.asarray(result.interpreter.stage_params(pp - 1)["embed.wte.embedding"])
     np.testing.assert_array_equal(first, last)
 
 

@@ -119,7 +119,7 @@ def test_tied_head_is_reduced_by_name_across_different_splits(tmp_path):
     4,
   )
   ex = Interpreter(trainer._programs_for, trainer.transport, plan)
-  holders = [slot for slot in plan.slots if "wte.embedding" in ex.params[slot]]
+  holders = [slot for slot in plan.slots if "embed.wte.embedding" in ex.params[slot]]
   assert holders == [(0, 0), (1, 0), (1, 1)]
   metrics = []
   for step in (1, 2):
@@ -128,7 +128,7 @@ def test_tied_head_is_reduced_by_name_across_different_splits(tmp_path):
     metrics.append({"loss": result.loss})
     assert sorted(result.processed) == list(range(8))
   assert_matches_reference(metrics, ex.all_params(), cfg)
-  tied = [np.asarray(ex.params[slot]["wte.embedding"]) for slot in holders]
+  tied = [np.asarray(ex.params[slot]["embed.wte.embedding"]) for slot in holders]
   for t in tied[1:]:
     np.testing.assert_array_equal(t, tied[0])
 

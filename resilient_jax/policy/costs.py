@@ -1,4 +1,4 @@
-"""The analytic cost of the GPT, in one place: what every planner of the runtime prices plans by.
+"""The analytic cost of the model, in one place: what every planner of the runtime prices plans by.
 
 Units are one transformer block's forward FLOPs. B and W each cost about one forward (the
 backward of a matmul is two matmuls of the same size, one for the input and one for the weight
@@ -16,11 +16,10 @@ from resilient_jax.schedule.cost import OpCosts
 LayerRange = tuple[int, int]
 
 
-def block_and_head_flops(cfg: RunConfig) -> tuple[int, int]:
-  """Forward multiply-adds of one transformer block and of the LM head, per sequence."""
-  m = cfg.model
-  t, d, f = m.seq_len, m.d_model, m.mlp_ratio * m.d_model
-  return t * (d * 3 * d + d * d + 2 * d * f) + 2 * t * t * d, t * d * m.vocab_size
+def block_and_head_flops(cfg: RunConfig) -> tuple[float, float]:
+  """Forward multiply-adds of one block and of the head, per sequence (`model.costs()`)."""
+  c = cfg.model.costs()
+  return c.block_flops, c.head_flops
 
 
 def stage_costs(cfg: RunConfig, partition: tuple[LayerRange, ...] | None = None) -> OpCosts:
@@ -40,16 +39,15 @@ def layer_profile(cfg: RunConfig) -> oobleck.LayerProfile:
   (the head is added to the last layer, the embeddings to the first cost nothing); bytes from
   the parameter counts, fp32 with AdamW's two moments and a gradient (16 bytes a parameter)."""
   m = cfg.model
-  t, d, f = m.seq_len, m.d_model, m.mlp_ratio * m.d_model
-  block, head = block_and_head_flops(cfg)
+  c = m.costs()
+  block, head = c.block_flops, c.head_flops
   n = m.num_layers
   fwd = [1.0] * n
   fwd[-1] += head / block
-  block_params = 4 * d * d + 2 * d * f + 9 * d + f
-  params = [float(block_params)] * n
-  params[0] += (m.vocab_size + m.seq_len) * d
-  params[-1] += 2 * d + (0 if m.tied_head else d * m.vocab_size + m.vocab_size)
-  act = float(cfg.microbatch_size * t * d * 4 * 8)
+  params = [float(c.block_params)] * n
+  params[0] += c.embed_params
+  params[-1] += c.head_params
+  act = float(cfg.microbatch_size * m.seq_len * c.hidden * 4 * 8)
   return oobleck.LayerProfile(
     forward=fwd,
     backward_input=fwd,

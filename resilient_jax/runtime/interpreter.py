@@ -321,7 +321,9 @@ class Interpreter(StateHandover):
       prog, dev = self.program(slot), self.device(slot)
       zeros = lambda spec, dev=dev: jax.device_put(jnp.zeros(spec.shape, spec.dtype), dev)  # noqa: E731
       tgt = zeros(prog.target_spec) if prog.info.last else None
-      _, res, saved = prog.forward(self.params[slot], zeros(prog.input_spec), tgt)
+      seeds = zeros(jax.ShapeDtypeStruct((prog.input_spec.shape[0], 2), jnp.int32)) \
+        if prog.uses_rng else None
+      _, res, saved = prog.forward(self.params[slot], zeros(prog.input_spec), tgt, seeds)
       scalar = jax.ShapeDtypeStruct((), jnp.float32)
       _, taps = prog.backward_input(res, zeros(scalar if prog.info.last else prog.output_spec))
       outs.append(prog.backward_weight(self.params[slot], saved, taps,
@@ -339,6 +341,7 @@ class Interpreter(StateHandover):
     attempt: int = 0,
     profile: bool = False,
     after_op: AfterOp | None = None,
+    seeds: np.ndarray | None = None,
   ) -> StepResult:
     """Runs one attempt at a step of the current plan.
 
@@ -348,6 +351,8 @@ class Interpreter(StateHandover):
       step, attempt: name the transfers and agreements of a multi-process job.
       profile: wait for every op to record its duration (serialises the devices).
       after_op: see `AfterOp`.
+      seeds: `(step, sample id)` of every sample `[num_microbatches, microbatch_size, 2]`, for
+        models that draw random numbers (dropout); see `recipe.sample_seeds`.
 
     Returns:
       The outcome; in a multi-process job it may be uncommitted, naming the nodes lost.
@@ -370,6 +375,13 @@ class Interpreter(StateHandover):
         acc[slot] = self.program(slot).zero_grads(self.params[slot], self.device(slot))
       return acc[slot]
 
+    def seeds_of(prog: StagePrograms, mb: int, dev: jax.Device) -> jax.Array | None:
+      if not prog.uses_rng:
+        return None
+      if seeds is None:
+        raise ValueError("the model draws random numbers: run_step needs per-sample seeds")
+      return jax.device_put(seeds[mb], dev)
+
     def compute(slot: Slot, op: Op) -> list[jax.Array]:
       p = sp.slots[slot]
       progs = self.programs(p.split)
@@ -380,7 +392,8 @@ class Interpreter(StateHandover):
         else:
           x = tp.recv((mb, s - 1, ACT), sp.slots[sp.route[mb][s - 1]].node, prog.input_spec, dev)
         tgt = jax.device_put(targets[mb], dev) if p.last else None
-        out, residuals[key], saved[key] = prog.forward(self.params[slot], x, tgt)
+        out, residuals[key], saved[key] = prog.forward(self.params[slot], x, tgt,
+                                                       seeds_of(prog, mb, dev))
         if p.last:
           losses[mb] = out
           processed.append(mb)
@@ -393,7 +406,8 @@ class Interpreter(StateHandover):
         r = p.replica
         x = jax.device_put(inputs[mb], dev) if p.last else fr_in.pop(key)
         tgt = jax.device_put(targets[mb], dev) if r == len(p.split) - 1 else None
-        return [progs[r].forward(self.replicas[slot][0], x, tgt)[0]]  # a warm copy; unread
+        rep = progs[r]
+        return [rep.forward(self.replicas[slot][0], x, tgt, seeds_of(rep, mb, dev))[0]]  # unread
       if op.kind == W:
         acc[slot] = prog.backward_weight(self.params[slot], saved.pop(key), taps.pop(key),
                                          grads_of(slot))

@@ -1,0 +1,160 @@
+"""A Llama-style decoder from stock Flax NNX layers, in the library's model protocol.
+
+RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention and no biases. The
+config keys GPT shares (`vocab_size`, `seq_len`, `num_layers`, `num_heads`, `d_model`,
+`mlp_ratio`, `tied_head`) mean the same here, so `--config.model.name=llama` works on a GPT
+config too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from resilient_jax.model.config import ModelConfig, ModelCosts
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+  name: str = "llama"
+  vocab_size: int = 256
+  seq_len: int = 32
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  """Key/value heads (grouped-query attention); must divide `num_heads`."""
+  d_model: int = 64
+  mlp_ratio: int = 4
+  """The SwiGLU hidden width is 2/3 of `mlp_ratio * d_model`, rounded up to a multiple of 8."""
+  tied_head: bool = False
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+
+  def __post_init__(self):
+    self.check_positive("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
+                        "d_model", "mlp_ratio")
+    if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
+      raise ValueError(f"model.d_model={self.d_model} must split into model.num_heads="
+                       f"{self.num_heads} heads of even width (rotary embeddings)")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
+                       f"model.num_heads={self.num_heads}")
+    if not self.rope_theta > 0 or not self.norm_eps > 0:
+      raise ValueError("model.rope_theta and model.norm_eps must be positive")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def hidden(self) -> int:
+    return -(-(2 * self.mlp_ratio * self.d_model // 3) // 8) * 8
+
+  def costs(self) -> ModelCosts:
+    t, d, v, f = self.seq_len, self.d_model, self.vocab_size, self.hidden
+    kv = self.num_kv_heads * self.head_dim
+    return ModelCosts(
+      block_flops=t * (2 * d * d + 2 * d * kv + 3 * d * f) + 2 * t * t * d,
+      head_flops=t * d * v,
+      embed_params=v * d,
+      block_params=2 * d * d + 2 * d * kv + 3 * d * f + 2 * d,
+      head_params=d + (0 if self.tied_head else d * v),
+      hidden=d,
+    )
+
+  def build(self, seed: int) -> Llama:
+    return Llama(self, rngs=nnx.Rngs(params=seed))
+
+
+def _linear(din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
+  return nnx.Linear(din, dout, use_bias=False, kernel_init=nnx.initializers.normal(std),
+                    rngs=rngs)
+
+
+def rotary(x: Array, theta: float) -> Array:
+  """Rotary position embedding of `x` `[batch, seq, heads, head_dim]` (rotate-half form)."""
+  t, half = x.shape[1], x.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None]
+  cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query attention with rotary embeddings."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, hd = cfg.d_model, cfg.head_dim
+    self.q = _linear(d, cfg.num_heads * hd, rngs)
+    self.k = _linear(d, cfg.num_kv_heads * hd, rngs)
+    self.v = _linear(d, cfg.num_kv_heads * hd, rngs)
+    self.o = _linear(cfg.num_heads * hd, d, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+
+  def __call__(self, x: Array) -> Array:
+    cfg = self.cfg
+    b, t, _ = x.shape
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = rotary(self.q(x).reshape(b, t, h, hd), cfg.rope_theta)
+    k = rotary(self.k(x).reshape(b, t, kvh, hd), cfg.rope_theta)
+    v = self.v(x).reshape(b, t, kvh, hd)
+    k, v = (jnp.repeat(a, h // kvh, axis=2) for a in (k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(hd))
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    return self.o(out.reshape(b, t, h * hd))
+
+
+class SwiGLU(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    self.gate = _linear(cfg.d_model, cfg.hidden, rngs)
+    self.up = _linear(cfg.d_model, cfg.hidden, rngs)
+    self.down = _linear(cfg.hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+
+  def __call__(self, x: Array) -> Array:
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+    self.mlp = SwiGLU(cfg, rngs=rngs)
+
+  def __call__(self, x: Array) -> Array:
+    x = x + self.attn(self.attn_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Head(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, tok: nnx.Embed, *, rngs: nnx.Rngs):
+    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+    self.tied = tok if cfg.tied_head else None
+    self.out = None if cfg.tied_head else _linear(cfg.d_model, cfg.vocab_size, rngs)
+
+  def __call__(self, h: Array) -> Array:
+    h = self.norm(h)
+    return self.tied.attend(h) if self.tied is not None else self.out(h)
+
+
+class Llama(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
+                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.head = Head(cfg, self.embed, rngs=rngs)
+
+  def __call__(self, tokens: Array) -> Array:
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)

@@ -1,0 +1,187 @@
+"""The backward of a stage, split into B (input gradient) and W (weight gradient) automatically.
+
+Zero-bubble and re-routing schedules run a stage's backward as two programs: B, the gradient
+with respect to the stage input, on the pipeline's critical path, and W, the parameter gradient,
+deferrable into bubbles. Differentiating the stage twice would make W re-run the whole backward
+chain. Instead the stage's backward is traced once (a jaxpr of primitive operations) and its
+equations are partitioned:
+
+* B is every equation the input gradient depends on;
+* W is every other equation the parameter gradients depend on;
+* what W reads of B's values (the cotangents flowing back through the stage, e.g. the output
+  cotangent of every dense layer) is handed from B to W, so W never recomputes B's work.
+
+This works for any layer JAX can differentiate: stock `nnx` layers, user layers, custom VJPs
+(an equation with a nested jaxpr, like `jit`, is inlined first; other higher-order equations such
+as `scan` stay whole, on whichever side needs them first). The fused backward is B and W in one
+program, so all three compute exactly the same values as `jax.vjp`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+_INLINE = ("jit", "pjit", "closed_call", "core_call")
+
+
+def _read(env: dict, v: Any) -> Any:
+  return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _eval_eqns(eqns: Sequence[jcore.JaxprEqn], env: dict) -> None:
+  """Evaluates `eqns` in order, reading and writing `env` (variables to values)."""
+  for eqn in eqns:
+    invals = [_read(env, v) for v in eqn.invars]
+    with eqn.ctx.manager:
+      outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    if not eqn.primitive.multiple_results:
+      outs = [outs]
+    for v, o in zip(eqn.outvars, outs, strict=True):
+      if not isinstance(v, jcore.DropVar):
+        env[v] = o
+
+
+def _inline_eval(jaxpr: jcore.Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
+  """Evaluates `jaxpr`, descending into nested `jit` calls instead of binding them."""
+  env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  for eqn in jaxpr.eqns:
+    inner = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINE else None
+    if isinstance(inner, jcore.ClosedJaxpr):
+      outs = _inline_eval(inner.jaxpr, inner.consts, *[_read(env, v) for v in eqn.invars])
+      for v, o in zip(eqn.outvars, outs, strict=True):
+        if not isinstance(v, jcore.DropVar):
+          env[v] = o
+    else:
+      _eval_eqns([eqn], env)
+  return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _needed(jaxpr: jcore.Jaxpr, outs: Sequence[Any], skip: set[int] = frozenset()) -> list[int]:
+  """Indices of the equations (not in `skip`) that `outs` depend on, in program order."""
+  live = {v for v in outs if isinstance(v, jcore.Var)}
+  picked = []
+  for i in range(len(jaxpr.eqns) - 1, -1, -1):
+    eqn = jaxpr.eqns[i]
+    if i in skip or not (eqn.effects or any(v in live for v in eqn.outvars)):
+      continue
+    picked.append(i)
+    live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+  return picked[::-1]
+
+
+def _uses(jaxpr: jcore.Jaxpr, eqn_ids: Sequence[int], outs: Sequence[Any]) -> list[Any]:
+  """Variables that `eqn_ids` and `outs` read, in first-use order (no duplicates)."""
+  seen: dict[Any, None] = {}
+  for i in eqn_ids:
+    for v in jaxpr.eqns[i].invars:
+      if isinstance(v, jcore.Var):
+        seen.setdefault(v)
+  for v in outs:
+    if isinstance(v, jcore.Var):
+      seen.setdefault(v)
+  return list(seen)
+
+
+@dataclasses.dataclass
+class BackwardSplit:
+  """A backward `(residuals, cotangents) -> gradients`, cut into B and W.
+
+  Attributes:
+    b_residuals: indices of the residual leaves B reads.
+    w_residuals: indices of the residual leaves W reads.
+    num_handover: how many values B hands to W.
+  """
+
+  jaxpr: jcore.Jaxpr
+  consts: list[Any]
+  num_residuals: int
+  input_outs: list[int]
+  weight_outs: list[int]
+  b_residuals: list[int]
+  w_residuals: list[int]
+  num_handover: int
+  _b_eqns: list[int]
+  _w_eqns: list[int]
+  _handover: list[Any]
+
+  def backward_input(self, residuals: Sequence[Any], cotangents: Sequence[Any]
+                     ) -> tuple[list[Any], list[Any]]:
+    """B: `(residuals[b_residuals], cotangents) -> (input gradient leaves, hand-over)`."""
+    j = self.jaxpr
+    env = dict(zip(j.constvars, self.consts, strict=True))
+    res_vars = j.invars[: self.num_residuals]
+    env.update(zip([res_vars[i] for i in self.b_residuals], residuals, strict=True))
+    env.update(zip(j.invars[self.num_residuals :], cotangents, strict=True))
+    _eval_eqns([j.eqns[i] for i in self._b_eqns], env)
+    return ([self._out(env, j.outvars[k]) for k in self.input_outs],
+            [env[v] for v in self._handover])
+
+  def backward_weight(self, residuals: Sequence[Any], handover: Sequence[Any]) -> list[Any]:
+    """W: `(residuals[w_residuals], hand-over) -> parameter gradient leaves`."""
+    j = self.jaxpr
+    env = dict(zip(j.constvars, self.consts, strict=True))
+    res_vars = j.invars[: self.num_residuals]
+    env.update(zip([res_vars[i] for i in self.w_residuals], residuals, strict=True))
+    env.update(zip(self._handover, handover, strict=True))
+    _eval_eqns([j.eqns[i] for i in self._w_eqns], env)
+    return [self._out(env, j.outvars[k]) for k in self.weight_outs]
+
+  @staticmethod
+  def _out(env: dict, v: Any) -> Any:
+    if isinstance(v, jcore.Literal):
+      return jnp.full(v.aval.shape, v.val, v.aval.dtype)
+    return env[v]
+
+
+def split_backward(
+  backward: Any,
+  residual_specs: Sequence[jax.ShapeDtypeStruct],
+  cotangent_specs: Sequence[jax.ShapeDtypeStruct],
+  input_outs: Sequence[int],
+  weight_outs: Sequence[int],
+) -> BackwardSplit:
+  """Traces `backward(residual leaves, cotangent leaves) -> gradient leaves` and cuts it.
+
+  Args:
+    backward: the stage's backward as a function of flat leaf lists.
+    residual_specs, cotangent_specs: shapes of its two arguments' leaves.
+    input_outs: which gradient leaves are input gradients (B's outputs).
+    weight_outs: which are parameter gradients (W's outputs).
+  """
+  traced = jax.make_jaxpr(backward)(list(residual_specs), list(cotangent_specs))
+  flat = jax.make_jaxpr(lambda *a: _inline_eval(traced.jaxpr, traced.consts, *a))(
+    *residual_specs, *cotangent_specs
+  )
+  j = flat.jaxpr
+  n_res = len(residual_specs)
+  b_eqns = _needed(j, [j.outvars[k] for k in input_outs])
+  in_b = set(b_eqns)
+  w_eqns = _needed(j, [j.outvars[k] for k in weight_outs], skip=in_b)
+  b_defined = {v for i in b_eqns for v in j.eqns[i].outvars}
+  res_vars = j.invars[:n_res]
+  w_reads = _uses(j, w_eqns, [j.outvars[k] for k in weight_outs])
+  w_defined = {v for i in w_eqns for v in j.eqns[i].outvars}
+  # W reads B's values and the cotangents through the hand-over; residuals directly.
+  cotangents = set(j.invars[n_res:])
+  handover = [v for v in w_reads if v not in w_defined and (v in b_defined or v in cotangents)]
+  b_reads = set(_uses(j, b_eqns, [j.outvars[k] for k in input_outs]))
+  return BackwardSplit(
+    jaxpr=j,
+    consts=list(flat.consts),
+    num_residuals=n_res,
+    input_outs=list(input_outs),
+    weight_outs=list(weight_outs),
+    b_residuals=[i for i, v in enumerate(res_vars) if v in b_reads],
+    w_residuals=[i for i, v in enumerate(res_vars) if v in set(w_reads)],
+    num_handover=len(handover),
+    _b_eqns=b_eqns,
+    _w_eqns=w_eqns,
+    _handover=handover,
+  )

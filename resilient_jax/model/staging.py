@@ -1,0 +1,171 @@
+"""The model protocol and how the library cuts a model into pipeline stages.
+
+A model the runtime can train is any `flax.nnx.Module` with three parts:
+
+* `embed`: a module mapping the step's inputs (token ids `[batch, seq]`) to hidden states;
+* `blocks`: a list of modules (`nnx.List` or a Python list), each hidden -> hidden;
+* `head`: a module mapping hidden states to logits.
+
+and optionally `loss(logits, targets)`, the loss of every token (any shape; the step's loss is
+its mean over the global batch; default: `token_cross_entropy`). The library cuts the model
+itself: the first stage owns `embed`, the last owns `head`, and `pipeline.partition` splits
+`blocks`. Stages share the model's submodules, so a weight that `embed` and `head` both use (a
+tied embedding) is held by the first and the last stage under one name, and their gradients are
+summed like any data-parallel replica's.
+
+Randomness (`nnx.Dropout` and any layer drawing from an `nnx.Rngs` stream): sample `i` of step
+`t` draws from every stream's key folded with `(t, i)` (`Binder.apply`), one sample at a time,
+so a micro-batch draws the same masks whichever worker runs it, whatever the layout, and the
+single-device reference draws them too.
+
+Parameters are named by their path in the whole model (`blocks.3.mlp.fc.kernel`; a shared
+weight by its first path), whatever the pipeline layout: these names key stage parameters,
+optimizer states and checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+Path = tuple[Any, ...]
+
+
+@runtime_checkable
+class Stageable(Protocol):
+  """What the pipeline runtime needs from a model (see the module docstring)."""
+
+  embed: nnx.Module
+  blocks: Sequence[nnx.Module]
+  head: nnx.Module
+
+
+def token_cross_entropy(logits: Array, targets: Array) -> Array:
+  """Per-token softmax cross-entropy of integer `targets` (the default `loss`)."""
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return logz - picked
+
+
+def loss_fn(model: Any):
+  """The model's per-token loss: its own `loss` if it has one, else `token_cross_entropy`."""
+  return getattr(model, "loss", None) or token_cross_entropy
+
+
+class Stage(nnx.Module):
+  """A contiguous slice of a stageable model; the whole model is the stage that is both first
+  and last. It holds the model's own submodules (no copies)."""
+
+  def __init__(self, embed: nnx.Module | None, blocks: Sequence[nnx.Module],
+               head: nnx.Module | None):
+    self.embed = embed
+    self.blocks = nnx.List(list(blocks))
+    self.head = head
+
+  def __call__(self, x: Array) -> Array:
+    if self.embed is not None:
+      x = self.embed(x)
+    for block in self.blocks:
+      x = block(x)
+    if self.head is not None:
+      x = self.head(x)
+    return x
+
+
+def cut(model: Any, layers: range, *, first: bool, last: bool) -> Stage:
+  """The stage of `model` that runs `blocks[layers]` (with `embed` if first, `head` if last)."""
+  return Stage(model.embed if first else None, [model.blocks[i] for i in layers],
+               model.head if last else None)
+
+
+def whole(model: Any) -> Stage:
+  """The whole model as one stage (what a single device runs)."""
+  return cut(model, range(len(model.blocks)), first=True, last=True)
+
+
+def _path_name(path: Path) -> str:
+  return ".".join(str(p) for p in path)
+
+
+def variable_names(model: nnx.Module) -> dict[int, str]:
+  """Global name of every variable of `model`, by `id` (a shared variable: its first path)."""
+  return {id(node): _path_name(path) for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.Variable)}
+
+
+def flat_params(module: nnx.Module, names: dict[int, str] | None = None) -> dict[str, Array]:
+  """`{global name: value}` of every `nnx.Param` of `module` (names from `names`, by default
+  the module's own paths)."""
+  out = {}
+  for path, node in nnx.iter_graph(module):
+    if isinstance(node, nnx.Param):
+      name = _path_name(path) if names is None else names[id(node)]
+      out[name] = node[...]
+  return out
+
+
+def load_flat_params(module: nnx.Module, params: dict[str, Array]) -> None:
+  """Writes `params` (global names) into `module`'s parameters, in place."""
+  for path, node in nnx.iter_graph(module):
+    if isinstance(node, nnx.Param):
+      node.set_value(params[_path_name(path)])
+
+
+class Binder:
+  """Rebuilds a module from a flat `{global name: value}` dict, inside or outside a trace.
+
+  Variables that are not parameters (RNG stream keys and counts) keep their values unless
+  `others` replaces them (by global name).
+  """
+
+  def __init__(self, module: nnx.Module, names: dict[int, str]):
+    self.graphdef, state = nnx.split(module)
+    by_path = {path: node for path, node in nnx.iter_graph(module)
+               if isinstance(node, nnx.Variable)}
+    self.leaves: list[tuple[str, bool, Any]] = []  # (global name, is a Param, value)
+    self.rng_keys: list[str] = []
+    self.rng_counts: list[str] = []
+    for path, var in nnx.to_flat_state(state):
+      node = by_path[tuple(path)]
+      name = names[id(node)]
+      self.leaves.append((name, isinstance(node, nnx.Param), var[...]))
+      if isinstance(node, nnx.RngKey):
+        self.rng_keys.append(name)
+      elif isinstance(node, nnx.RngCount):
+        self.rng_counts.append(name)
+    self.treedef = jax.tree.structure(state)
+    self.param_names = tuple(n for n, is_param, _ in self.leaves if is_param)
+
+  @property
+  def uses_rng(self) -> bool:
+    """Whether the module draws random numbers (then `apply` needs seeds)."""
+    return bool(self.rng_keys)
+
+  def apply(self, params: dict[str, Array], x: Array, seeds: Array | None = None) -> Array:
+    """The module on `x` with `params`. With RNG streams, `seeds` `[batch, 2]` int32 holds
+    each sample's `(step, sample id)`: sample `i` runs alone, every stream's key folded with
+    its seed and its count reset, so its draws do not depend on its batch-mates."""
+    if not self.uses_rng:
+      return self(params)(x)
+    if seeds is None:
+      raise ValueError("this model draws random numbers (e.g. dropout): pass per-sample seeds")
+    initial = {n: v for n, _, v in self.leaves}
+
+    def one(xi: Array, seed: Array) -> Array:
+      others = {n: jax.random.fold_in(jax.random.fold_in(initial[n], seed[0]), seed[1])
+                for n in self.rng_keys}
+      others.update({n: jnp.zeros_like(initial[n]) for n in self.rng_counts})
+      return self(params, others)(xi[None])[0]
+
+    return jax.vmap(one)(x, seeds)
+
+  def __call__(self, params: dict[str, Array], others: dict[str, Array] | None = None
+               ) -> nnx.Module:
+    others = others or {}
+    values = [params[n] if is_param else others.get(n, v) for n, is_param, v in self.leaves]
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, values))

@@ -1,0 +1,185 @@
+"""Your own model: stock nnx layers (with dropout) and the Llama family train exactly what one
+device would, under every schedule and with failures; `check_stageable` explains what is wrong."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from resilient_jax import NotStageableError, check_stageable, run_config, train
+from resilient_jax.recipe import make_data, make_optimizer, sample_seeds, step_batch
+from tests.helpers import LOSS_RTOL, PARAM_ATOL, assert_matches_reference, tiny_config
+
+VOCAB, D = 256, 32
+
+
+class Block(nnx.Module):
+  # No attention biases: a key bias has a zero gradient (softmax ignores it), which Adam turns
+  # into updates of float noise that no two summation orders agree on.
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(D, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=D, decode=False, use_bias=False,
+                                         rngs=rngs)
+    self.drop = nnx.Dropout(0.2, rngs=rngs)
+    self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.norm(x)
+    x = x + self.drop(self.attn(h, mask=nnx.make_causal_mask(x[..., 0])))
+    return x + jax.nn.gelu(self.mlp(x))
+
+
+class Net(nnx.Module):
+  """Stock layers only: no Tapped layers, no knowledge of the pipeline."""
+
+  def __init__(self, num_blocks: int = 4, seed: int = 0):
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.blocks = nnx.List([Block(rngs) for _ in range(num_blocks)])
+    self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+
+def reference(model: nnx.Module, cfg, steps: int):
+  """One device, whole batch: `jax.value_and_grad` + optax on the model as NNX sees it. Dropout
+  follows the documented rule: sample i of step t draws from every stream's key folded with
+  (t, i), its count reset."""
+  graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+  # The optimizer (weight decay on matrices) takes a flat {name: array} dict.
+  order = [".".join(map(str, k)) for k, _ in nnx.to_flat_state(state)]
+  leaves, treedef = jax.tree.flatten(state)
+  params = dict(zip(order, leaves, strict=True))
+  optimizer = make_optimizer(cfg)
+  opt_state = optimizer.init(params)
+  source, plan = make_data(cfg)
+
+  def forward(p, x, seed):
+    keyed = jax.tree.map(
+      lambda v: jax.random.fold_in(jax.random.fold_in(v, seed[0]), seed[1])
+      if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else jnp.zeros_like(v), rest)
+    m = nnx.merge(graphdef, jax.tree.unflatten(treedef, [p[n] for n in order]), keyed)
+    h = m.embed(x[None])
+    for b in m.blocks:
+      h = b(h)
+    return m.head(h)[0]
+
+  def loss_fn(p, x, y, seeds):
+    logits = jax.vmap(forward, in_axes=(None, 0, 0))(p, x, seeds)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @jax.jit
+  def step(p, o, x, y, seeds):
+    loss, g = jax.value_and_grad(loss_fn)(p, x, y, seeds)
+    u, o = optimizer.update(g, o, p)
+    return optax.apply_updates(p, u), o, loss
+
+  losses = []
+  for t in range(1, steps + 1):
+    ids, x, y = step_batch(cfg, source, plan, t)
+    s = sample_seeds(t, ids).reshape(-1, 2)
+    params, opt_state, loss = step(params, opt_state, x.reshape(-1, x.shape[-1]),
+                                   y.reshape(-1, y.shape[-1]), s)
+    losses.append(float(loss))
+  return losses, {k: np.asarray(v) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("dp,pp,schedule,policy,faults", [
+  (2, 2, "gpipe", "recycle", ""),
+  (2, 2, "zb-h1", "recycle", "2:1.1"),
+  (2, 4, "1f1b", "bamboo", "2:0.2"),
+  (2, 4, "zb-h1", "oobleck", "2:1.0"),
+])
+def test_user_model_matches_single_device(tmp_path, dp, pp, schedule, policy, faults):
+  model = Net()
+  cd = tiny_config(mesh__dp=dp, mesh__pp=pp, pipeline__schedule=schedule,
+                   resilience__policy=policy, faults__schedule=faults)
+  result = train(cd, tmp_path, model=model, log=lambda _: None)
+  cfg = run_config(cd, model)
+  losses, params = reference(model, cfg, cfg.train.steps)
+  np.testing.assert_allclose([m["loss"] for m in result.metrics], losses, rtol=LOSS_RTOL)
+  got = result.interpreter.all_params()
+  assert sorted(got) == sorted(params)
+  for name, value in params.items():
+    np.testing.assert_allclose(got[name], value, atol=PARAM_ATOL, err_msg=name)
+
+
+def test_dropout_draws_per_sample_masks():
+  """The same sample draws the same mask alone or in any batch; other samples differ."""
+  from resilient_jax.model.staging import Binder, flat_params, variable_names, whole
+
+  model = Net()
+  names = variable_names(model)
+  stage = whole(model)
+  bind = Binder(stage, names)
+  params = flat_params(stage, names)
+  x = jnp.arange(4 * 16).reshape(4, 16) % VOCAB
+  seeds = jnp.asarray(sample_seeds(3, np.arange(4)[:, None]).reshape(-1, 2))
+  together = bind.apply(params, x, seeds)
+  alone = bind.apply(params, x[2:3], seeds[2:3])
+  np.testing.assert_allclose(together[2:3], alone, rtol=1e-5, atol=1e-5)
+  other = bind.apply(params, x[2:3], seeds[1:2])
+  assert not np.allclose(alone, other)
+
+
+@pytest.mark.parametrize("dp,pp,schedule,policy,faults", [
+  (2, 2, "zb-h1", "recycle", "2:0.1"),
+  (2, 4, "gpipe", "restart", "2:1.3"),
+])
+def test_llama_matches_single_device(tmp_path, dp, pp, schedule, policy, faults):
+  cfg = tiny_config(model__name="llama", mesh__dp=dp, mesh__pp=pp, pipeline__schedule=schedule,
+                    resilience__policy=policy, faults__schedule=faults,
+                    checkpoint__every_steps=1)
+  result = train(cfg, tmp_path, log=lambda _: None)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
+
+
+class NoBlocks(nnx.Module):
+  def __init__(self):
+    self.embed = nnx.Embed(VOCAB, D, rngs=nnx.Rngs(0))
+    self.head = nnx.Linear(D, VOCAB, rngs=nnx.Rngs(0))
+
+
+def test_check_stageable_names_each_problem():
+  with pytest.raises(NotStageableError, match="no `blocks`"):
+    check_stageable(NoBlocks())
+  with pytest.raises(NotStageableError, match="not a flax.nnx.Module"):
+    check_stageable(object())
+  reused = Net(num_blocks=2)
+  reused.blocks = nnx.List([reused.blocks[0], reused.blocks[0]])
+  with pytest.raises(NotStageableError, match=r"blocks\[0\] and blocks\[1\] are the same module"):
+    check_stageable(reused)
+  with pytest.raises(NotStageableError, match="4 stages but only 2 blocks"):
+    check_stageable(Net(num_blocks=2), num_stages=4)
+  bad = Net(num_blocks=2)
+  bad.blocks[1].mlp = nnx.Linear(D, 2 * D, rngs=nnx.Rngs(0))
+  with pytest.raises(NotStageableError, match=r"blocks\[1\] fails on float32\[1, 16, 32\]"):
+    check_stageable(bad, seq_len=16)
+  check_stageable(Net(), num_stages=4, seq_len=16)
+
+
+def test_train_rejects_a_bad_model_in_one_line(tmp_path):
+  with pytest.raises(NotStageableError) as err:
+    train(tiny_config(), tmp_path, model=NoBlocks())
+  assert "\n" not in str(err.value)
+
+
+def test_readme_example_runs(tmp_path):
+  """The README's "Bring your own model" example, as written, in a fresh process."""
+  import re
+  import subprocess
+  import sys
+
+  from tests.helpers import ROOT
+
+  with open(f"{ROOT}/README.md") as f:
+    readme = f.read()
+  code = re.search(r"<!-- own-model-example -->\n```python\n(.*?)```", readme, re.S).group(1)
+  code = code.replace("/tmp/my_model_run", str(tmp_path / "run"))
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "FAILURE: worker (dp=1, stage=1) failed at the start of step 3" in proc.stdout
+  assert np.isfinite(float(proc.stdout.strip().splitlines()[-1]))
