@@ -124,12 +124,18 @@ class CheckpointConfig:
   """Save every this many steps (and at the end of the run); 0: only when stopping early."""
   keep: int = 3
   """Committed checkpoints to keep; 0 keeps all."""
+  init_from: str = ""
+  """Start from the parameters of this checkpoint (universal, or a plain orbax NNX state of the
+  same model); seed, data, optimizer and steps are this run's. A workdir holding checkpoints
+  resumes from them instead."""
 
   def __post_init__(self):
     for key in ("every_steps", "keep"):
       v = getattr(self, key)
       if not isinstance(v, int) or v < 0:
         raise ConfigError(f"checkpoint.{key} must be an integer >= 0, got {v!r}")
+    if not isinstance(self.init_from, str):
+      raise ConfigError(f"checkpoint.init_from must be a path, got {self.init_from!r}")
 
 
 POLICIES = ("recycle", "naive", "oobleck", "bamboo", "restart", "auto")

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from resilient_jax import data as data_lib
-from resilient_jax.checkpoint import CheckpointWriter, load_latest
+from resilient_jax.checkpoint import CheckpointError, CheckpointWriter, load_latest
 from resilient_jax.checkpoint.store import Loaded, load, step_dir
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
@@ -188,6 +188,15 @@ class Trainer:
     if self.chief:
       self.workdir.mkdir(parents=True, exist_ok=True)
     self.model = make_model(cfg) if model is None else model
+    if cfg.checkpoint.init_from:
+      from resilient_jax.checkpoint.init_from import init_params, read_params
+
+      source = cfg.checkpoint.init_from
+      try:
+        n = init_params(self.model, read_params(source), source)
+      except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+      self.log(f"initialised {n} parameters from {source}")
     self.source, self.plan = make_data(cfg)
     self.ckpt_dir = self.workdir / "checkpoints"
     self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep) if self.chief \

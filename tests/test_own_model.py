@@ -183,3 +183,34 @@ def test_readme_example_runs(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "FAILURE: worker (dp=1, stage=1) failed at the start of step 3" in proc.stdout
   assert np.isfinite(float(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_init_from_starts_a_new_run_from_saved_parameters(tmp_path):
+  """Fine-tuning: parameters from a universal checkpoint (a workdir) or a plain orbax NNX state;
+  the new run's first loss is the loss of those parameters, not of a fresh model."""
+  import orbax.checkpoint as ocp
+
+  first = tiny_config(mesh__dp=2, mesh__pp=2, checkpoint__every_steps=3)
+  done = train(first, tmp_path / "a", log=lambda _: None)
+  trained = done.interpreter.all_params()
+  fresh = train(tiny_config(train__seed=5, train__steps=1), tmp_path / "b", log=lambda _: None)
+  tuned = train(tiny_config(train__seed=5, train__steps=1,
+                            checkpoint__init_from=str(tmp_path / "a")), tmp_path / "c",
+                log=lambda _: None)
+  assert tuned.metrics[0]["loss"] < fresh.metrics[0]["loss"] - 0.01
+  assert tuned.metrics[0]["step"] == 1
+  # The same parameters as an orbax checkpoint of the NNX state give the same first step.
+  model = tiny_config().model.build(0)
+  from resilient_jax.checkpoint.init_from import init_params
+
+  init_params(model, trained, "test")
+  saver = ocp.StandardCheckpointer()
+  saver.save((tmp_path / "nnx").absolute(), nnx.state(model, nnx.Param))
+  saver.wait_until_finished()
+  again = train(tiny_config(train__seed=5, train__steps=1,
+                            checkpoint__init_from=str(tmp_path / "nnx")), tmp_path / "d",
+                log=lambda _: None)
+  np.testing.assert_allclose(again.metrics[0]["loss"], tuned.metrics[0]["loss"], rtol=1e-6)
+  with pytest.raises(Exception, match="init_from"):
+    train(tiny_config(model__name="llama", checkpoint__init_from=str(tmp_path / "a")),
+          tmp_path / "e", log=lambda _: None)
