@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from resilient_jax.model.config import ModelConfig, ModelCosts
+from resilient_jax.model.staging import whole
 
 Array = jax.Array
 
@@ -154,7 +155,4 @@ class Llama(nnx.Module):
     self.head = Head(cfg, self.embed, rngs=rngs)
 
   def __call__(self, tokens: Array) -> Array:
-    x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x)
-    return self.head(x)
+    return whole(self)(tokens)

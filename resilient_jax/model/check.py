@@ -14,7 +14,7 @@ from flax import nnx
 
 from resilient_jax.config import ConfigError
 from resilient_jax.model.config import CustomModelConfig
-from resilient_jax.model.staging import loss_fn, variable_names
+from resilient_jax.model.staging import loss_fn, path_name, variable_names
 
 _ALLOWED_STATE = (nnx.Param, nnx.RngState)
 
@@ -32,8 +32,7 @@ def _pure(part: Any) -> Any:
 
 
 def _params(module: Any) -> dict[int, str]:
-  return {id(n): ".".join(map(str, p)) for p, n in nnx.iter_graph(module)
-          if isinstance(n, nnx.Param)}
+  return {id(n): path_name(p) for p, n in nnx.iter_graph(module) if isinstance(n, nnx.Param)}
 
 
 def _problems(model: Any, num_stages: int | None, seq_len: int | None, batch: int) -> list[str]:

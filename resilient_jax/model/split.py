@@ -167,6 +167,7 @@ def split_backward(
   b_defined = {v for i in b_eqns for v in j.eqns[i].outvars}
   res_vars = j.invars[:n_res]
   w_reads = _uses(j, w_eqns, [j.outvars[k] for k in weight_outs])
+  w_read_set = set(w_reads)
   w_defined = {v for i in w_eqns for v in j.eqns[i].outvars}
   # W reads B's values and the cotangents through the hand-over; residuals directly.
   cotangents = set(j.invars[n_res:])
@@ -179,7 +180,7 @@ def split_backward(
     input_outs=list(input_outs),
     weight_outs=list(weight_outs),
     b_residuals=[i for i, v in enumerate(res_vars) if v in b_reads],
-    w_residuals=[i for i, v in enumerate(res_vars) if v in set(w_reads)],
+    w_residuals=[i for i, v in enumerate(res_vars) if v in w_read_set],
     num_handover=len(handover),
     _b_eqns=b_eqns,
     _w_eqns=w_eqns,

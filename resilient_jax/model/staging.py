@@ -88,13 +88,13 @@ def whole(model: Any) -> Stage:
   return cut(model, range(len(model.blocks)), first=True, last=True)
 
 
-def _path_name(path: Path) -> str:
+def path_name(path: Path) -> str:
   return ".".join(str(p) for p in path)
 
 
 def variable_names(model: nnx.Module) -> dict[int, str]:
   """Global name of every variable of `model`, by `id` (a shared variable: its first path)."""
-  return {id(node): _path_name(path) for path, node in nnx.iter_graph(model)
+  return {id(node): path_name(path) for path, node in nnx.iter_graph(model)
           if isinstance(node, nnx.Variable)}
 
 
@@ -104,16 +104,9 @@ def flat_params(module: nnx.Module, names: dict[int, str] | None = None) -> dict
   out = {}
   for path, node in nnx.iter_graph(module):
     if isinstance(node, nnx.Param):
-      name = _path_name(path) if names is None else names[id(node)]
+      name = path_name(path) if names is None else names[id(node)]
       out[name] = node[...]
   return out
-
-
-def load_flat_params(module: nnx.Module, params: dict[str, Array]) -> None:
-  """Writes `params` (global names) into `module`'s parameters, in place."""
-  for path, node in nnx.iter_graph(module):
-    if isinstance(node, nnx.Param):
-      node.set_value(params[_path_name(path)])
 
 
 class Binder:
