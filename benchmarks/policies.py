@@ -31,9 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from resilient_jax.policy import Grid, PolicyUnavailableError, Transition, build_policies  # noqa: E402
 from resilient_jax.sim.config import from_config_dict, load_config_file  # noqa: E402
-from resilient_jax.sim.policies import build_policies  # noqa: E402
-from resilient_jax.sim.policy_base import Grid, PolicyUnavailableError, Transition  # noqa: E402
 from resilient_jax.sim.run import build_costs  # noqa: E402
 
 

@@ -42,7 +42,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   )
   c.faults = dict(schedule="")
   c.resilience = dict(
-    policy="recycle", memory_cap=0, tolerate=1, min_pipeline_nodes=0, restore_on_stage_loss=True
+    policy="recycle",
+    memory_cap=0,
+    tolerate=1,
+    min_pipeline_nodes=0,
+    mean_steps_between_failures=500.0,
+    restart_steps=20.0,
+    regroup_steps=1.0,
+    restore_on_stage_loss=True,
   )
   c.checkpoint = dict(every_steps=0, keep=3, init_from="")
   # Multi-process runs (launch/local.py, launch/slurm, launch/tpu, launch/gke) set enabled=true.

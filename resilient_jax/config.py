@@ -9,6 +9,7 @@ launcher prints that one line and exits with code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -157,6 +158,12 @@ class ResilienceConfig:
   min_pipeline_nodes: int = 0
   """`oobleck`/`auto`: the smallest pipeline template (nodes); 0: `mesh.pp`, taken as the depth
   the model needs to fit in memory."""
+  mean_steps_between_failures: float = 500.0
+  """`auto`: the steps expected until the next failure, over which a switch must pay back."""
+  restart_steps: float = 20.0
+  """`auto`: what a restore costs once (start-up, compiles, loading), in fault-free steps."""
+  regroup_steps: float = 1.0
+  """`auto`: what re-planning in place costs once (new all-reduce groups, compiles), in steps."""
   restore_on_stage_loss: bool = True
   """When every worker of a stage has failed: restore the latest checkpoint onto the surviving
   devices (True), or exit with code 3 naming the stage so a cluster scheduler can act (False)."""
@@ -168,6 +175,12 @@ class ResilienceConfig:
       v = getattr(self, key)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ConfigError(f"resilience.{key} must be an integer >= 0, got {v!r}")
+    for key in ("mean_steps_between_failures", "restart_steps", "regroup_steps"):
+      v = getattr(self, key)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ConfigError(f"resilience.{key} must be a number >= 0, got {v!r}")
+    if self.mean_steps_between_failures <= 0:
+      raise ConfigError("resilience.mean_steps_between_failures must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)

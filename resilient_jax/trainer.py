@@ -41,6 +41,7 @@ import numpy as np
 
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter, load_latest
+from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, load, step_dir
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
@@ -80,50 +81,6 @@ class FaultEvent:
   step: int
   worker: Worker
   after_op: Op | None = None
-
-
-def check_resumable(cfg: RunConfig, loaded: Loaded) -> None:
-  """Raises ConfigError if resuming `loaded` under `cfg` would change the model or the data."""
-  data = loaded.meta["data"]
-  for key, now in (
-    ("seed", cfg.train.seed),
-    ("global_batch", cfg.train.global_batch),
-    ("kind", cfg.train.data),
-  ):
-    if data[key] != now:
-      raise ConfigError(
-        f"train.{'data' if key == 'kind' else key}={now!r} differs from the checkpoint's "
-        f"{data[key]!r} in {loaded.path}; resuming would change the sample order"
-      )
-  if loaded.meta["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
-    raise ConfigError(f"model.* differs from the model saved in {loaded.path}")
-
-
-def plan_layout(plan: Plan) -> dict:
-  """What a checkpoint records of the plan that saved it."""
-  if isinstance(plan, GridPlan):
-    s = plan.schedule
-    return {"plan": plan.name, "dp": s.dp, "pp": s.pp,
-            "partition": [hi - lo for lo, hi in plan.partition], "live_workers": len(s.ops)}
-  return {"plan": plan.name, "pipelines": [[hi - lo for lo, hi in p.stages]
-                                           for p in plan.pipelines],
-          "dp": len(plan.pipelines), "pp": max(p.num_stages for p in plan.pipelines),
-          "live_workers": len(plan.nodes)}
-
-
-def checkpoint_meta(cfg: RunConfig, plan: Plan, step: int) -> dict:
-  """What a checkpoint records besides the state: layout, data position, model."""
-  return {
-    "layout": plan_layout(plan),
-    "data": {
-      "kind": cfg.train.data,
-      "seed": cfg.train.seed,
-      "global_batch": cfg.train.global_batch,
-      "next_step": step + 1,
-    },
-    "model": dataclasses.asdict(cfg.model),
-    "train_steps": cfg.train.steps,
-  }
 
 
 def pause_hook_from_env() -> Callable[[int, str], None] | None:

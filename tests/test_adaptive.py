@@ -24,7 +24,6 @@ from resilient_jax.schedule import (
   generate,
   lower_bound,
   make_schedule,
-  plan,
   plan_adaptive,
   plan_naive,
   relative_throughput_bound,
@@ -33,7 +32,7 @@ from resilient_jax.schedule import (
   simulate,
   validate,
 )
-from resilient_jax.schedule.adaptive import _VARIANTS, _list_schedule, _to_ops
+from resilient_jax.schedule.adaptive import _VARIANTS, _list_schedule, _to_ops, plan
 from resilient_jax.schedule.analysis.exact import optimal_makespan, solve_exact
 from resilient_jax.schedule.analysis.report import (
   GPT_COSTS,

@@ -1,17 +1,17 @@
 """The runtime's coordinator and the simulator, fed the same failures, decide the same way.
 
-The runtime prices plans with the analytic GPT costs (`policy/costs.py`, block-forward units);
-the simulator with a `CostModel`. Given a cost model holding exactly those per-stage costs, the
-re-routing planners must produce the same schedules and Bamboo the same step times in both, so
-what the simulator predicts at scale is what the runtime would run. Oobleck's templates still
-follow different rules in the two; see issue 12.)
+Both call the policy objects of `resilient_jax.policy`; here the simulator's side drives them
+as its engine does (a fresh set of policies, `step_time` of the fault-free start, then
+`recovery` of each transition) with the runtime's costs, and every decision must match what the
+coordinator runs: the same re-routed schedules, the same Oobleck instances, the same Bamboo
+failovers and step times, the same restore layouts and the same `auto` choices.
 """
 
 import pytest
 
-from resilient_jax.policy import RunCoordinator
+from resilient_jax.policy import Grid, RunCoordinator, Transition, build_policies
+from resilient_jax.policy.costs import recovery_params
 from resilient_jax.schedule.cost import simulate
-from resilient_jax.sim import CostModel, Grid, build_policies
 from tests.helpers import tiny_config
 
 # Failure sequences as nodes of the initial grid (worker (d, s) is node d * pp + s).
@@ -21,44 +21,132 @@ SEQUENCES = {
 }
 
 
-def _sim_costs(coord: RunCoordinator) -> CostModel:
-  c = coord.costs
-  return CostModel.from_profile(
-    {"f": list(c.f), "b": list(c.b), "w": list(c.w), "ar": 0.0, "opt": 0.0, "comm": 0.0}
+def _pair(policy, dp, pp, **overrides):
+  cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, resilience__policy=policy, **overrides)
+  coord = RunCoordinator(cfg, range(dp * pp), log=lambda _: None)
+  sim = build_policies(
+    params=recovery_params(cfg, coord.fault_free_makespan),
+    tolerate=cfg.resilience.tolerate,
+    min_pipeline_nodes=cfg.resilience.min_pipeline_nodes,
   )
+  grid = Grid(dp, pp, cfg.pipeline.microbatches, cfg.pipeline.schedule,
+              global_batch=cfg.train.global_batch)
+  return cfg, coord, sim, grid
+
+
+def _events(dp, pp):
+  failed = set()
+  for step, node in enumerate(SEQUENCES[(dp, pp)], start=2):
+    before = frozenset(failed)
+    failed.add(divmod(node, pp))
+    yield step, node, before, frozenset(failed)
 
 
 @pytest.mark.parametrize("policy", ["recycle", "naive"])
 @pytest.mark.parametrize("dp,pp", sorted(SEQUENCES))
 def test_rerouting_plans_are_the_same_in_runtime_and_simulator(policy, dp, pp):
-  cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, resilience__policy=policy)
-  coord = RunCoordinator(cfg, range(dp * pp), log=lambda _: None)
-  costs = _sim_costs(coord)
-  sim = build_policies([policy])[policy]
-  grid = Grid(dp, pp, cfg.pipeline.microbatches, cfg.pipeline.schedule)
-  failed = set()
-  for step, node in enumerate(SEQUENCES[(dp, pp)], start=2):
+  _, coord, sim, grid = _pair(policy, dp, pp)
+  for step, node, _, failed in _events(dp, pp):
     decision = coord.fail({node}, step)
     assert not decision.restore
-    failed.add(divmod(node, pp))
-    planned, op_costs = sim.schedule(grid, frozenset(failed), costs, reduce=False)
-    assert decision.plan.schedule == planned
-    runtime_t = simulate(decision.plan.schedule, coord.costs).makespan
-    assert sim.step_time(grid, frozenset(failed), costs, reduce=False) == pytest.approx(runtime_t)
+    assert decision.plan.schedule == sim[policy].plan(grid, failed, coord.costs)
+    runtime_t = simulate(decision.plan.schedule, coord.costs.op).makespan
+    sim_t = sim[policy].step_time(grid, failed, coord.costs, reduce=False)
+    assert sim_t == pytest.approx(runtime_t)
 
 
 @pytest.mark.parametrize("dp,pp", [(2, 4), (4, 2)])
-def test_bamboo_step_times_are_the_same_in_runtime_and_simulator(dp, pp):
-  cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, resilience__policy="bamboo")
-  coord = RunCoordinator(cfg, range(dp * pp), log=lambda _: None)
-  costs = _sim_costs(coord)
-  sim = build_policies(["bamboo"])["bamboo"]
-  grid = Grid(dp, pp, cfg.pipeline.microbatches, cfg.pipeline.schedule)
-  assert sim.step_time(grid, frozenset(), costs) == pytest.approx(coord.predicted_makespan())
+def test_bamboo_failovers_and_step_times_are_the_same(dp, pp):
+  _, coord, sim, grid = _pair("bamboo", dp, pp)
+  bamboo = sim["bamboo"]
+  assert bamboo.step_time(grid, frozenset(), coord.costs) == pytest.approx(
+    coord.predicted_makespan())
   node = pp + 1  # worker (1, 1): its predecessor takes over
-  assert not coord.fail({node}, 2).restore
+  decision = coord.fail({node}, 2)
+  assert not decision.restore
   failed = frozenset({divmod(node, pp)})
-  assert sim.step_time(grid, failed, costs) == pytest.approx(coord.predicted_makespan())
+  assert bamboo.plan(grid, failed, coord.costs) == {(1, 1): (1, 0)}
+  hosts = {p.nodes for p in decision.plan.pipelines}
+  assert (pp, pp, *range(pp + 2, 2 * pp)) in hosts  # stage 1 of pipeline 1 runs on node pp
+  assert bamboo.step_time(grid, failed, coord.costs) == pytest.approx(coord.predicted_makespan())
+  # Its predecessor too: a stage and its replica are gone, both sides restore.
+  assert coord.fail({pp}, 3).restore
+  assert bamboo.plan(grid, failed | {(1, 0)}, coord.costs) is None
+
+
+@pytest.mark.parametrize("dp,pp", sorted(SEQUENCES))
+def test_oobleck_instances_are_the_same_in_runtime_and_simulator(dp, pp):
+  _, coord, sim, grid = _pair("oobleck", dp, pp, resilience__min_pipeline_nodes=1)
+  oobleck = sim["oobleck"]
+  start = oobleck.plan(grid, frozenset(), coord.costs)
+  assert coord.instance == start
+  current = start
+  for step, node, _, failed in _events(dp, pp):
+    decision = coord.fail({node}, step)
+    current = oobleck.next_instance(grid, coord.costs, current, failed)
+    assert decision.restore == (current is None)
+    if current is None:
+      break
+    assert coord.instance == current
+    assert coord.predicted_makespan() == pytest.approx(
+      oobleck.instance_step_time(grid, coord.costs, current))
+  # A single failure re-instantiated from the fault-free instance is what the simulator prices.
+  first = frozenset({divmod(SEQUENCES[(dp, pp)][0], pp)})
+  fresh = RunCoordinator(coord.cfg, range(dp * pp), log=lambda _: None)
+  fresh.fail({SEQUENCES[(dp, pp)][0]}, 2)
+  assert fresh.predicted_makespan() == pytest.approx(oobleck.step_time(grid, first, coord.costs))
+
+
+@pytest.mark.parametrize("dp,pp", sorted(SEQUENCES))
+def test_restart_restores_onto_the_same_layout(dp, pp):
+  cfg, _, sim, grid = _pair("restart", dp, pp)
+  for step, _, _, failed in _events(dp, pp):
+    coord = RunCoordinator(cfg, range(dp * pp), log=lambda _: None)
+    decision = coord.fail({d * pp + s for d, s in failed}, step)
+    assert decision.restore
+    plan = decision.plan.schedule
+    assert (plan.dp, plan.pp) == sim["restart"].plan(grid, failed, coord.costs)
+    # The stage count is kept; the runtime needs equal micro-batches, so the pipelines are as
+    # many as the survivors fill and the global batch divides into.
+    most = (dp * pp - len(failed)) // pp
+    assert plan.pp == pp
+    assert plan.dp == max(d for d in range(1, most + 1)
+                          if cfg.train.global_batch % (d * cfg.pipeline.microbatches) == 0)
+
+
+@pytest.mark.parametrize("horizon", [2.0, 500.0])
+@pytest.mark.parametrize("dp,pp", sorted(SEQUENCES))
+def test_auto_chooses_the_same_in_runtime_and_simulator(dp, pp, horizon):
+  cfg, coord, sim, grid = _pair(
+    "auto", dp, pp, resilience__mean_steps_between_failures=horizon)
+  auto = sim["auto"]
+  auto.reset(horizon * coord.fault_free_makespan)
+  step_time = auto.step_time(grid, frozenset(), coord.costs)
+  assert coord.policy == auto.current.name
+  for step, node, before, failed in _events(dp, pp):
+    decision = coord.fail({node}, step)
+    auto.recovery(Transition(grid, before, failed, coord.costs, step_time))
+    step_time = auto.step_time(grid, failed, coord.costs)
+    if decision.restore:
+      assert auto.current.name == "restart" or auto.current.plan(grid, failed, coord.costs) is None
+      break
+    assert coord.policy == auto.current.name
+    assert coord.predicted_makespan() == pytest.approx(step_time)
+
+
+def test_auto_switches_only_when_the_switch_pays_back():
+  """On 4 x 2, three failures leave stage 0 one worker that carries 4x its work: Bamboo's
+  failover to each pipeline's own last stage is predicted faster than re-routing (55.4 against
+  96.0 block units). Over a long horizon auto takes it; when the next failure is expected
+  sooner than the switch's pause (a regroup step plus half the step in flight) it keeps what
+  it runs."""
+  chosen = {}
+  for horizon in (1.0, 500.0):
+    _, coord, _, _ = _pair("auto", 4, 2, resilience__mean_steps_between_failures=horizon)
+    for step, node in enumerate([0, 2, 4], start=2):
+      coord.fail({node}, step)
+    chosen[horizon] = coord.policy
+  assert chosen == {1.0: "recycle", 500.0: "bamboo"}
 
 
 def test_a_host_loss_fails_all_its_workers_at_once():
@@ -76,24 +164,3 @@ def test_a_host_loss_fails_all_its_workers_at_once():
   decision = restart.fail({2, 3}, 4)
   assert decision.restore and (decision.plan.schedule.dp, decision.plan.schedule.pp) == (2, 2)
   assert sorted(decision.plan.nodes.values()) == [0, 1, 4, 5]
-
-
-@pytest.mark.parametrize("dp,pp", sorted(SEQUENCES))
-def test_restart_keeps_the_stage_count_in_runtime_and_simulator(dp, pp):
-  cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, resilience__policy="restart")
-  sim = build_policies(["restart"])["restart"]
-  grid = Grid(dp, pp, cfg.pipeline.microbatches, cfg.pipeline.schedule)
-  failed = set()
-  for step, node in enumerate(SEQUENCES[(dp, pp)], start=2):
-    coord = RunCoordinator(cfg, range(dp * pp), log=lambda _: None)
-    failed.add(divmod(node, pp))
-    decision = coord.fail({d * pp + s for d, s in failed}, step)
-    assert decision.restore
-    plan = decision.plan.schedule
-    # Both keep the stage count and fill as many pipelines as the survivors allow; the runtime
-    # also needs the global batch to split into equal micro-batches (the simulator deals them
-    # unevenly), so it may run fewer.
-    most = sim.pipelines(grid, frozenset(failed))
-    assert plan.pp == pp
-    assert plan.dp == max(d for d in range(1, most + 1)
-                          if cfg.train.global_batch % (d * cfg.pipeline.microbatches) == 0)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from resilient_jax.policy import Transition
 from resilient_jax.schedule import adaptive
 from resilient_jax.schedule.bamboo import bamboo_step_time
 from resilient_jax.schedule.cost import simulate
@@ -43,8 +44,6 @@ from resilient_jax.sim import (
   write_csv_trace,
 )
 from resilient_jax.sim.config import load_config_file
-from resilient_jax.sim.policies import UnavailablePolicy
-from resilient_jax.sim.policy_base import Transition
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 from resilient_jax.sim.traces import Trace
 
@@ -319,9 +318,8 @@ def test_policy_registry(costs):
   everything.pop("oobleck")  # needs the spec cost model
   with pytest.raises(ValueError, match="unknown policy"):
     build_policies(["fast"])
-  missing = UnavailablePolicy("oobleck", "not in this checkout")
-  with pytest.raises(PolicyUnavailableError, match="not available"):
-    missing.step_time(Grid(2, 2, 2), frozenset(), costs)
+  with pytest.raises(PolicyUnavailableError, match="needs per-layer memory"):
+    build_policies(["oobleck"])["oobleck"].check(Grid(2, 2, 2), costs)
   grid = Grid(8, 4, 4)
   failed = frozenset({(0, 3), (1, 3), (2, 3), (3, 3), (4, 3)})
   auto = everything["auto"]
@@ -385,7 +383,7 @@ def test_oobleck_adapter_uses_the_oobleck_planner():
   grid = Grid(4, 4, 4, base="1f1b")
   oob = build_policies(["oobleck"])["oobleck"]
   failed = frozenset({(1, 2)})
-  inst = oob.instance(grid, failed, spec)
+  inst = oob.plan(grid, failed, spec)
   assert sum(len(p.nodes) for p in inst.pipelines) == 15
   assert sum(p.microbatches for p in inst.pipelines) == 16  # the global batch is kept
   expect = oobleck_step_time(

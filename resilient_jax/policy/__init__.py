@@ -1,35 +1,60 @@
 """How a run survives failures: recycle, naive, oobleck, bamboo, restart and auto, once.
 
-The runtime's coordinator (`RunCoordinator`) asks the policy in force what runs after each
-failure and returns a `Decision`: a new plan on the survivors, or a restore of the latest
-checkpoint onto one. Plans are data (`schedule/plan.py`); nothing here touches a device.
+Each policy is one object (`registry.build_policies`) that answers, for a grid and a set of
+failed workers, what it runs (`plan`), how fast (`step_time`) and what getting there costs
+(`recovery`). The runtime's `RunCoordinator` and the simulator call the same objects; plans are
+data (`schedule/`), and nothing here touches a device.
 """
 
+from resilient_jax.policy.auto import AutoPolicy
+from resilient_jax.policy.base import (
+  Grid,
+  PlanCosts,
+  Policy,
+  PolicyUnavailableError,
+  Recovery,
+  RecoveryParams,
+  Transition,
+  usable_policies,
+)
 from resilient_jax.policy.coordinator import (
   PIPELINE_SET_POLICIES,
-  POLICIES,
   Decision,
-  NoDevicesLeft,
   RunCoordinator,
   StageLost,
-  largest_layout,
-  restore_layout,
 )
-from resilient_jax.policy.costs import block_and_head_flops, layer_profile, stage_costs
-from resilient_jax.policy.templates import AutoChoice, auto_choice
+from resilient_jax.policy.costs import (
+  AnalyticCosts,
+  analytic_costs,
+  block_and_head_flops,
+  layer_profile,
+  stage_costs,
+)
+from resilient_jax.policy.registry import POLICY_NAMES, build_policies
+from resilient_jax.policy.restart import NoDevicesLeft, largest_layout, restore_layout
 
 __all__ = [
   "PIPELINE_SET_POLICIES",
-  "POLICIES",
-  "AutoChoice",
+  "POLICY_NAMES",
+  "AnalyticCosts",
+  "AutoPolicy",
   "Decision",
+  "Grid",
   "NoDevicesLeft",
+  "PlanCosts",
+  "Policy",
+  "PolicyUnavailableError",
+  "Recovery",
+  "RecoveryParams",
   "RunCoordinator",
   "StageLost",
-  "auto_choice",
+  "Transition",
+  "analytic_costs",
   "block_and_head_flops",
+  "build_policies",
   "largest_layout",
   "layer_profile",
   "restore_layout",
   "stage_costs",
+  "usable_policies",
 ]

@@ -9,7 +9,11 @@ it.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 from resilient_jax.config import RunConfig
+from resilient_jax.policy.base import RecoveryParams
 from resilient_jax.schedule import oobleck
 from resilient_jax.schedule.cost import OpCosts
 
@@ -67,3 +71,42 @@ def even_partition(num_layers: int, pp: int) -> tuple[LayerRange, ...]:
     out.append((lo, hi))
     lo = hi
   return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AnalyticCosts:
+  """The runtime's `PlanCosts` for one layout, in block-forward units: per-stage op costs (the
+  all-reduce and transfers are not priced, so they do not change with failures) and the
+  per-layer profile Oobleck plans templates from, with no memory limit."""
+
+  op: OpCosts
+  profile: oobleck.LayerProfile
+  comm: float = 0.0
+  node_memory = None
+  allreduce_bandwidth = None
+
+  def op_costs(self, live: Sequence[int]) -> OpCosts:
+    del live
+    return self.op
+
+  def layer_profile(self) -> oobleck.LayerProfile:
+    return self.profile
+
+
+def analytic_costs(cfg: RunConfig, partition: tuple[LayerRange, ...]) -> AnalyticCosts:
+  """The analytic costs of `cfg`'s model cut by `partition`."""
+  return AnalyticCosts(stage_costs(cfg, partition), layer_profile(cfg))
+
+
+def recovery_params(cfg: RunConfig, fault_free_step: float) -> RecoveryParams:
+  """The run's recovery costs in the cost model's units, from the `resilience` keys counted in
+  fault-free steps (`fault_free_step` units each). Detection is not charged: it is the same
+  whatever the policy does next (a dead process is proven dead in about 0.1 s)."""
+  res = cfg.resilience
+  interval = cfg.checkpoint.every_steps or cfg.train.steps
+  return RecoveryParams(
+    detect_s=0.0,
+    regroup_s=res.regroup_steps * fault_free_step,
+    restart_s=res.restart_steps * fault_free_step,
+    checkpoint_interval_s=interval * fault_free_step,
+  )

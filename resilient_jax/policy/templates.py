@@ -1,111 +1,203 @@
-"""Oobleck's templates for this model, and `auto`'s choice between re-routing and re-templating.
+"""Oobleck's pipeline templates: heterogeneous pipelines planned ahead for every node count,
+instantiated on the survivors after each failure.
 
-Templates come from `costs.layer_profile`, in the same block-forward units as the grid's
-`costs.stage_costs`, so the grid planners and the templates are priced by one model.
+Templates are planned from a per-layer profile (`PlanCosts.layer_profile`: the simulator's spec
+model splits each stage evenly over its layers; the runtime's analytic model prices each block
+and the head), within a worker's memory where the costs know it. The smallest template is
+`min_nodes` when set (`resilience.min_pipeline_nodes`), else the smallest pipeline that fits in
+memory (1 node, when memory is known) or, with no memory model, the grid's stage count (the
+depth the run was configured with is taken as what fits).
+
+The fault-free job is instantiated on every worker with `tolerate + 1` pipelines or more. After a
+failure the running instance is re-instantiated (`schedule.oobleck.reinstantiate`: local repair
+or a global re-plan, survivors placed to keep the layers they hold); where the templates cannot
+cover every survivor, a fresh instance takes as many as they can and the rest stay idle; where a
+layer lost every replica the policy cannot go on (restore from a checkpoint). Re-instantiation
+plans over every surviving node, so it runs only up to `max_workers` workers; beyond that the
+policy reports itself unavailable rather than guess.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable
+from collections.abc import Hashable, Sequence
 
-from resilient_jax.config import RunConfig
-from resilient_jax.policy.costs import layer_profile
+from resilient_jax.policy.base import (
+  Grid,
+  InPlacePolicy,
+  PlanCosts,
+  PolicyUnavailableError,
+  RecoveryParams,
+  Transition,
+)
+from resilient_jax.policy.restart import RestartPolicy
 from resilient_jax.schedule import oobleck
 from resilient_jax.schedule.core import Worker
-from resilient_jax.schedule.errors import ScheduleError
 
 
-def _ranges(cfg: RunConfig) -> tuple[tuple[int, int], ...]:
-  return tuple((r.start, r.stop) for r in cfg.partition)
-
-
-def min_pipeline_nodes(cfg: RunConfig) -> int:
-  """The smallest pipeline Oobleck may build: `resilience.min_pipeline_nodes`, else the grid's
-  stage count (the depth the run was configured with is taken as what fits in memory)."""
-  return cfg.resilience.min_pipeline_nodes or cfg.mesh.pp
-
-
-def plan_templates(cfg: RunConfig, num_nodes: int) -> oobleck.TemplateSet:
-  lo = min(min_pipeline_nodes(cfg), cfg.model.num_layers, num_nodes)
-  return oobleck.plan_templates(layer_profile(cfg), lo, max(lo, num_nodes))
-
-
-def grid_instance(cfg: RunConfig, templates: oobleck.TemplateSet) -> oobleck.OobleckInstance:
-  """The DP x PP grid as an Oobleck instance (node `d * pp + s`), to re-instantiate from."""
-  dp, pp, m = cfg.mesh.dp, cfg.mesh.pp, cfg.pipeline.microbatches
-  template = oobleck.template_for(templates.profile, _ranges(cfg))
-  pipes = tuple(
-    oobleck.PipelineInstance(template, tuple(range(d * pp, (d + 1) * pp)), m, d * m)
-    for d in range(dp)
-  )
-  return oobleck.OobleckInstance(pipes, dp - 1, dp * m, templates.profile)
-
-
-def instantiate_on(
-  cfg: RunConfig, nodes: list[int], templates: oobleck.TemplateSet
-) -> oobleck.OobleckInstance:
-  """The fastest instance on as many of `nodes` as templates can cover (all of them when
-  possible; the rest stay idle), with `tolerate + 1` pipelines, or fewer if the nodes do not
-  allow that many (then it tolerates fewer failures).
-
-  Raises:
-    oobleck.InstantiationError: no template fits in `nodes`.
-  """
-  total = cfg.mesh.dp * cfg.pipeline.microbatches
-  for n in range(len(nodes), 0, -1):
-    for f in range(min(cfg.resilience.tolerate, total - 1), -1, -1):
-      try:
-        return oobleck.instantiate(templates, n, f, total, nodes=nodes[:n])
-      except oobleck.InstantiationError:
-        continue
-  raise oobleck.InstantiationError(
-    f"no pipeline template (sizes {templates.sizes}) fits in {len(nodes)} nodes"
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoChoice:
-  """What `auto` does about a failure state, and the predicted step times it compared."""
-
-  policy: str
-  """"recycle", "oobleck" or "restart"."""
-  predicted: dict[str, float]
-  instance: oobleck.OobleckInstance | None = None
-
-
-def auto_choice(
-  cfg: RunConfig, failed: Iterable[Worker], recycle_makespan: float | None
-) -> AutoChoice:
-  """The fastest way on for the grid with `failed` workers, by the cost model.
+class OobleckPolicy(InPlacePolicy):
+  """Oobleck's templates and re-instantiation (see the module docstring).
 
   Args:
-    cfg: the run configuration (its grid).
-    failed: every failed worker of the grid so far.
-    recycle_makespan: the re-routing planner's predicted step time; None if it cannot go on.
-
-  Returns:
-    `recycle` if it is at least as fast as re-templating (it moves no state), else `oobleck`
-    with the instance; `restart` if neither can go on.
+    params: recovery times.
+    restart: the policy used when a layer loses every replica.
+    tolerate: failures the instance is built to survive (`f`; it runs `f + 1` pipelines or more).
+    min_nodes: the smallest template; 0: the rule of the module docstring.
+    max_workers: largest grid (in workers) re-instantiation is run on.
   """
-  pp = cfg.mesh.pp
-  predicted: dict[str, float] = {}
-  if recycle_makespan is not None:
-    predicted["recycle"] = recycle_makespan
-  nodes = cfg.mesh.dp * pp
-  templates = plan_templates(cfg, nodes)
-  instance = None
-  try:
-    instance = oobleck.reinstantiate(
-      grid_instance(cfg, templates),
-      [d * pp + s for d, s in failed],
-      templates,
-      tolerate=cfg.resilience.tolerate,
+
+  name = "oobleck"
+  description = "Oobleck: heterogeneous pipeline templates, re-instantiated on the survivors"
+
+  def __init__(
+    self,
+    params: RecoveryParams,
+    restart: RestartPolicy,
+    *,
+    tolerate: int = 1,
+    min_nodes: int = 0,
+    max_workers: int = 4096,
+  ):
+    super().__init__(params, restart)
+    self.tolerate = tolerate
+    self.min_nodes = min_nodes
+    self.max_workers = max_workers
+    self._templates: dict[Hashable, oobleck.TemplateSet] = {}
+    self._instances: dict[Hashable, oobleck.OobleckInstance | None] = {}
+    self._typical_instances: dict[Hashable, tuple] = {}
+    self.plans = 0
+
+  def check(self, grid: Grid, costs: PlanCosts) -> None:
+    costs.layer_profile()
+    if grid.workers > self.max_workers:
+      raise PolicyUnavailableError(
+        f"oobleck re-instantiates over every node (a knapsack over node counts and an "
+        f"assignment over nodes); {grid.workers} workers exceed the limit of {self.max_workers}"
+      )
+
+  def templates(self, grid: Grid, costs: PlanCosts) -> oobleck.TemplateSet:
+    """The template set for this grid's model and memory."""
+    key = (grid, costs)
+    if key not in self._templates:
+      self.check(grid, costs)
+      profile = costs.layer_profile()
+      smallest = self.min_nodes or (1 if costs.node_memory is not None else grid.pp)
+      lo = min(smallest, profile.num_layers, grid.workers)
+      self._templates[key] = oobleck.plan_templates(
+        profile, lo, max(lo, profile.num_layers), costs.node_memory, microbatches=grid.m
+      )
+    return self._templates[key]
+
+  def instantiate_on(
+    self, grid: Grid, costs: PlanCosts, nodes: Sequence[int]
+  ) -> oobleck.OobleckInstance:
+    """The fastest instance on as many of `nodes` as templates can cover (all when possible),
+    with `tolerate + 1` pipelines, or fewer if the nodes do not allow that many.
+
+    Raises:
+      oobleck.InstantiationError: no template fits in `nodes`.
+    """
+    templates = self.templates(grid, costs)
+    total = grid.dp * grid.m
+    for n in range(len(nodes), 0, -1):
+      for f in range(min(self.tolerate, total - 1), -1, -1):
+        try:
+          return oobleck.instantiate(templates, n, f, total, nodes=list(nodes[:n]))
+        except oobleck.InstantiationError:
+          continue
+    raise oobleck.InstantiationError(
+      f"no pipeline template (sizes {templates.sizes}) fits in {len(nodes)} nodes"
     )
-    predicted["oobleck"] = oobleck.oobleck_step_time(instance, base=cfg.pipeline.schedule)
-  except ScheduleError:
-    pass
-  if not predicted:
-    return AutoChoice("restart", predicted)
-  best = min(predicted, key=lambda k: (predicted[k], k != "recycle"))
-  return AutoChoice(best, predicted, instance if best == "oobleck" else None)
+
+  def next_instance(
+    self,
+    grid: Grid,
+    costs: PlanCosts,
+    current: oobleck.OobleckInstance,
+    failed: frozenset[Worker],
+  ) -> oobleck.OobleckInstance | None:
+    """What Oobleck runs after `failed` (every failed worker of the grid) when `current` ran;
+    None when a layer lost every replica. Nodes are positions `d * pp + s` of the grid."""
+    dead = {d * grid.pp + s for d, s in failed}
+    live = set(range(grid.workers)) - dead
+    if not dead.intersection(current.nodes):
+      return current
+    templates = self.templates(grid, costs)
+    self.plans += 1
+    if set(current.nodes) - dead == live:
+      try:
+        return oobleck.reinstantiate(current, dead & set(current.nodes), templates,
+                                     tolerate=self.tolerate)
+      except oobleck.LayersLostError:
+        return None
+      except oobleck.InstantiationError:  # the templates cannot cover every survivor
+        pass
+    held = current.layers_of()
+    covered = {layer for n in live if n in held for layer in range(*held[n])}
+    if len(covered) < templates.profile.num_layers:
+      return None
+    try:
+      return self.instantiate_on(grid, costs, sorted(live))
+    except oobleck.InstantiationError:
+      return None
+
+  def plan(
+    self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts
+  ) -> oobleck.OobleckInstance | None:
+    """The instance re-instantiated from the fault-free one with `failed` down (None: a layer
+    lost every replica)."""
+    key = (grid, costs, failed)
+    if key not in self._instances:
+      start = self.instantiate_on(grid, costs, range(grid.workers))
+      self._instances[key] = start if not failed else self.next_instance(grid, costs, start,
+                                                                         failed)
+    return self._instances[key]
+
+  def instance_step_time(
+    self, grid: Grid, costs: PlanCosts, inst: oobleck.OobleckInstance
+  ) -> float:
+    """The cost model's step time of `inst`."""
+    return oobleck.oobleck_step_time(
+      inst, base=grid.base, comm=costs.comm, allreduce_bandwidth=costs.allreduce_bandwidth
+    )
+
+  def _typical(
+    self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts
+  ) -> tuple[oobleck.OobleckInstance | None, float | None]:
+    """`plan` and its step time for a failed set like `failed`, cached by pattern: nodes are
+    interchangeable, so the step time and the copies depend on the damaged pipelines of the
+    fault-free instance (their template and how many of their nodes failed), not on which."""
+    inst0 = self.plan(grid, frozenset(), costs)
+    nodes = {d * grid.pp + s for d, s in failed}
+    key = (grid, costs, tuple(sorted(
+      (p.template.num_nodes, len(nodes.intersection(p.nodes)))
+      for p in inst0.pipelines
+      if nodes.intersection(p.nodes)
+    )))
+    if key not in self._typical_instances:
+      inst = self.plan(grid, failed, costs)
+      time = None if inst is None else self.instance_step_time(grid, costs, inst)
+      self._typical_instances[key] = (inst, time)
+    return self._typical_instances[key]
+
+  def step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> float:
+    inst, time = self._typical(grid, failed, costs)
+    if inst is None:
+      return self.restart.step_time(grid, failed, costs)
+    return time
+
+  def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:
+    return self._typical(grid, failed, costs)[0] is None
+
+  def copy_seconds(self, t: Transition) -> float:
+    """A re-instantiation generally moves every node's stage boundaries: the node that
+    receives most receives at most one stage's state, over its own link."""
+    bandwidth = t.costs.allreduce_bandwidth
+    inst = self._typical(t.grid, t.after, t.costs)[0]
+    if bandwidth is None or inst is None:
+      return 0.0
+    worst = max(
+      inst.profile.range_sum("state_bytes", lo, hi)
+      for p in inst.pipelines
+      for lo, hi in p.template.stages
+    )
+    return worst / bandwidth

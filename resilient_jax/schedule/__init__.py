@@ -1,6 +1,9 @@
-"""Pipeline schedules as plain data: build, validate, cost and replay them (no JAX here)."""
+"""Pipeline schedules as plain data: build, validate, cost and replay them (no JAX here).
 
-from resilient_jax.schedule.adaptive import POLICIES, plan, plan_adaptive, plan_naive
+The re-routing planners are `adaptive.plan` (not re-exported: `schedule.plan` is the module of
+plans the runtime runs)."""
+
+from resilient_jax.schedule.adaptive import POLICIES, plan_adaptive, plan_naive
 from resilient_jax.schedule.core import (
   ALL_KINDS,
   AR,
@@ -75,7 +78,6 @@ __all__ = [
   "one_f_one_b",
   "peak_activations",
   "peak_inflight",
-  "plan",
   "plan_adaptive",
   "plan_naive",
   "relative_throughput_bound",

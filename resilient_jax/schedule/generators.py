@@ -1,7 +1,9 @@
 """Fault-free schedule generators: GPipe, 1F1B and ZB-H1.
 
 Every pipeline `d` runs the same pattern on its own micro-batches `d*m .. d*m + m - 1`, and every
-worker's list ends with its stage's gradient all-reduce and optimizer step.
+worker's list ends with its stage's gradient all-reduce and optimizer step. Every generator takes
+`dp` (data-parallel pipelines), `pp` (pipeline stages) and `m` (micro-batches per pipeline) and
+returns the fault-free `Schedule`.
 """
 
 from __future__ import annotations
@@ -82,30 +84,12 @@ def _zb_h1_pattern(pp: int, s: int, m: int) -> list[Op]:
 
 
 def gpipe(dp: int, pp: int, m: int) -> Schedule:
-  """GPipe: all forwards, then all (fused) backwards, on every stage.
-
-  Args:
-    dp: data-parallel pipelines.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-
-  Returns:
-    The fault-free schedule.
-  """
+  """GPipe: all forwards, then all (fused) backwards, on every stage."""
   return _build("gpipe", dp, pp, m, _gpipe_pattern)
 
 
 def one_f_one_b(dp: int, pp: int, m: int) -> Schedule:
-  """1F1B: `min(pp - s - 1, m)` warmup forwards on stage s, then one F / one fused BW.
-
-  Args:
-    dp: data-parallel pipelines.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-
-  Returns:
-    The fault-free schedule.
-  """
+  """1F1B: `min(pp - s - 1, m)` warmup forwards on stage s, then one F / one fused BW."""
   return _build("1f1b", dp, pp, m, _one_f_one_b_pattern)
 
 
@@ -120,16 +104,7 @@ def zb_h1(dp: int, pp: int, m: int) -> Schedule:
 
   Memory: every stage holds the same micro-batches between F and B as under 1F1B (the paper's
   M_B budget), but stage s also keeps up to s micro-batches whose W is deferred, so counted
-  from F to W every stage peaks at `min(pp, m)`: 1F1B's stage-0 peak.
-
-  Args:
-    dp: data-parallel pipelines.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-
-  Returns:
-    The fault-free schedule.
-  """
+  from F to W every stage peaks at `min(pp, m)`: 1F1B's stage-0 peak."""
   return _build("zb-h1", dp, pp, m, _zb_h1_pattern)
 
 

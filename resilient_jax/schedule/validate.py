@@ -61,11 +61,12 @@ class ValidationReport:
     return max(self.peak_redundant.values(), default=0)
 
 
-def _peak(ops: Sequence[Op], release: tuple[str, ...]) -> int:
+def _peak(ops: Sequence[Op], release: tuple[str, ...], hold: str = F) -> int:
+  """Most micro-batches held at once: from their `hold` op to their first `release` op."""
   held: set[int] = set()
   peak = 0
   for op in ops:
-    if op.kind == F:
+    if op.kind == hold:
       held.add(op.mb)
       peak = max(peak, len(held))
     elif op.kind in release:
@@ -85,15 +86,7 @@ def peak_activations(ops: Sequence[Op]) -> int:
 
 def peak_redundant(ops: Sequence[Op]) -> int:
   """Most redundant-forward outputs held at once: from FR of a micro-batch to its B/BW."""
-  held: set[int] = set()
-  peak = 0
-  for op in ops:
-    if op.kind == FR:
-      held.add(op.mb)
-      peak = max(peak, len(held))
-    elif op.kind in (B, BW):
-      held.discard(op.mb)
-  return peak
+  return _peak(ops, (B, BW), hold=FR)
 
 
 def _check_route(schedule: Schedule) -> None:

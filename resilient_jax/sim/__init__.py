@@ -11,6 +11,17 @@ and `predict_relative_throughput` (a measured per-stage profile and a failed set
 predicted relative throughput out).
 """
 
+from resilient_jax.policy import (
+  POLICY_NAMES,
+  Grid,
+  Policy,
+  PolicyUnavailableError,
+  Recovery,
+  RecoveryParams,
+  build_policies,
+  usable_policies,
+)
+from resilient_jax.schedule.reduce import FailurePattern, failure_pattern, max_load, reduce_pattern
 from resilient_jax.sim.config import SimConfig, SimConfigError, from_config_dict
 from resilient_jax.sim.cost_model import (
   CostModel,
@@ -31,15 +42,6 @@ from resilient_jax.sim.engine import (
   sweep_failed_set,
 )
 from resilient_jax.sim.layout import PLACEMENTS, Layout
-from resilient_jax.sim.policies import POLICY_NAMES, build_policies, policy_status, usable_policies
-from resilient_jax.sim.policy_base import (
-  Grid,
-  Policy,
-  PolicyUnavailableError,
-  Recovery,
-  RecoveryParams,
-)
-from resilient_jax.sim.reduce import FailurePattern, failure_pattern, max_load, reduce_pattern
 from resilient_jax.sim.run import build_costs, build_trace, format_table, run_simulation
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 from resilient_jax.sim.traces import (
@@ -87,7 +89,6 @@ __all__ = [
   "max_load",
   "p2p_seconds",
   "poisson_trace",
-  "policy_status",
   "predict_relative_throughput",
   "read_csv_trace",
   "reduce_pattern",

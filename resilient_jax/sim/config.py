@@ -13,11 +13,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from resilient_jax.config import POLICIES as POLICY_NAMES
+from resilient_jax.policy.base import RecoveryParams
 from resilient_jax.schedule.generators import GENERATORS
 from resilient_jax.sim.engine import SWEEP_PLACEMENTS
 from resilient_jax.sim.layout import PLACEMENTS, Layout
-from resilient_jax.sim.policies import POLICY_NAMES
-from resilient_jax.sim.policy_base import RecoveryParams
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 
 __all__ = [

@@ -27,7 +27,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from resilient_jax.policy.base import PolicyUnavailableError
 from resilient_jax.schedule.cost import OpCosts
+from resilient_jax.schedule.oobleck import LayerProfile
 from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 
@@ -286,6 +288,52 @@ class CostModel:
       ar_fixed=values["ar"],
       bw=values.get("bw"),
       source="profile",
+    )
+
+  @property
+  def node_memory(self) -> float | None:
+    """Bytes of one worker's memory (all its `tp` devices); None for a measured profile."""
+    return None if self.memory is None else self.memory.worker_memory
+
+  @property
+  def allreduce_bandwidth(self) -> float:
+    """Bytes/s of a worker's data-parallel all-reduce (its `tp` devices' links together)."""
+    return self.ar_bandwidth * (self.memory.tp if self.memory is not None else 1)
+
+  def layer_profile(self) -> LayerProfile:
+    """A per-layer profile for Oobleck's templates: each stage split evenly over its layers.
+
+    Times and bytes are a worker's (its `tp` devices together); a stage's transfer latency goes
+    to the step time's `comm`, not to the profile.
+
+    Raises:
+      PolicyUnavailableError: for a measured profile, which has no per-layer memory.
+    """
+    mem = self.memory
+    if mem is None:
+      raise PolicyUnavailableError(
+        "oobleck re-partitions layers and needs per-layer memory, which only the spec cost "
+        "model has (this one is a measured per-stage profile)"
+      )
+    per: dict[str, list[float]] = {k: [] for k in ("f", "b", "w", "g", "state", "act", "opt")}
+    for s, n in enumerate(mem.layers):
+      params = mem.params[s] / n
+      for _ in range(n):
+        per["f"].append(self.f[s] / n)
+        per["b"].append(self.b[s] / n)
+        per["w"].append(self.w[s] / n)
+        per["g"].append(self.ar_bytes[s] * mem.tp / n)
+        per["state"].append(params * mem.state_bytes_per_param)
+        per["act"].append(mem.stash_bytes[s] / n)
+        per["opt"].append(self.opt[s] / n)
+    return LayerProfile(
+      forward=per["f"],
+      backward_input=per["b"],
+      backward_weight=per["w"],
+      param_bytes=per["g"],
+      state_bytes=per["state"],
+      activation_bytes=per["act"],
+      optimizer=per["opt"],
     )
 
   def to_profile(self, live: Sequence[int] | None = None) -> dict[str, Any]:

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from resilient_jax.policy.base import Grid, Policy, Transition
+from resilient_jax.policy.registry import build_policies
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.routing import relative_throughput_bound
 from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.layout import Layout
-from resilient_jax.sim.policies import build_policies
-from resilient_jax.sim.policy_base import Grid, Policy, Transition
 from resilient_jax.sim.traces import FailureTracker, Trace
 
 __all__ = [

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resilient_jax.policy.base import Grid, PolicyUnavailableError, usable_policies
+from resilient_jax.policy.registry import build_policies
 from resilient_jax.sim.config import SimConfig
 from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.engine import TraceResult, run_trace, sweep
-from resilient_jax.sim.policies import build_policies, policy_status, usable_policies
-from resilient_jax.sim.policy_base import Grid, PolicyUnavailableError
 from resilient_jax.sim.traces import Trace, poisson_trace, read_csv_trace
 
 __all__ = ["build_costs", "build_trace", "format_table", "run_simulation"]
@@ -109,19 +109,17 @@ def run_simulation(
 
   Raises:
     ValueError: for a bad profile or trace file (one-line message).
-    PolicyUnavailableError: when the config names a policy this checkout lacks.
+    PolicyUnavailableError: when the config names a policy that cannot evaluate its grid.
   """
   t_start = time.perf_counter()
   lay = cfg.layout
   costs = build_costs(cfg)
   policies = build_policies(cfg.policies, params=cfg.recovery, exact_ops=cfg.exact_ops)
   grid = Grid(lay.dp, lay.pp, lay.microbatches, lay.schedule, lay.memory_cap)
-  unavailable = {n: why for n, why in policy_status().items() if why is not None}
-  policies, cannot = usable_policies(policies, grid, costs)
-  if cannot and cfg.policies is not None:
+  policies, unavailable = usable_policies(policies, grid, costs)
+  if unavailable and cfg.policies is not None:
     # Asked for by name: a one-line error rather than a table without it.
-    raise PolicyUnavailableError(next(iter(cannot.values())))
-  unavailable.update(cannot)
+    raise PolicyUnavailableError(next(iter(unavailable.values())))
   log(f"simulating {_title(cfg)}; policies: {', '.join(policies)}")
   rows = sweep(
     grid,

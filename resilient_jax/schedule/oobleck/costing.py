@@ -67,17 +67,27 @@ def pipeline_schedules(
   Micro-batch ids in these schedules are local (`0 .. m_i - 1`); the pipeline's global ids start
   at its `first_microbatch`.
   """
-  out = []
-  for p in instance.pipelines:
-    costs = stage_costs(
-      instance.profile,
-      p.template.stages,
-      replicas=instance.num_pipelines,
-      allreduce_bandwidth=allreduce_bandwidth,
-      comm=comm,
-    )
-    out.append((p, generate(base, 1, p.template.num_stages, p.microbatches), costs))
-  return out
+  return [
+    (p, *_pipeline(instance, p, base, comm, allreduce_bandwidth)) for p in instance.pipelines
+  ]
+
+
+def _pipeline(
+  instance: OobleckInstance,
+  p: PipelineInstance,
+  base: str,
+  comm: float,
+  allreduce_bandwidth: float | None,
+) -> tuple[Schedule, OpCosts]:
+  """Pipeline `p` of `instance` as a `dp=1` schedule, with its costs."""
+  costs = stage_costs(
+    instance.profile,
+    p.template.stages,
+    replicas=instance.num_pipelines,
+    allreduce_bandwidth=allreduce_bandwidth,
+    comm=comm,
+  )
+  return generate(base, 1, p.template.num_stages, p.microbatches), costs
 
 
 def oobleck_step_time(
@@ -108,14 +118,6 @@ def oobleck_step_time(
   for p in instance.pipelines:
     key = (p.template.stages, p.microbatches)
     if key not in cache:
-      costs = stage_costs(
-        instance.profile,
-        p.template.stages,
-        replicas=instance.num_pipelines,
-        allreduce_bandwidth=allreduce_bandwidth,
-        comm=comm,
-      )
-      sched = generate(base, 1, p.template.num_stages, p.microbatches)
-      cache[key] = simulate(sched, costs).makespan
+      cache[key] = simulate(*_pipeline(instance, p, base, comm, allreduce_bandwidth)).makespan
     worst = max(worst, cache[key])
   return worst

@@ -15,6 +15,18 @@ LayerRange = tuple[int, int]
 """Layers `[lo, hi)` of one stage."""
 
 
+_PER_LAYER = (
+  "forward",
+  "backward_input",
+  "backward_weight",
+  "param_bytes",
+  "state_bytes",
+  "activation_bytes",
+  "optimizer",
+)
+"""`LayerProfile`'s per-layer fields (the optimizer's last: it defaults to zeros)."""
+
+
 class InstantiationError(ScheduleError):
   """No combination of the templates uses exactly the given nodes (with enough pipelines)."""
 
@@ -65,14 +77,7 @@ class LayerProfile:
     n = len(tuple(self.forward))
     if n < 1:
       raise ValueError("LayerProfile needs at least one layer")
-    for name in (
-      "forward",
-      "backward_input",
-      "backward_weight",
-      "param_bytes",
-      "state_bytes",
-      "activation_bytes",
-    ):
+    for name in _PER_LAYER[:-1]:
       object.__setattr__(self, name, _floats(name, getattr(self, name), n))
     opt = (0.0,) * n if self.optimizer is None else self.optimizer
     object.__setattr__(self, "optimizer", _floats("optimizer", opt, n))
@@ -110,91 +115,10 @@ class LayerProfile:
       stage_bytes=stage_bytes,
     )
 
-  @classmethod
-  def gpt(
-    cls,
-    num_layers: int,
-    hidden: int,
-    *,
-    seq_len: int = 2048,
-    micro_batch: int = 1,
-    vocab: int = 50304,
-    flops_per_s: float = 150e12,
-    grad_bytes_per_param: float = 2.0,
-    state_bytes_per_param: float = 16.0,
-    hbm_bytes_per_s: float | None = None,
-    stage_overhead: float = 0.0,
-    stage_bytes: float = 0.0,
-  ) -> LayerProfile:
-    """An analytic profile of a GPT with `num_layers` transformer blocks.
-
-    The token embedding is folded into the first layer and the final norm and (untied) LM head
-    into the last, so the profile has exactly `num_layers` layers. Forward FLOPs of a block are
-    `tokens * (24 h^2 + 4 s h)` and the head's `2 * tokens * h * vocab`; B and W each cost about
-    one forward. Stashed activations follow Korthikanti et al. (2022) with flash attention:
-    `34 * s * b * h` bytes per block, plus fp32 logits for the head.
-
-    Args:
-      num_layers: transformer blocks.
-      hidden: model width h.
-      seq_len: tokens per sequence s.
-      micro_batch: sequences per micro-batch b.
-      vocab: vocabulary size.
-      flops_per_s: achieved FLOP/s of one node.
-      grad_bytes_per_param: bytes of a gradient element (all-reduce volume).
-      state_bytes_per_param: resident bytes per parameter (16 for mixed-precision Adam: bf16
-        weight and gradient, fp32 master weight and two moments).
-      hbm_bytes_per_s: memory bandwidth for the optimizer step (it streams the state once);
-        None makes the step free.
-      stage_overhead: as for `LayerProfile`.
-      stage_bytes: as for `LayerProfile`.
-
-    Returns:
-      The profile.
-    """
-    if num_layers < 1 or hidden < 1:
-      raise ValueError("num_layers and hidden must be positive")
-    h, s = float(hidden), float(seq_len)
-    tokens = s * micro_batch
-    block_params = 12 * h * h + 13 * h
-    block_f = tokens * (24 * h * h + 4 * s * h) / flops_per_s
-    params = [block_params] * num_layers
-    fwd = [block_f] * num_layers
-    bwd = [block_f] * num_layers
-    act = [34 * tokens * h] * num_layers
-    params[0] += vocab * h + s * h
-    params[-1] += vocab * h + 2 * h
-    head_f = 2 * tokens * h * vocab / flops_per_s
-    fwd[-1] += head_f
-    bwd[-1] += head_f
-    act[-1] += 4 * tokens * vocab
-    state = [p * state_bytes_per_param for p in params]
-    opt = None if hbm_bytes_per_s is None else [b / hbm_bytes_per_s for b in state]
-    return cls(
-      forward=fwd,
-      backward_input=bwd,
-      backward_weight=list(bwd),
-      param_bytes=[p * grad_bytes_per_param for p in params],
-      state_bytes=state,
-      activation_bytes=act,
-      optimizer=opt,
-      stage_overhead=stage_overhead,
-      stage_bytes=stage_bytes,
-    )
-
   @functools.cached_property
   def _prefix(self) -> dict[str, np.ndarray]:
     # Prefix sums make every stage quantity an O(1) difference, the DP's inner loop.
-    names = (
-      "forward",
-      "backward_input",
-      "backward_weight",
-      "param_bytes",
-      "state_bytes",
-      "activation_bytes",
-      "optimizer",
-    )
-    return {n: np.concatenate([[0.0], np.cumsum(getattr(self, n))]) for n in names}
+    return {n: np.concatenate([[0.0], np.cumsum(getattr(self, n))]) for n in _PER_LAYER}
 
   def range_sum(self, name: str, lo: int, hi: int) -> float:
     """Sum of the per-layer field `name` over layers `[lo, hi)`."""

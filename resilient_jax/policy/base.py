@@ -1,0 +1,261 @@
+"""What every policy shares: the grid it plans for, what plans cost, recovery costs, and the
+`Policy` protocol that the runtime's coordinator and the simulator both call.
+
+A policy is asked about a `Grid` and a set of failed workers (positions `(d, s)` of that grid;
+the runtime maps them to its nodes): what it runs then (`plan`, in each policy's own terms), how
+fast that is (`step_time`), and what getting there costs once (`recovery`). Costs come through
+`PlanCosts`: the simulator's `CostModel` (specs or a measured profile, seconds) and the runtime's
+analytic model (`costs.AnalyticCosts`, block-forward units) both provide it, so one policy prices
+plans for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from resilient_jax.schedule.core import Worker
+from resilient_jax.schedule.cost import OpCosts
+from resilient_jax.schedule.generators import GENERATORS
+from resilient_jax.schedule.oobleck import LayerProfile
+
+
+class PolicyUnavailableError(RuntimeError):
+  """A registered policy cannot be evaluated: its planner is missing from this checkout, or it
+  cannot handle this grid or cost model (the message says which)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """The DP x PP grid a policy plans for.
+
+  Attributes:
+    dp: data-parallel pipelines (D), failed ones included.
+    pp: pipeline stages (p).
+    m: micro-batches per pipeline per step.
+    base: fault-free base schedule ("gpipe", "1f1b" or "zb-h1"), as the coordinator uses it.
+    memory_cap: in-flight cap for the adaptive planner; None: its default.
+    global_batch: samples per step, when a re-layout must split it into equal micro-batches
+      (the runtime's restore); None: any number of pipelines (the simulator deals them out).
+  """
+
+  dp: int
+  pp: int
+  m: int
+  base: str = "zb-h1"
+  memory_cap: int | None = None
+  global_batch: int | None = None
+
+  def __post_init__(self):
+    for key in ("dp", "pp", "m"):
+      v = getattr(self, key)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"Grid.{key} must be a positive integer, got {v!r}")
+    if self.base not in GENERATORS:
+      raise ValueError(f"Grid.base={self.base!r} is not one of {sorted(GENERATORS)}")
+
+  @property
+  def workers(self) -> int:
+    return self.dp * self.pp
+
+  @property
+  def compute_ops(self) -> int:
+    return 3 * self.dp * self.pp * self.m
+
+  def live_per_stage(self, failed: Iterable[Worker]) -> tuple[int, ...]:
+    live = [self.dp] * self.pp
+    for _, s in failed:
+      live[s] -= 1
+    return tuple(live)
+
+
+class PlanCosts(Protocol):
+  """What a policy prices plans with (hashable: plans are cached by it).
+
+  Attributes:
+    comm: seconds (or units) of one activation transfer between stages.
+  """
+
+  comm: float
+
+  def op_costs(self, live: Sequence[int]) -> OpCosts:
+    """The planners' op costs with `live[s]` workers left in stage s."""
+    ...
+
+  def layer_profile(self) -> LayerProfile:
+    """Per-layer costs for Oobleck's templates.
+
+    Raises:
+      PolicyUnavailableError: when these costs have no per-layer form.
+    """
+    ...
+
+  @property
+  def node_memory(self) -> float | None:
+    """Bytes of one worker's memory; None: templates are not limited by memory."""
+    ...
+
+  @property
+  def allreduce_bandwidth(self) -> float | None:
+    """Bytes/s of a worker's data-parallel all-reduce; None: the all-reduce is free."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryParams:
+  """Seconds that recovery steps take.
+
+  Attributes:
+    detect_s: from a failure to the coordinator knowing. The runtime proves a crashed process
+      dead at once (its ports refuse connections); a host that goes silent is declared dead
+      only after the heartbeat timeout, which this default models.
+    regroup_s: replanning and rebuilding the all-reduce groups over the survivors.
+    restart_s: a whole-job restart: rescheduling, start-up, checkpoint restore.
+    checkpoint_interval_s: wall time between checkpoints (what a rollback can lose).
+  """
+
+  detect_s: float = 30.0
+  regroup_s: float = 10.0
+  restart_s: float = 600.0
+  checkpoint_interval_s: float = 1800.0
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      v = getattr(self, field.name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"recovery.{field.name} must be a non-negative number, got {v!r}")
+    if self.checkpoint_interval_s <= 0:
+      raise ValueError("recovery.checkpoint_interval_s must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+  """The one-off cost of entering a failure state.
+
+  Attributes:
+    pause_s: seconds without training progress.
+    rollback: whether the progress since the last checkpoint is lost (the job restarts).
+    restart: whether the job restarts from a checkpoint saved at the event (a planned restart:
+      nothing is lost, and the checkpoint clock starts again when it resumes).
+  """
+
+  pause_s: float
+  rollback: bool = False
+  restart: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+  """A move from failure state `before` to `after` on `grid`, priced with `costs`.
+
+  Attributes:
+    step_time_before: the step time in force when it happens (a failure in the middle of a
+      step loses, on average, half of it).
+  """
+
+  grid: Grid
+  before: frozenset[Worker]
+  after: frozenset[Worker]
+  costs: PlanCosts
+  step_time_before: float
+
+  @property
+  def failure(self) -> bool:
+    """Whether a worker is lost (a failure, not only rejoins)."""
+    return not self.after <= self.before
+
+  def in_flight_lost(self) -> float:
+    """The step in flight when a worker died is redone: on average half of it is lost."""
+    return self.step_time_before / 2 if math.isfinite(self.step_time_before) else 0.0
+
+
+@runtime_checkable
+class Policy(Protocol):
+  """What the runtime's coordinator and the simulator need from a resilience policy."""
+
+  name: str
+  description: str
+
+  def check(self, grid: Grid, costs: PlanCosts) -> None:
+    """Raises `PolicyUnavailableError` (with the reason) if it cannot evaluate this grid."""
+    ...
+
+  def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> Any:
+    """What it runs with `failed` workers down (a `Schedule`, an `OobleckInstance`, Bamboo's
+    failovers, a restore layout); None where it cannot go on and falls back to a restore."""
+    ...
+
+  def step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> float:
+    """Steady-state seconds per step with `failed` workers down; `inf` if it cannot train."""
+    ...
+
+  def recovery(self, t: Transition) -> Recovery:
+    """The one-off cost of the move `t` from one failure state to the next."""
+    ...
+
+
+def stage_lost(grid: Grid, failed: frozenset[Worker]) -> bool:
+  """Whether some stage has no live worker left (no re-routing can go on)."""
+  return min(grid.live_per_stage(failed)) == 0
+
+
+class InPlacePolicy:
+  """A policy that goes on in place after a failure while it can (re-routing, re-templating,
+  failing over), and runs as checkpoint-restart (`restart`) while it cannot.
+
+  Subclasses say when they cannot (`cannot_run`) and what a move costs beyond the regroup
+  (`copy_seconds`); the recovery rule is this one:
+
+  * entering a state it cannot run: detection, a restart, and the work since the checkpoint;
+  * leaving one: a planned restart (checkpoint first: nothing lost);
+  * otherwise a failure costs detection, a regroup, the copies and half the step in flight, a
+    rejoin a regroup and the copies.
+  """
+
+  def __init__(self, params: RecoveryParams, restart: Policy):
+    self.params = params
+    self.restart = restart
+
+  def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:
+    """Whether the policy cannot train with `failed` down (it then runs as restart)."""
+    raise NotImplementedError
+
+  def copy_seconds(self, t: Transition) -> float:
+    """Seconds of state moved by the move `t` (none unless the policy moves layers)."""
+    del t
+    return 0.0
+
+  def recovery(self, t: Transition) -> Recovery:
+    if t.before == t.after:
+      return Recovery(0.0)
+    p = self.params
+    lost_before = self.cannot_run(t.grid, t.before, t.costs)
+    lost_after = self.cannot_run(t.grid, t.after, t.costs)
+    if lost_before and lost_after:
+      return self.restart.recovery(t)
+    if lost_after:
+      return Recovery(p.detect_s + p.restart_s, rollback=True)
+    if lost_before:
+      return Recovery(p.restart_s, restart=True)
+    extra = self.copy_seconds(t)
+    if t.failure:
+      return Recovery(p.detect_s + p.regroup_s + extra + t.in_flight_lost())
+    return Recovery(p.regroup_s + extra)
+
+
+def usable_policies(
+  policies: Mapping[str, Policy], grid: Grid, costs: PlanCosts
+) -> tuple[dict[str, Policy], dict[str, str]]:
+  """Splits `policies` into those that can evaluate `grid` with `costs` and, for the others,
+  the reason why not."""
+  usable, reasons = {}, {}
+  for name, policy in policies.items():
+    try:
+      policy.check(grid, costs)
+    except PolicyUnavailableError as e:
+      reasons[name] = str(e)
+      continue
+    usable[name] = policy
+  return usable, reasons

@@ -1,0 +1,143 @@
+"""Re-routing (ReCycle): a failed worker's micro-batches go to its stage's peers in the other
+pipelines, and the step is replanned so the extra work fills bubbles; the global batch never
+changes.
+
+`recycle` plans with `adaptive.plan`'s bubble-filling planner, `naive` with the same re-routing
+and no bubble filling. At cluster scale the simulator plans on the reduced grid of
+`schedule/reduce.py` (same per-survivor load), cached by failure pattern; the runtime plans the
+full grid (`reduce=False`), cached by failed set. When every worker of a stage has failed no
+re-routing can go on: the policy then runs as checkpoint-restart until the stage has a live
+worker again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from resilient_jax.policy.base import Grid, InPlacePolicy, PlanCosts, RecoveryParams, stage_lost
+from resilient_jax.policy.restart import RestartPolicy
+from resilient_jax.schedule import adaptive
+from resilient_jax.schedule.core import Schedule, Worker
+from resilient_jax.schedule.cost import OpCosts, simulate
+from resilient_jax.schedule.reduce import failure_pattern, reduce_pattern
+
+DEFAULT_EXACT_OPS = 12_000
+"""Grids with at most this many compute ops (3 * D * p * m) are planned whole, not reduced:
+planning 12k ops takes well under a second."""
+
+
+class PlannerPolicy(InPlacePolicy):
+  """A re-routing policy: one of `adaptive.plan`'s planners on the survivors.
+
+  Args:
+    name: the policy's name ("recycle", "naive").
+    planner: the `adaptive.plan` policy ("adaptive", "naive").
+    description: one line for reports.
+    params: recovery times.
+    restart: the policy used while a stage has no live worker.
+    exact_ops: grids with at most this many compute ops are planned whole, not reduced.
+    keep_sources: passed to `reduce_pattern` (the naive planner needs it).
+  """
+
+
+  def __init__(
+    self,
+    name: str,
+    planner: str,
+    description: str,
+    params: RecoveryParams,
+    restart: RestartPolicy,
+    exact_ops: int = DEFAULT_EXACT_OPS,
+    *,
+    keep_sources: bool = False,
+  ):
+    super().__init__(params, restart)
+    self.name = name
+    self.planner = planner
+    self.description = description
+    self.exact_ops = exact_ops
+    self.keep_sources = keep_sources
+    self._cache: dict[Hashable, float] = {}
+    self._plans: dict[Hashable, Schedule] = {}
+    self.plans = 0
+
+  def check(self, grid: Grid, costs: PlanCosts) -> None:
+    del grid, costs  # any grid
+
+  def planning_grid(
+    self, grid: Grid, failed: frozenset[Worker], *, reduce: bool | None = None
+  ) -> tuple[int, frozenset[Worker], Hashable]:
+    """`(dp, failed, cache key)` of the grid actually planned for this failure state.
+
+    Args:
+      grid: the full grid.
+      failed: its failed workers.
+      reduce: True: always the reduced grid; False: always the full one; None: reduced once the
+        full grid has more than `exact_ops` compute ops.
+    """
+    state = self._state(grid, failed, reduce)
+    if state[0] == "exact":
+      return grid.dp, failed, state
+    dp, reduced = reduce_pattern(grid.dp, grid.pp, grid.m, state[1], keep_sources=self.keep_sources)
+    return dp, reduced, state
+
+  def _state(self, grid: Grid, failed: frozenset[Worker], reduce: bool | None) -> tuple:
+    """What the step time depends on: the failed set on a small grid, else its pattern."""
+    if reduce is None:
+      reduce = grid.compute_ops > self.exact_ops
+    if not reduce:
+      return ("exact", failed)
+    return ("pattern", failure_pattern(grid.dp, grid.pp, failed))
+
+  def schedule(
+    self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts, *, reduce: bool | None = None
+  ) -> tuple[Schedule, OpCosts]:
+    """The schedule this policy runs for `failed` (on the planning grid) and its op costs.
+
+    The op costs carry the full grid's all-reduce (live workers per stage of `grid`).
+
+    Raises:
+      StageLostError: when a stage has no live worker.
+    """
+    op = costs.op_costs(grid.live_per_stage(failed))
+    dp, planned_failed, state = self.planning_grid(grid, failed, reduce=reduce)
+    key = (grid, state, costs)
+    if key not in self._plans:
+      self.plans += 1
+      self._plans[key] = adaptive.plan(
+        self.planner,
+        dp,
+        grid.pp,
+        grid.m,
+        planned_failed,
+        op,
+        memory_cap=grid.memory_cap,
+        base=grid.base,
+      )
+    return self._plans[key], op
+
+  def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> Schedule | None:
+    """The full grid's re-routed schedule; None when a stage has no live worker."""
+    if stage_lost(grid, failed):
+      return None
+    return self.schedule(grid, failed, costs, reduce=False)[0]
+
+  def step_time(
+    self,
+    grid: Grid,
+    failed: frozenset[Worker],
+    costs: PlanCosts,
+    *,
+    reduce: bool | None = None,
+  ) -> float:
+    if stage_lost(grid, failed):
+      return self.restart.step_time(grid, failed, costs)
+    key = (grid, self._state(grid, failed, reduce), costs)
+    if key not in self._cache:
+      sched, op = self.schedule(grid, failed, costs, reduce=reduce)
+      self._cache[key] = simulate(sched, op).makespan
+    return self._cache[key]
+
+  def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:
+    del costs
+    return stage_lost(grid, failed)
