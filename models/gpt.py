@@ -50,11 +50,6 @@ class GPTConfig(ModelConfig):
       hidden=d,
     )
 
-  @property
-  def num_params(self) -> int:
-    c = self.costs()
-    return c.embed_params + self.num_layers * c.block_params + c.head_params
-
   def build(self, seed: int) -> GPT:
     return GPT(self, rngs=nnx.Rngs(params=seed))
 

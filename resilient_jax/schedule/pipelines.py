@@ -131,15 +131,6 @@ class PipelineSet:
     return self.to_text()
 
 
-def contiguous(counts: Sequence[int]) -> list[tuple[int, ...]]:
-  """Global micro-batch ids for pipelines running `counts[i]` each, in order."""
-  out, first = [], 0
-  for c in counts:
-    out.append(tuple(range(first, first + c)))
-    first += c
-  return out
-
-
 def oobleck_set(instance, num_layers: int, base: str = "1f1b") -> PipelineSet:
   """The pipelines of an `oobleck.OobleckInstance`, each running `base` on its micro-batches."""
   pipes = []

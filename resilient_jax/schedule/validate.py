@@ -53,10 +53,6 @@ class ValidationReport:
     return max(self.peak_inflight.values(), default=0)
 
   @property
-  def max_peak_activations(self) -> int:
-    return max(self.peak_activations.values(), default=0)
-
-  @property
   def max_peak_redundant(self) -> int:
     return max(self.peak_redundant.values(), default=0)
 

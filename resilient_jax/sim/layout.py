@@ -14,7 +14,6 @@ on it. Which workers share a node decides what a node failure looks like to the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.generators import GENERATORS
@@ -109,9 +108,6 @@ class Layout:
   def node_of_worker(self, worker: Worker) -> int:
     """The node of the worker's first device."""
     return self.rank_of_worker(worker) * self.tp // self.devices_per_node
-
-  def workers_of_devices(self, devices: Iterable[int]) -> frozenset[Worker]:
-    return frozenset(self.worker_of_device(dev) for dev in devices)
 
   def stage_boundary_crosses_nodes(self) -> bool:
     """Whether some activation transfer between consecutive stages leaves its node."""

@@ -31,11 +31,6 @@ class RecoveryCost:
   per_node: dict[int, float]
   moves: tuple[tuple[int, int, int], ...]
 
-  @property
-  def max_node_bytes(self) -> float:
-    """The most any node receives: with one link per node, copy time is this / bandwidth."""
-    return max(self.per_node.values(), default=0.0)
-
 
 def oobleck_recovery_cost(old: OobleckInstance, new: OobleckInstance) -> RecoveryCost:
   """The parameters and optimizer state to copy to go from `old` to `new`.

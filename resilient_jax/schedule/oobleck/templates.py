@@ -51,12 +51,6 @@ class PipelineTemplate:
     """1F1B estimate for `microbatches` micro-batches: `(m - 1) * bottleneck + latency`."""
     return (microbatches - 1) * self.bottleneck + self.latency
 
-  def stage_of_layer(self, layer: int) -> int:
-    for s, (lo, hi) in enumerate(self.stages):
-      if lo <= layer < hi:
-        return s
-    raise ValueError(f"layer {layer} is not in this template")
-
 
 def _template(
   profile: LayerProfile, stages: Sequence[LayerRange], m: int | None
