@@ -9,11 +9,11 @@ launcher prints that one line and exits with code 2.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from resilient_jax.checks import require_ints, require_numbers
 from resilient_jax.model.config import ModelConfig, family, partition_layers
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -72,9 +72,8 @@ class TrainConfig:
   learning-rate schedule still follows `steps`, so a resumed run continues it exactly."""
 
   def __post_init__(self):
-    for key in ("steps", "global_batch"):
-      if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-        raise ConfigError(f"train.{key} must be a positive integer, got {getattr(self, key)!r}")
+    keys = ("steps", "global_batch")
+    require_ints("train.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
     if self.data not in DATA_KINDS:
       raise ConfigError(f"train.data={self.data!r} is not one of {', '.join(DATA_KINDS)}")
     if not self.learning_rate > 0:
@@ -131,10 +130,8 @@ class CheckpointConfig:
   resumes from them instead."""
 
   def __post_init__(self):
-    for key in ("every_steps", "keep"):
-      v = getattr(self, key)
-      if not isinstance(v, int) or v < 0:
-        raise ConfigError(f"checkpoint.{key} must be an integer >= 0, got {v!r}")
+    require_ints("checkpoint.", {"every_steps": self.every_steps, "keep": self.keep}, 0,
+                 ConfigError)
     if not isinstance(self.init_from, str):
       raise ConfigError(f"checkpoint.init_from must be a path, got {self.init_from!r}")
 
@@ -171,16 +168,13 @@ class ResilienceConfig:
   def __post_init__(self):
     if self.policy not in POLICIES:
       raise ConfigError(f"resilience.policy={self.policy!r} is not one of {', '.join(POLICIES)}")
-    for key in ("memory_cap", "tolerate", "min_pipeline_nodes"):
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(f"resilience.{key} must be an integer >= 0, got {v!r}")
-    for key in ("mean_steps_between_failures", "restart_steps", "regroup_steps"):
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(f"resilience.{key} must be a number >= 0, got {v!r}")
-    if self.mean_steps_between_failures <= 0:
-      raise ConfigError("resilience.mean_steps_between_failures must be > 0")
+    keys = ("memory_cap", "tolerate", "min_pipeline_nodes")
+    require_ints("resilience.", {k: getattr(self, k) for k in keys}, 0, ConfigError)
+    keys = ("restart_steps", "regroup_steps")
+    require_numbers("resilience.", {k: getattr(self, k) for k in keys}, error=ConfigError)
+    require_numbers("resilience.", {"mean_steps_between_failures":
+                                    self.mean_steps_between_failures}, positive=True,
+                    error=ConfigError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,10 +210,8 @@ class DistributedConfig:
         f"distributed.process_id={self.process_id} is not below "
         f"distributed.num_processes={self.num_processes}"
       )
-    for key in ("heartbeat_timeout_s", "wait_timeout_s"):
-      v = getattr(self, key)
-      if not isinstance(v, int) or v < 1:
-        raise ConfigError(f"distributed.{key} must be a positive integer, got {v!r}")
+    keys = ("heartbeat_timeout_s", "wait_timeout_s")
+    require_ints("distributed.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
 
 
 @dataclasses.dataclass(frozen=True)

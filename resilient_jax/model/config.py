@@ -12,6 +12,8 @@ import dataclasses
 import importlib
 from collections.abc import Sequence
 
+from resilient_jax.checks import require_ints
+
 FAMILIES = {"gpt": "models.gpt:GPTConfig", "llama": "models.llama:LlamaConfig"}
 """Model families selectable with `model.name`, as `module:class` (imported when chosen)."""
 
@@ -46,10 +48,7 @@ class ModelConfig:
     raise NotImplementedError
 
   def check_positive(self, *keys: str) -> None:
-    for key in keys:
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"model.{key} must be a positive integer, got {v!r}")
+    require_ints("model.", {k: getattr(self, k) for k in keys})
 
 
 def family(name: str) -> type:

@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from resilient_jax.checks import require_ints, require_numbers
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import OpCosts
 from resilient_jax.schedule.generators import GENERATORS
@@ -49,10 +50,7 @@ class Grid:
   global_batch: int | None = None
 
   def __post_init__(self):
-    for key in ("dp", "pp", "m"):
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"Grid.{key} must be a positive integer, got {v!r}")
+    require_ints("Grid.", {"dp": self.dp, "pp": self.pp, "m": self.m})
     if self.base not in GENERATORS:
       raise ValueError(f"Grid.base={self.base!r} is not one of {sorted(GENERATORS)}")
 
@@ -122,12 +120,9 @@ class RecoveryParams:
   checkpoint_interval_s: float = 1800.0
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      v = getattr(self, field.name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"recovery.{field.name} must be a non-negative number, got {v!r}")
-    if self.checkpoint_interval_s <= 0:
-      raise ValueError("recovery.checkpoint_interval_s must be positive")
+    require_numbers("recovery.", {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+    require_numbers("recovery.", {"checkpoint_interval_s": self.checkpoint_interval_s},
+                    positive=True)
 
 
 @dataclasses.dataclass(frozen=True)

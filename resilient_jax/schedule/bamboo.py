@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from resilient_jax.schedule.core import BW, FR, B, F, Op, Schedule, Worker, make_schedule
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
-from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.generators import check_shape, generate
 
 __all__ = [
   "BambooFailover",
@@ -72,9 +72,7 @@ class BambooUnrecoverableError(ScheduleError):
 
 
 def _check(dp: int, pp: int, m: int) -> None:
-  for name, v in (("dp", dp), ("pp", pp), ("m", m)):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  check_shape(dp, pp, m)
   if pp < 2:
     raise ValueError("Bamboo needs pp >= 2: a stage's replica lives on another stage's node")
 

@@ -9,10 +9,10 @@ queue, so the cost is O(#ops + #dependencies) even for grids of thousands of wor
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import deque
 from collections.abc import Callable, Mapping
 
+from resilient_jax.checks import is_number
 from resilient_jax.schedule.core import (
   AR,
   BW,
@@ -47,9 +47,7 @@ def _check_per_stage(name: str, value: PerStage | None) -> PerStage | None:
   if not values:
     raise ValueError(f"OpCosts.{name}: a per-stage tuple needs at least one entry")
   for v in values:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-      raise ValueError(f"OpCosts.{name}: {v!r} is not a number")
-    if not math.isfinite(v) or v < 0:
+    if not is_number(v):
       raise ValueError(f"OpCosts.{name}: {v!r} is not a finite non-negative time")
   if isinstance(value, (tuple, list)):
     return tuple(float(v) for v in values)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from resilient_jax.checks import require_ints
 from resilient_jax.schedule.core import (
   AR,
   BW,
@@ -28,14 +29,13 @@ from resilient_jax.schedule.core import (
 _Pattern = Callable[[int, int, int], list[Op]]
 
 
-def _check_shape(dp: int, pp: int, m: int) -> None:
-  for name, v in (("dp", dp), ("pp", pp), ("m", m)):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-      raise ValueError(f"{name} must be a positive int, got {v!r}")
+def check_shape(dp: int, pp: int, m: int) -> None:
+  """Raises ValueError unless `dp`, `pp` and `m` are positive integers."""
+  require_ints("", {"dp": dp, "pp": pp, "m": m})
 
 
 def _build(name: str, dp: int, pp: int, m: int, pattern: _Pattern) -> Schedule:
-  _check_shape(dp, pp, m)
+  check_shape(dp, pp, m)
   per_worker: dict[Worker, list[Op]] = {}
   for s in range(pp):
     local = pattern(pp, s, m)

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import OpCosts
 from resilient_jax.schedule.errors import ScheduleError
-from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.generators import check_shape, generate
 from resilient_jax.schedule.validate import validate
 
 Route = tuple[tuple[int, ...], ...]
@@ -35,9 +35,7 @@ class StageLostError(ScheduleError):
 
 
 def _check_grid(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> frozenset[Worker]:
-  for name, v in (("dp", dp), ("pp", pp), ("m", m)):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  check_shape(dp, pp, m)
   dead = frozenset(tuple(w) for w in failed)
   for d, s in dead:
     if not (0 <= d < dp and 0 <= s < pp):

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from resilient_jax.checks import is_number
 from resilient_jax.policy.base import PolicyUnavailableError
 from resilient_jax.schedule.cost import OpCosts
 from resilient_jax.schedule.oobleck import LayerProfile
@@ -77,7 +77,7 @@ def p2p_seconds(nbytes: float, bandwidth: float, latency: float) -> float:
 def _per_stage(name: str, value: Any, pp: int | None) -> tuple[float, ...] | float:
   values = value if isinstance(value, (list, tuple)) else [value]
   for v in values:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+    if not is_number(v):
       raise ValueError(f"profile.{name}: {v!r} is not a non-negative number of seconds")
   if isinstance(value, (list, tuple)):
     if pp is not None and len(value) != pp:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from resilient_jax.checks import require_ints
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.generators import GENERATORS
 
@@ -50,10 +51,8 @@ class Layout:
   memory_cap: int | None = None
 
   def __post_init__(self):
-    for key in ("dp", "pp", "tp", "microbatches", "micro_batch_size", "devices_per_node"):
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"layout.{key} must be a positive integer, got {v!r}")
+    keys = ("dp", "pp", "tp", "microbatches", "micro_batch_size", "devices_per_node")
+    require_ints("layout.", {k: getattr(self, k) for k in keys})
     if self.placement not in PLACEMENTS:
       raise ValueError(f"layout.placement={self.placement!r} is not one of {PLACEMENTS}")
     if self.schedule not in GENERATORS:

@@ -9,21 +9,18 @@ config file, a test and a notebook describe a cluster the same way.
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from resilient_jax.checks import require_ints, require_numbers
 
 __all__ = ["DeviceSpec", "ModelSpec", "NetworkSpec", "StageFlops"]
 
 
 def _positive(owner: str, **values: float) -> None:
-  for name, v in values.items():
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-      raise ValueError(f"{owner}.{name} must be a positive number, got {v!r}")
+  require_numbers(f"{owner}.", values, positive=True)
 
 
 def _non_negative(owner: str, **values: float) -> None:
-  for name, v in values.items():
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-      raise ValueError(f"{owner}.{name} must be a non-negative number, got {v!r}")
+  require_numbers(f"{owner}.", values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +70,8 @@ class ModelSpec:
   ffn_mult: int = 4
 
   def __post_init__(self):
-    for key in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size", "ffn_mult"):
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"model.{key} must be a positive integer, got {v!r}")
+    keys = ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size", "ffn_mult")
+    require_ints("model.", {k: getattr(self, k) for k in keys})
 
   @property
   def layer_params(self) -> int:
