@@ -40,7 +40,7 @@ from resilient_jax.schedule.analysis.report import (
   format_table,
   planner_table,
 )
-from resilient_jax.schedule.routing import _live_workers
+from resilient_jax.schedule.routing import FailureState, _live_workers
 
 COSTS = GPT_COSTS  # f=1, b=1, w=0.8, ar=opt=0.1
 UNEVEN = OpCosts(f=(1.0, 1.5, 1.0, 0.5), b=(1.0, 2.0, 1.5, 1.0), w=0.7, ar=0.3, opt=0.1, comm=0.05)
@@ -107,9 +107,9 @@ def test_stage_lost_error_names_the_stage():
   failed = {(0, 2), (1, 2), (2, 2)}
   for call in (
     lambda: reroute(3, 4, 2, failed),
-    lambda: plan_adaptive(3, 4, 2, failed, COSTS),
-    lambda: plan_naive(3, 4, 2, failed),
-    lambda: plan("adaptive", 3, 4, 2, failed, COSTS),
+    lambda: plan_adaptive(FailureState(3, 4, 2, failed), COSTS),
+    lambda: plan_naive(FailureState(3, 4, 2, failed)),
+    lambda: plan("adaptive", FailureState(3, 4, 2, failed), COSTS),
   ):
     with pytest.raises(StageLostError, match=r"stage 2 is lost: all 3 of its") as info:
       call()
@@ -123,11 +123,11 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="m must be a positive int"):
     reroute(2, 2, 0, set())
   with pytest.raises(ValueError, match="unknown policy 'fast'"):
-    plan("fast", 2, 2, 2, {(0, 0)}, COSTS)
+    plan("fast", FailureState(2, 2, 2, {(0, 0)}), COSTS)
   with pytest.raises(ValueError, match="unknown base schedule 'zb-h2'"):
-    plan_naive(2, 2, 2, {(0, 0)}, base="zb-h2")
+    plan_naive(FailureState(2, 2, 2, {(0, 0)}), base="zb-h2")
   with pytest.raises(ScheduleError, match="memory_cap=0 leaves no room"):
-    plan_adaptive(2, 2, 2, {(0, 0)}, COSTS, memory_cap=0)
+    plan_adaptive(FailureState(2, 2, 2, {(0, 0)}), COSTS, memory_cap=0)
   with pytest.raises(ValueError, match=r"k must be in \[0, dp=4\)"):
     relative_throughput_bound(4, 4, 8, 4)
 
@@ -151,8 +151,8 @@ def test_adaptive_and_naive_plans(case, costs):
   dp, pp, m, failed = case
   route = reroute(dp, pp, m, failed)
   live = sorted((d, s) for d in range(dp) for s in range(pp) if (d, s) not in failed)
-  adaptive = plan_adaptive(dp, pp, m, failed, costs)
-  naive = plan_naive(dp, pp, m, failed)
+  adaptive = plan_adaptive(FailureState(dp, pp, m, failed), costs)
+  naive = plan_naive(FailureState(dp, pp, m, failed))
   for sched in (adaptive, naive):
     validate(sched)
     assert sched.route == route and sched.workers == live
@@ -171,19 +171,20 @@ def test_adaptive_and_naive_plans(case, costs):
   assert any(op.kind == BW for ops in naive.ops.values() for op in ops)
   span = simulate(adaptive, costs).makespan
   assert span >= lower_bound(adaptive, costs) - 1e-9
-  assert span >= route_lower_bound(dp, pp, m, failed, costs, memory_cap=cap) - 1e-9
+  assert span >= route_lower_bound(FailureState(dp, pp, m, failed), costs, memory_cap=cap) - 1e-9
   assert span <= simulate(naive, costs).makespan + 1e-9
 
 
 @pytest.mark.parametrize("dp,pp,m,failed", [(4, 4, 8, {(0, 1)}), (8, 8, 8, {(0, 0), (3, 5)})])
 @pytest.mark.parametrize("cap", [1, 2, 3, 5, 8])
 def test_adaptive_respects_memory_cap(dp, pp, m, failed, cap):
-  sched = plan_adaptive(dp, pp, m, failed, COSTS, memory_cap=cap)
+  sched = plan_adaptive(FailureState(dp, pp, m, failed), COSTS, memory_cap=cap)
   assert validate(sched, memory_cap=cap).max_peak_inflight <= cap
   span = simulate(sched, COSTS).makespan
-  assert span >= route_lower_bound(dp, pp, m, failed, COSTS, memory_cap=cap) - 1e-9
+  assert span >= route_lower_bound(FailureState(dp, pp, m, failed), COSTS, memory_cap=cap) - 1e-9
   # More memory never makes the plan slower than the tightest cap's.
-  assert span <= simulate(plan_adaptive(dp, pp, m, failed, COSTS, memory_cap=1), COSTS).makespan
+  state = FailureState(dp, pp, m, failed)
+  assert span <= simulate(plan_adaptive(state, COSTS, memory_cap=1), COSTS).makespan
 
 
 def test_default_memory_cap():
@@ -197,10 +198,10 @@ def test_default_memory_cap():
 def test_plan_without_failures_is_the_base_schedule(base):
   want = generate(base, 4, 4, 8)
   for policy in ("adaptive", "naive"):
-    got = plan(policy, 4, 4, 8, set(), COSTS, base=base)
+    got = plan(policy, FailureState(4, 4, 8, set()), COSTS, base=base)
     assert got.name == base and got.ops == want.ops and got.route == want.route
   # The adaptive planner itself, asked for a healthy grid, is never slower than its base.
-  healthy = plan_adaptive(4, 4, 8, set(), COSTS, base=base)
+  healthy = plan_adaptive(FailureState(4, 4, 8, set()), COSTS, base=base)
   assert simulate(healthy, COSTS).makespan <= simulate(_split_base(want), COSTS).makespan + 1e-9
 
 
@@ -213,15 +214,16 @@ def _split_base(schedule):
 
 def test_plan_dispatches():
   failed = {(1, 2)}
-  assert plan("adaptive", 4, 4, 8, failed, COSTS).name == "adaptive"
-  naive = plan("naive", 4, 4, 8, failed, COSTS, base="zb-h1")
+  assert plan("adaptive", FailureState(4, 4, 8, failed), COSTS).name == "adaptive"
+  naive = plan("naive", FailureState(4, 4, 8, failed), COSTS, base="zb-h1")
   assert naive.name == "naive" and any(op.kind == W for op in naive.ops[(0, 2)])
-  assert plan("naive", 4, 4, 8, failed, COSTS).ops == plan_naive(4, 4, 8, failed).ops
+  state = FailureState(4, 4, 8, failed)
+  assert plan("naive", state, COSTS).ops == plan_naive(state).ops
 
 
 def test_adaptive_is_deterministic():
-  a = plan_adaptive(8, 8, 16, {(2, 3), (5, 3), (1, 6)}, COSTS)
-  b = plan_adaptive(8, 8, 16, [(1, 6), (5, 3), (2, 3)], COSTS)
+  a = plan_adaptive(FailureState(8, 8, 16, {(2, 3), (5, 3), (1, 6)}), COSTS)
+  b = plan_adaptive(FailureState(8, 8, 16, [(1, 6), (5, 3), (2, 3)]), COSTS)
   assert a == b
 
 
@@ -257,20 +259,20 @@ def test_naive_does_not_deadlock_when_damaged_pipelines_swap_work():
     plain[w] = own + (other if (1 - w[0], w[1]) in failed else []) + [Op(AR), Op(OPT)]
   with pytest.raises(ScheduleError, match="deadlock"):
     validate(make_schedule("plain", dp, pp, m, plain, route=route))
-  validate(plan_naive(dp, pp, m, failed))
-  validate(plan_adaptive(dp, pp, m, failed, COSTS))
+  validate(plan_naive(FailureState(dp, pp, m, failed)))
+  validate(plan_adaptive(FailureState(dp, pp, m, failed), COSTS))
 
 
 def test_planning_is_fast():
   t0 = time.perf_counter()
-  plan_adaptive(8, 8, 16, {(0, 3), (4, 3)}, COSTS)
+  plan_adaptive(FailureState(8, 8, 16, {(0, 3), (4, 3)}), COSTS)
   assert time.perf_counter() - t0 < 1.0
 
 
 @pytest.mark.slow
 def test_planning_a_large_grid_takes_seconds():
   t0 = time.perf_counter()
-  sched = plan_adaptive(64, 16, 32, {(d, d % 16) for d in range(20)}, COSTS)
+  sched = plan_adaptive(FailureState(64, 16, 32, {(d, d % 16) for d in range(20)}), COSTS)
   assert time.perf_counter() - t0 < 10.0
   assert len(sched.workers) == 64 * 16 - 20
 
@@ -347,13 +349,14 @@ EXACT_CASES = [
 @pytest.mark.parametrize("dp,pp,m,failed,cap", EXACT_CASES)
 def test_exact_vs_heuristic(dp, pp, m, failed, cap):
   t0 = time.perf_counter()
-  result = solve_exact(dp, pp, m, failed, COSTS, cap)
+  result = solve_exact(FailureState(dp, pp, m, failed), COSTS, cap)
   assert time.perf_counter() - t0 < 10.0
   # The optimum is a real, valid schedule within the cap that replays to the same makespan.
   assert validate(result.schedule, memory_cap=cap).max_peak_inflight <= (cap or dp * m)
   assert simulate(result.schedule, COSTS).makespan == pytest.approx(result.makespan, abs=1e-6)
-  assert result.makespan >= route_lower_bound(dp, pp, m, failed, COSTS, memory_cap=cap) - 1e-6
-  heuristic = simulate(plan_adaptive(dp, pp, m, failed, COSTS, memory_cap=cap or dp * m), COSTS)
+  state = FailureState(dp, pp, m, failed)
+  assert result.makespan >= route_lower_bound(state, COSTS, memory_cap=cap) - 1e-6
+  heuristic = simulate(plan_adaptive(state, COSTS, memory_cap=cap or dp * m), COSTS)
   assert result.makespan <= heuristic.makespan + 1e-6
   assert heuristic.makespan <= 1.15 * result.makespan
   print(f"\nexact {result.makespan:.2f} heuristic {heuristic.makespan:.2f}")
@@ -361,6 +364,6 @@ def test_exact_vs_heuristic(dp, pp, m, failed, cap):
 
 def test_optimal_makespan_without_failures():
   # A healthy 1x2 pipeline with 2 micro-batches: the heuristic finds the optimum.
-  assert optimal_makespan(1, 2, 2, set(), COSTS) == pytest.approx(
-    simulate(plan_adaptive(1, 2, 2, set(), COSTS, memory_cap=2), COSTS).makespan, abs=1e-6
+  assert optimal_makespan(FailureState(1, 2, 2, set()), COSTS) == pytest.approx(
+    simulate(plan_adaptive(FailureState(1, 2, 2), COSTS, memory_cap=2), COSTS).makespan, abs=1e-6
   )

@@ -17,6 +17,7 @@ from resilient_jax.schedule.bamboo import bamboo_step_time
 from resilient_jax.schedule.cost import simulate
 from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.oobleck import oobleck_step_time
+from resilient_jax.schedule.routing import FailureState
 from resilient_jax.sim import (
   CostModel,
   Event,
@@ -84,7 +85,7 @@ def test_step_time_is_the_cost_models_makespan_of_the_same_schedule(costs, faile
   op = costs.op_costs(grid.live_per_stage(failed))
   policies = build_policies(["recycle", "naive"])
   for name, planner in (("recycle", "adaptive"), ("naive", "naive")):
-    sched = adaptive.plan(planner, 4, 4, 4, failed, op, base="zb-h1")
+    sched = adaptive.plan(planner, FailureState(4, 4, 4, failed), op, base="zb-h1")
     assert policies[name].step_time(grid, failed, costs) == simulate(sched, op).makespan
 
 
@@ -213,7 +214,8 @@ def test_predict_relative_throughput_from_a_measured_profile(costs):
   failed = [(1, 2)]
   grid = Grid(4, 4, 4)
   op = costs.op_costs(grid.live_per_stage(failed))
-  t1 = simulate(adaptive.plan("adaptive", 4, 4, 4, failed, op, base="zb-h1"), op).makespan
+  sched = adaptive.plan("adaptive", FailureState(4, 4, 4, failed), op, base="zb-h1")
+  t1 = simulate(sched, op).makespan
   t0 = simulate(generate("zb-h1", 4, 4, 4), costs.op_costs((4,) * 4)).makespan
   assert predict_relative_throughput(PROFILE, 4, 4, 4, failed) == pytest.approx(t0 / t1)
   big = predict_relative_throughput(PROFILE, 512, 4, 8, [(7, 3)])

@@ -20,6 +20,7 @@ from resilient_jax.schedule import adaptive
 from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.reduce import failure_pattern, reduce_pattern
+from resilient_jax.schedule.routing import FailureState
 
 DEFAULT_EXACT_OPS = 12_000
 """Grids with at most this many compute ops (3 * D * p * m) are planned whole, not reduced:
@@ -106,10 +107,7 @@ class PlannerPolicy(InPlacePolicy):
       self.plans += 1
       self._plans[key] = adaptive.plan(
         self.planner,
-        dp,
-        grid.pp,
-        grid.m,
-        planned_failed,
+        FailureState(dp, grid.pp, grid.m, planned_failed),
         op,
         memory_cap=grid.memory_cap,
         base=grid.base,

@@ -33,6 +33,7 @@ from resilient_jax.schedule.cost import (
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import GENERATORS, generate, gpipe, one_f_one_b, zb_h1
 from resilient_jax.schedule.routing import (
+  FailureState,
   StageLostError,
   default_memory_cap,
   relative_throughput_bound,
@@ -54,6 +55,7 @@ __all__ = [
   "COMPUTE_KINDS",
   "DurationFn",
   "F",
+  "FailureState",
   "GENERATORS",
   "OPT",
   "Op",

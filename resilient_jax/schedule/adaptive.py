@@ -37,8 +37,8 @@ from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import GENERATORS, generate
 from resilient_jax.schedule.routing import (
+  FailureState,
   Route,
-  _check_grid,
   _live_workers,
   _loads,
   default_memory_cap,
@@ -292,16 +292,9 @@ def _check_cap(memory_cap: int | None) -> None:
 
 
 def plan_adaptive(
-  dp: int,
-  pp: int,
-  m: int,
-  failed: Iterable[Worker],
-  costs: OpCosts,
-  *,
-  memory_cap: int | None = None,
-  base: str = "zb-h1",
+  state: FailureState, costs: OpCosts, *, memory_cap: int | None = None, base: str = "zb-h1"
 ) -> Schedule:
-  """ReCycle's adaptive schedule for the survivors of `failed`.
+  """ReCycle's adaptive schedule for the survivors of `state.failed`.
 
   Routes come from `reroute`. Every backward is split into B and W, and each worker's ops are
   placed by event-driven list scheduling over `costs`: an idle worker starts a ready B first (it
@@ -314,10 +307,7 @@ def plan_adaptive(
   grid without failures the base order itself (backwards split) is a candidate too.
 
   Args:
-    dp: data-parallel pipelines, failed ones included.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-    failed: the failed workers `(dp, stage)`.
+    state: the grid and its failed workers.
     costs: the op costs the plan is optimised for.
     memory_cap: most micro-batches any worker may hold in flight (F done, W not done); None
       means `default_memory_cap(dp, pp, m, failed, base)`.
@@ -334,8 +324,8 @@ def plan_adaptive(
   """
   _check_base(base)
   _check_cap(memory_cap)
+  dp, pp, m, dead = state.dp, state.pp, state.m, state.failed
   costs.check_stages(pp)
-  dead = _check_grid(dp, pp, m, failed)
   route = reroute(dp, pp, m, dead)
   live = _live_workers(dp, pp, dead)
   cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base)
@@ -397,9 +387,7 @@ def _naive_compute(
   return compute
 
 
-def plan_naive(
-  dp: int, pp: int, m: int, failed: Iterable[Worker], *, base: str = "1f1b"
-) -> Schedule:
+def plan_naive(state: FailureState, *, base: str = "1f1b") -> Schedule:
   """The re-routing without bubble filling: the baseline `plan_adaptive` is measured against.
 
   Each survivor runs its own base-schedule compute ops, then those of every failed worker of its
@@ -410,10 +398,7 @@ def plan_naive(
   the plan deadlock free.
 
   Args:
-    dp: data-parallel pipelines, failed ones included.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-    failed: the failed workers.
+    state: the grid and its failed workers.
     base: the fault-free generator whose lists are reused.
 
   Returns:
@@ -424,7 +409,7 @@ def plan_naive(
     ValueError: for a bad shape, failed worker or base name.
   """
   _check_base(base)
-  dead = _check_grid(dp, pp, m, failed)
+  dp, pp, m, dead = state.dp, state.pp, state.m, state.failed
   route = reroute(dp, pp, m, dead)
   schedule = _finish("naive", dp, pp, m, route, _naive_compute(dp, pp, m, dead, route, base))
   validate(schedule)
@@ -433,24 +418,18 @@ def plan_naive(
 
 def plan(
   policy: str,
-  dp: int,
-  pp: int,
-  m: int,
-  failed: Iterable[Worker],
+  state: FailureState,
   costs: OpCosts,
   *,
   memory_cap: int | None = None,
   base: str | None = None,
 ) -> Schedule:
-  """The schedule `policy` runs on the survivors of `failed`.
+  """The schedule `policy` runs on the survivors of `state.failed`.
 
   Args:
     policy: "adaptive" (`plan_adaptive`) or "naive" (`plan_naive`).
-    dp: data-parallel pipelines, failed ones included.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-    failed: the failed workers; with none, the base generator's schedule is returned as is, so
-      fault-free behaviour does not depend on the policy.
+    state: the grid and its failed workers; with none, the base generator's schedule is
+      returned as is, so fault-free behaviour does not depend on the policy.
     costs: op costs (used by "adaptive").
     memory_cap: in-flight cap for "adaptive"; "naive" keeps its base's memory per list.
     base: the fault-free generator; None means "zb-h1" for "adaptive" and "1f1b" for "naive".
@@ -468,9 +447,8 @@ def plan(
   if base is None:
     base = "zb-h1" if policy == "adaptive" else "1f1b"
   _check_base(base)
-  dead = _check_grid(dp, pp, m, failed)
-  if not dead:
-    return generate(base, dp, pp, m)
+  if not state.failed:
+    return generate(base, state.dp, state.pp, state.m)
   if policy == "adaptive":
-    return plan_adaptive(dp, pp, m, dead, costs, memory_cap=memory_cap, base=base)
-  return plan_naive(dp, pp, m, dead, base=base)
+    return plan_adaptive(state, costs, memory_cap=memory_cap, base=base)
+  return plan_naive(state, base=base)

@@ -7,6 +7,7 @@ schedule on those routes can be, which the planners (`adaptive.py`) are measured
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Iterable
 
@@ -41,6 +42,27 @@ def _check_grid(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> frozenset
     if not (0 <= d < dp and 0 <= s < pp):
       raise ValueError(f"failed worker {(d, s)} is outside the {dp}x{pp} grid")
   return dead
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureState:
+  """A DP x PP grid with `m` micro-batches per pipeline and the workers of it that failed: what
+  the re-routing planners, their bounds and the exact solver plan for (validated here, once).
+
+  Attributes:
+    dp: data-parallel pipelines, failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    failed: the failed workers `(dp, stage)` (any iterable; stored as a frozenset).
+  """
+
+  dp: int
+  pp: int
+  m: int
+  failed: frozenset[Worker] = frozenset()
+
+  def __post_init__(self):
+    object.__setattr__(self, "failed", _check_grid(self.dp, self.pp, self.m, self.failed))
 
 
 def _live_workers(dp: int, pp: int, dead: Collection[Worker]) -> list[Worker]:
@@ -154,15 +176,8 @@ def default_memory_cap(dp: int, pp: int, m: int, failed: Iterable[Worker], base:
   return max(1, min(max_load, math.ceil(peak * max_load / m)))
 
 
-def route_lower_bound(
-  dp: int,
-  pp: int,
-  m: int,
-  failed: Iterable[Worker],
-  costs: OpCosts,
-  *,
-  memory_cap: int | None = None,
-) -> float:
+def route_lower_bound(state: FailureState, costs: OpCosts, *, memory_cap: int | None = None
+                      ) -> float:
   """A makespan that no order of the survivors' ops on `reroute`'s routes can beat.
 
   Per live worker `(d, s)` carrying `n` micro-batches: nothing reaches stage `s` before the
@@ -174,18 +189,16 @@ def route_lower_bound(
   in the pipeline, whose survivors cannot start before the fill, misses that bound.
 
   Args:
-    dp: data-parallel pipelines, failed ones included.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-    failed: the failed workers.
+    state: the grid and its failed workers.
     costs: op costs.
     memory_cap: most micro-batches in flight per worker; None: no cap.
 
   Returns:
     The bound, in the unit of `costs`.
   """
+  pp = state.pp
   costs.check_stages(pp)
-  loads = _loads(reroute(dp, pp, m, failed))
+  loads = _loads(reroute(state.dp, pp, state.m, state.failed))
   comm = costs.comm
   f = [costs.f_at(s) for s in range(pp)]
   b = [costs.b_at(s) for s in range(pp)]

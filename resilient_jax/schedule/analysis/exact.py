@@ -33,7 +33,7 @@ from resilient_jax.schedule.adaptive import plan_adaptive
 from resilient_jax.schedule.core import AR, OPT, B, F, Op, Schedule, W, Worker, make_schedule
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
-from resilient_jax.schedule.routing import _check_grid, _live_workers, reroute, route_lower_bound
+from resilient_jax.schedule.routing import FailureState, _live_workers, reroute, route_lower_bound
 
 __all__ = ["ExactResult", "optimal_makespan", "solve_exact"]
 
@@ -80,10 +80,7 @@ class _Model:
 
 
 def solve_exact(
-  dp: int,
-  pp: int,
-  m: int,
-  failed: Iterable[Worker],
+  state: FailureState,
   costs: OpCosts,
   memory_cap: int | None = None,
   *,
@@ -92,10 +89,7 @@ def solve_exact(
   """Finds the optimal order of every survivor's ops for `reroute`'s routes.
 
   Args:
-    dp: data-parallel pipelines, failed ones included.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-    failed: the failed workers.
+    state: the grid and its failed workers.
     costs: op costs (per stage, plus `comm` on every dependency between two workers).
     memory_cap: most micro-batches in flight (F done, W not) on any worker; None: no cap.
     time_limit: seconds HiGHS may spend before this gives up.
@@ -108,8 +102,8 @@ def solve_exact(
       the solver does not prove optimality within `time_limit`.
     StageLostError: when a stage has no live worker.
   """
+  dp, pp, m, dead = state.dp, state.pp, state.m, state.failed
   costs.check_stages(pp)
-  dead = _check_grid(dp, pp, m, failed)
   route = reroute(dp, pp, m, dead)
   live = _live_workers(dp, pp, dead)
   if memory_cap is not None and memory_cap < 1:
@@ -135,7 +129,7 @@ def solve_exact(
   # The heuristic's plan is feasible, so its makespan bounds every start of an optimal plan: a
   # big-M that small keeps the LP relaxation from being useless.
   cap = memory_cap if memory_cap is not None else dp * m
-  heuristic = plan_adaptive(dp, pp, m, dead, costs, memory_cap=cap)
+  heuristic = plan_adaptive(state, costs, memory_cap=cap)
   horizon = simulate(heuristic, costs).makespan + 1e-6
   # Earliest start of any op at each stage (the forward chain) and each worker's total work:
   # the makespan is at least their sum plus AR and OPT, the cut that gives the LP its bound.
@@ -181,7 +175,7 @@ def solve_exact(
     model.add([(ar_var[s], 1.0), (k, -1.0)], dur[k], inf)
   for s in range(pp):
     model.add([(c_var, 1.0), (ar_var[s], -1.0)], costs.ar_at(s) + costs.opt_at(s), inf)
-  floor = route_lower_bound(dp, pp, m, dead, costs, memory_cap=memory_cap)
+  floor = route_lower_bound(state, costs, memory_cap=memory_cap)
   model.add([(c_var, 1.0)], floor, inf)
   for w, idx in per_worker.items():
     model.add([(ar_var[w[1]], 1.0)], head[w[1]] + sum(dur[i] for i in idx), inf)
@@ -243,28 +237,7 @@ def solve_exact(
   return ExactResult(makespan=simulate(schedule, costs).makespan, schedule=schedule)
 
 
-def optimal_makespan(
-  dp: int,
-  pp: int,
-  m: int,
-  failed: Iterable[Worker],
-  costs: OpCosts,
-  memory_cap: int | None = None,
-) -> float:
-  """The best makespan any order of the survivors' ops reaches (see `solve_exact`).
-
-  Args:
-    dp: data-parallel pipelines, failed ones included.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-    failed: the failed workers.
-    costs: op costs.
-    memory_cap: most micro-batches in flight on any worker; None: no cap.
-
-  Returns:
-    The optimal makespan.
-
-  Raises:
-    ScheduleError: as `solve_exact`.
-  """
-  return solve_exact(dp, pp, m, failed, costs, memory_cap).makespan
+def optimal_makespan(state: FailureState, costs: OpCosts, memory_cap: int | None = None) -> float:
+  """The best makespan any order of the survivors' ops reaches (`solve_exact`'s arguments and
+  errors)."""
+  return solve_exact(state, costs, memory_cap).makespan

@@ -17,6 +17,7 @@ from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import OpCosts, lower_bound, simulate
 from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.routing import (
+  FailureState,
   default_memory_cap,
   relative_throughput_bound,
   route_lower_bound,
@@ -166,8 +167,9 @@ def planner_table(
     base_span = simulate(generate(base, dp, pp, m), costs).makespan
     for layout, failed in failure_sets(dp, pp, stages=stages):
       cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, failed, base)
-      adaptive = plan_adaptive(dp, pp, m, failed, costs, memory_cap=cap, base=base)
-      naive = plan_naive(dp, pp, m, failed, base=naive_base)
+      state = FailureState(dp, pp, m, failed)
+      adaptive = plan_adaptive(state, costs, memory_cap=cap, base=base)
+      naive = plan_naive(state, base=naive_base)
       k = max(Counter(s for _, s in failed).values())
       rows.append(
         PlannerRow(
@@ -184,7 +186,7 @@ def planner_table(
           naive_makespan=simulate(naive, costs).makespan,
           bound=relative_throughput_bound(dp, pp, m, k),
           lower_bound=lower_bound(adaptive, costs),
-          route_bound=route_lower_bound(dp, pp, m, failed, costs, memory_cap=cap),
+          route_bound=route_lower_bound(state, costs, memory_cap=cap),
           memory_cap=cap,
           peak_inflight=max(peak_inflight(ops) for ops in adaptive.ops.values()),
         )
