@@ -20,6 +20,7 @@ program, so all three compute exactly the same values as `jax.vjp`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +75,81 @@ def _needed(jaxpr: jcore.Jaxpr, outs: Sequence[Any], skip: set[int] = frozenset(
     picked.append(i)
     live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
   return picked[::-1]
+
+
+def _handover(
+  j: jcore.Jaxpr, n_res: int, b_eqns: Sequence[int], w_eqns: Sequence[int], weights: Sequence[Any]
+) -> list[Any]:
+  """What W reads of B's values and of the cotangents (it reads residuals directly)."""
+  b_defined = {v for i in b_eqns for v in j.eqns[i].outvars}
+  w_defined = {v for i in w_eqns for v in j.eqns[i].outvars}
+  cotangents = set(j.invars[n_res:])
+  return [
+    v for v in _uses(j, w_eqns, weights)
+    if v not in w_defined and (v in b_defined or v in cotangents)
+  ]
+
+
+def _nbytes(vs: Sequence[Any]) -> int:
+  return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in vs)
+
+
+# Primitives W keeps whatever it would save: the weight-gradient products themselves (what the
+# split defers) and anything holding a program of its own.
+_KEEP_IN_W = ("dot_general", "conv_general_dilated")
+
+
+def _absorb_small_reductions(
+  j: jcore.Jaxpr, n_res: int, b_eqns: list[int], weights: Sequence[Any]
+) -> list[int]:
+  """B's equations, plus the cheap W work that shrinks the hand-over.
+
+  A norm's scale and bias gradients are reductions over every token of a cotangent B computes
+  (`sum(g * xhat)`, `sum(g)`): left in W, B must hand over the full-size `g` (and `xhat`, when
+  the backward recomputes it) to get two vectors back. So for each value B would hand over, if
+  W uses it only in work B can do without a matmul, that work moves into B whenever the
+  hand-over shrinks; B then hands over the small results instead. Weight-gradient matmuls
+  always stay in W: deferring them is the point of the split.
+  """
+  b_set = set(b_eqns)
+  available = {v for i in b_eqns for v in j.eqns[i].outvars} | set(j.invars) | set(j.constvars)
+  producer = {v: i for i, e in enumerate(j.eqns) for v in e.outvars}
+  w_eqns = _needed(j, weights, skip=b_set)
+  computable: set[int] = set()
+  for i in w_eqns:  # program order: an equation's inputs come before it
+    e = j.eqns[i]
+    if e.primitive.name in _KEEP_IN_W or any(
+      isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in e.params.values()
+    ):
+      continue
+    if all(not isinstance(v, jcore.Var) or v in available or producer.get(v) in computable
+           for v in e.invars):
+      computable.add(i)
+  handover = _handover(j, n_res, b_eqns, w_eqns, weights)
+  best = _nbytes(handover)
+  # One candidate per handed-over value whose readers in W are all cheap: everything W computes
+  # from it without a matmul, with what that needs. Taken when the hand-over shrinks.
+  for v in sorted(handover, key=lambda v: -_nbytes([v])):
+    readers = [i for i in w_eqns if v in j.eqns[i].invars]
+    if not readers or any(i not in computable for i in readers):
+      continue
+    group = set(readers)
+    for i in sorted(computable):
+      if any(producer.get(u) in group for u in j.eqns[i].invars if isinstance(u, jcore.Var)):
+        group.add(i)
+    closure, todo = set(), list(group)
+    while todo:
+      k = todo.pop()
+      if k in closure or k in b_set:
+        continue
+      closure.add(k)
+      todo += [producer[u] for u in j.eqns[k].invars
+               if isinstance(u, jcore.Var) and producer.get(u) in computable]
+    trial = sorted(b_set | closure)
+    size = _nbytes(_handover(j, n_res, trial, _needed(j, weights, skip=set(trial)), weights))
+    if size < best:
+      b_set, best = set(trial), size
+  return sorted(b_set)
 
 
 def _uses(jaxpr: jcore.Jaxpr, eqn_ids: Sequence[int], outs: Sequence[Any]) -> list[Any]:
@@ -161,17 +237,13 @@ def split_backward(
   )
   j = flat.jaxpr
   n_res = len(residual_specs)
+  weights = [j.outvars[k] for k in weight_outs]
   b_eqns = _needed(j, [j.outvars[k] for k in input_outs])
-  in_b = set(b_eqns)
-  w_eqns = _needed(j, [j.outvars[k] for k in weight_outs], skip=in_b)
-  b_defined = {v for i in b_eqns for v in j.eqns[i].outvars}
+  b_eqns = _absorb_small_reductions(j, n_res, b_eqns, weights)
+  w_eqns = _needed(j, weights, skip=set(b_eqns))
+  handover = _handover(j, n_res, b_eqns, w_eqns, weights)
   res_vars = j.invars[:n_res]
-  w_reads = _uses(j, w_eqns, [j.outvars[k] for k in weight_outs])
-  w_read_set = set(w_reads)
-  w_defined = {v for i in w_eqns for v in j.eqns[i].outvars}
-  # W reads B's values and the cotangents through the hand-over; residuals directly.
-  cotangents = set(j.invars[n_res:])
-  handover = [v for v in w_reads if v not in w_defined and (v in b_defined or v in cotangents)]
+  w_read_set = set(_uses(j, w_eqns, weights))
   b_reads = set(_uses(j, b_eqns, [j.outvars[k] for k in input_outs]))
   return BackwardSplit(
     jaxpr=j,
