@@ -47,6 +47,14 @@ def reference_for(cfg: RunConfig):
   return _reference(cfg.model, cfg.train.steps, cfg.train.global_batch, cfg.train.seed)
 
 
+def expected_digests(cfg: RunConfig) -> list[str]:
+  """The sample digest of every step of a run that saw no failure."""
+  from resilient_jax import data as data_lib
+
+  plan = data_lib.BatchPlan(None, cfg.train.global_batch, cfg.train.seed)
+  return [data_lib.sample_digest(plan.ids_for_step(t)) for t in range(cfg.train.steps)]
+
+
 def assert_matches_reference(metrics: list[dict], params: dict, cfg: RunConfig) -> None:
   ref_losses, ref_params = reference_for(cfg)
   losses = [m["loss"] for m in metrics]

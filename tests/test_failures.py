@@ -5,10 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from resilient_jax import data as data_lib
 from resilient_jax.schedule.core import AR, B, F, Op
 from resilient_jax.trainer import FaultEvent, Trainer
-from tests.helpers import assert_matches_reference, run_launcher, tiny_config
+from tests.helpers import assert_matches_reference, expected_digests, run_launcher, tiny_config
 
 # Per grid: failures between steps ("STEP:DP.STAGE") and one in the middle of a step.
 SCENARIOS = {
@@ -18,11 +17,6 @@ SCENARIOS = {
   # Three of the four workers of stage 0, one of them during the all-reduce.
   (4, 2): ("2:1.0,2:2.0", FaultEvent(3, (3, 0), after_op=Op(AR))),
 }
-
-
-def expected_digests(cfg):
-  plan = data_lib.BatchPlan(None, cfg.train.global_batch, cfg.train.seed)
-  return [data_lib.sample_digest(plan.ids_for_step(t)) for t in range(cfg.train.steps)]
 
 
 def run_with_failures(tmp_path, dp, pp, schedule, policy="recycle"):

@@ -12,7 +12,13 @@ from flax import nnx
 
 from resilient_jax import NotStageableError, check_stageable, run_config, train
 from resilient_jax.recipe import make_data, make_optimizer, sample_seeds, step_batch
-from tests.helpers import LOSS_RTOL, PARAM_ATOL, assert_matches_reference, tiny_config
+from tests.helpers import (
+  LOSS_RTOL,
+  PARAM_ATOL,
+  assert_matches_reference,
+  expected_digests,
+  tiny_config,
+)
 
 VOCAB, D = 256, 32
 
@@ -86,18 +92,25 @@ def reference(model: nnx.Module, cfg, steps: int):
   return losses, {k: np.asarray(v) for k, v in params.items()}
 
 
+# Every schedule on both grids, and every policy through a failure (one run has none), for the
+# user model and for Llama: a covering set rather than the full product, to keep the suite short.
 @pytest.mark.parametrize("dp,pp,schedule,policy,faults", [
   (2, 2, "gpipe", "recycle", ""),
   (2, 2, "zb-h1", "recycle", "2:1.1"),
+  (2, 2, "1f1b", "naive", "2:0.1"),
+  (2, 2, "gpipe", "auto", "2:1.0"),
   (2, 4, "1f1b", "bamboo", "2:0.2"),
   (2, 4, "zb-h1", "oobleck", "2:1.0"),
+  (2, 4, "gpipe", "restart", "2:1.3"),
 ])
 def test_user_model_matches_single_device(tmp_path, dp, pp, schedule, policy, faults):
   model = Net()
   cd = tiny_config(mesh__dp=dp, mesh__pp=pp, pipeline__schedule=schedule,
-                   resilience__policy=policy, faults__schedule=faults)
+                   resilience__policy=policy, faults__schedule=faults,
+                   checkpoint__every_steps=1 if policy == "restart" else 0)
   result = train(cd, tmp_path, model=model, log=lambda _: None)
   cfg = run_config(cd, model)
+  assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   losses, params = reference(model, cfg, cfg.train.steps)
   np.testing.assert_allclose([m["loss"] for m in result.metrics], losses, rtol=LOSS_RTOL)
   got = result.interpreter.all_params()
@@ -126,13 +139,18 @@ def test_dropout_draws_per_sample_masks():
 
 @pytest.mark.parametrize("dp,pp,schedule,policy,faults", [
   (2, 2, "zb-h1", "recycle", "2:0.1"),
+  (2, 2, "gpipe", "naive", "2:1.0"),
+  (2, 2, "1f1b", "auto", "2:0.1"),
   (2, 4, "gpipe", "restart", "2:1.3"),
+  (2, 4, "1f1b", "bamboo", "2:0.2"),
+  (2, 4, "zb-h1", "oobleck", "2:1.0"),
 ])
 def test_llama_matches_single_device(tmp_path, dp, pp, schedule, policy, faults):
   cfg = tiny_config(model__name="llama", mesh__dp=dp, mesh__pp=pp, pipeline__schedule=schedule,
                     resilience__policy=policy, faults__schedule=faults,
                     checkpoint__every_steps=1)
   result = train(cfg, tmp_path, log=lambda _: None)
+  assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 

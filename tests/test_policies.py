@@ -16,8 +16,8 @@ from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.pipelines import Pipeline, PipelineSet, bamboo_set
 from resilient_jax.schedule.plan import step_program
 from resilient_jax.trainer import Trainer
-from tests.helpers import assert_matches_reference, run_launcher, tiny_config
-from tests.test_failures import SCENARIOS, expected_digests
+from tests.helpers import assert_matches_reference, expected_digests, run_launcher, tiny_config
+from tests.test_failures import SCENARIOS
 
 
 def run_policy(tmp_path, policy, dp, pp, **overrides):
