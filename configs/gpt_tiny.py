@@ -32,13 +32,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     global_batch=32,
     seed=0,
     data="synthetic",
+    stop_after=0,
+    max_nonfinite_steps=10,
+  )
+  c.optimizer = dict(
+    name="adamw",
     learning_rate=3e-3,
+    schedule="warmup_cosine",
     warmup_steps=4,
     min_lr_ratio=0.1,
-    weight_decay=0.01,
     b1=0.9,
     b2=0.95,
-    stop_after=0,
+    eps=1e-8,
+    momentum=0.9,
+    weight_decay=0.01,
+    decay_embeddings=True,
+    clip_global_norm=0.0,
   )
   c.faults = dict(schedule="")
   c.resilience = dict(

@@ -61,29 +61,69 @@ class TrainConfig:
   global_batch: int = 16
   seed: int = 0
   data: str = "synthetic"
-  learning_rate: float = 3e-3
-  warmup_steps: int = 2
-  min_lr_ratio: float = 0.1
-  weight_decay: float = 0.01
-  b1: float = 0.9
-  b2: float = 0.95
   stop_after: int = 0
   """End the run cleanly after this step (checkpointing first); 0: run all `steps`. The
   learning-rate schedule still follows `steps`, so a resumed run continues it exactly."""
+  max_nonfinite_steps: int = 10
+  """A step whose gradients are not finite (on any stage) is skipped on every stage; after this
+  many in a row the run stops (exit code 8) rather than train on."""
 
   def __post_init__(self):
     keys = ("steps", "global_batch")
     require_ints("train.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
     if self.data not in DATA_KINDS:
       raise ConfigError(f"train.data={self.data!r} is not one of {', '.join(DATA_KINDS)}")
-    if not self.learning_rate > 0:
-      raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate}")
-    if self.warmup_steps < 0:
-      raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
-    if not isinstance(self.stop_after, int) or self.stop_after < 0:
-      raise ConfigError(f"train.stop_after must be an integer >= 0, got {self.stop_after!r}")
-    if not 0 <= self.min_lr_ratio <= 1:
-      raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+    require_ints("train.", {"stop_after": self.stop_after}, 0, ConfigError)
+    require_ints("train.", {"max_nonfinite_steps": self.max_nonfinite_steps}, 1, ConfigError)
+
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")
+LR_SCHEDULES = ("warmup_cosine", "constant", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """The optimizer every stage steps with (its own parameters, as soon as they are reduced).
+
+  `adamw` and `lion` decay weights decoupled; `adam` and `sgd` add `weight_decay * w` to the
+  gradient (L2), after clipping. Decay applies to matrices only (not to biases and norms), and to
+  embeddings unless `decay_embeddings` is false.
+  """
+
+  name: str = "adamw"
+  learning_rate: float = 3e-3
+  schedule: str = "warmup_cosine"
+  """`warmup_cosine` (linear warmup, cosine decay to `min_lr_ratio` at `train.steps`),
+  `constant`, or `linear` (warmup, then linear decay to `min_lr_ratio`)."""
+  warmup_steps: int = 2
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  momentum: float = 0.9
+  """`sgd`'s momentum (0: none)."""
+  weight_decay: float = 0.01
+  decay_embeddings: bool = True
+  clip_global_norm: float = 0.0
+  """Clip the gradient to this global norm over every parameter of every stage, as one device
+  would (0: off); each stage still steps as soon as its own gradients are reduced."""
+
+  def __post_init__(self):
+    if self.name not in OPTIMIZERS:
+      raise ConfigError(f"optimizer.name={self.name!r} is not one of {', '.join(OPTIMIZERS)}")
+    if self.schedule not in LR_SCHEDULES:
+      raise ConfigError(
+        f"optimizer.schedule={self.schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    require_numbers("optimizer.", {"learning_rate": self.learning_rate, "eps": self.eps},
+                    positive=True, error=ConfigError)
+    keys = ("weight_decay", "clip_global_norm", "min_lr_ratio", "b1", "b2", "momentum")
+    require_numbers("optimizer.", {k: getattr(self, k) for k in keys}, error=ConfigError)
+    require_ints("optimizer.", {"warmup_steps": self.warmup_steps}, 0, ConfigError)
+    if self.min_lr_ratio > 1:
+      raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+    for key in ("b1", "b2", "momentum"):
+      if getattr(self, key) >= 1:
+        raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)!r}")
 
 
 _FAULT_RE = re.compile(r"^(\d+):(\d+)\.(\d+)$")
@@ -220,6 +260,7 @@ class RunConfig:
   mesh: MeshConfig
   pipeline: PipelineConfig
   train: TrainConfig
+  optimizer: OptimizerConfig = OptimizerConfig()
   faults: FaultsConfig = FaultsConfig()
   resilience: ResilienceConfig = ResilienceConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
@@ -321,7 +362,8 @@ def from_config_dict(cd: Mapping[str, Any], model: ModelConfig | None = None) ->
     ConfigError: the first invalid or unknown key.
   """
   known = {
-    "model", "mesh", "pipeline", "train", "faults", "resilience", "checkpoint", "distributed"
+    "model", "mesh", "pipeline", "train", "optimizer", "faults", "resilience", "checkpoint",
+    "distributed",
   }
   unknown = sorted(set(cd) - known)
   if unknown:
@@ -331,6 +373,7 @@ def from_config_dict(cd: Mapping[str, Any], model: ModelConfig | None = None) ->
     mesh=_section(cd, "mesh", MeshConfig),
     pipeline=_section(cd, "pipeline", PipelineConfig, _pipeline),
     train=_section(cd, "train", TrainConfig),
+    optimizer=_section(cd, "optimizer", OptimizerConfig),
     faults=_section(cd, "faults", FaultsConfig, _faults),
     resilience=_section(cd, "resilience", ResilienceConfig),
     checkpoint=_section(cd, "checkpoint", CheckpointConfig),

@@ -22,6 +22,9 @@ EXIT_WAIT_TIMEOUT = 6
 EXIT_DECLARED_DEAD = 7
 """The other processes declared this one dead (its heartbeat stopped for
 `distributed.heartbeat_timeout_s`) and went on without it."""
+EXIT_NONFINITE = 8
+"""`train.max_nonfinite_steps` steps in a row had non-finite gradients (each was skipped on
+every stage; the checkpoints hold the last finite state)."""
 
 
 def exit_code_for(error: BaseException) -> int | None:
@@ -29,6 +32,7 @@ def exit_code_for(error: BaseException) -> int | None:
   from resilient_jax.checkpoint import CheckpointError
   from resilient_jax.config import ConfigError
   from resilient_jax.policy import NoDevicesLeft, StageLost
+  from resilient_jax.trainer import NonFiniteSteps
 
   if isinstance(error, ConfigError):
     return EXIT_BAD_CONFIG
@@ -36,4 +40,6 @@ def exit_code_for(error: BaseException) -> int | None:
     return EXIT_NO_DEVICES
   if isinstance(error, CheckpointError):
     return EXIT_CHECKPOINT
+  if isinstance(error, NonFiniteSteps):
+    return EXIT_NONFINITE
   return None

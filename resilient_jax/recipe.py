@@ -14,23 +14,53 @@ from resilient_jax.runtime.interpreter import StepResult
 from resilient_jax.schedule.plan import GridPlan, Plan
 
 
+def learning_rate(cfg: RunConfig) -> optax.Schedule:
+  """The configured learning-rate schedule over `train.steps`."""
+  o, steps = cfg.optimizer, cfg.train.steps
+  peak, end = o.learning_rate, o.learning_rate * o.min_lr_ratio
+  if o.schedule == "constant":
+    return optax.constant_schedule(peak)
+  decay = max(steps, o.warmup_steps + 1)
+  if o.schedule == "linear":
+    return optax.join_schedules(
+      [optax.linear_schedule(0.0, peak, o.warmup_steps),
+       optax.linear_schedule(peak, end, decay - o.warmup_steps)], [o.warmup_steps])
+  return optax.warmup_cosine_decay_schedule(0.0, peak, o.warmup_steps, decay, end)
+
+
+def decay_mask(cfg: RunConfig):
+  """Which parameters decay: matrices (not biases and norms), embeddings as configured."""
+  embeddings = cfg.optimizer.decay_embeddings
+
+  def mask(params: dict) -> dict:
+    return {k: v.ndim >= 2 and (embeddings or not k.endswith("embedding"))
+            for k, v in params.items()}
+
+  return mask
+
+
 def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-  """AdamW with linear warmup and cosine decay; weight decay on matrices only."""
-  t = cfg.train
-  schedule = optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=t.learning_rate,
-    warmup_steps=t.warmup_steps,
-    decay_steps=max(t.steps, t.warmup_steps + 1),
-    end_value=t.learning_rate * t.min_lr_ratio,
-  )
-  return optax.adamw(
-    schedule,
-    b1=t.b1,
-    b2=t.b2,
-    weight_decay=t.weight_decay,
-    mask=lambda params: {k: v.ndim >= 2 for k, v in params.items()},
-  )
+  """The per-stage optimizer of `optimizer.*`, without clipping: a stage cannot see the global
+  norm, so the runtime applies the clip factor itself (`Interpreter`), and the single-device
+  reference chains `optax.clip_by_global_norm` in front (`reference_optimizer`)."""
+  o, lr, mask = cfg.optimizer, learning_rate(cfg), decay_mask(cfg)
+  if o.name == "adamw":
+    return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+  if o.name == "lion":
+    return optax.lion(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask)
+  if o.name == "adafactor":
+    return optax.adafactor(lr, eps=o.eps, weight_decay_rate=o.weight_decay or None,
+                           weight_decay_mask=mask)
+  inner = (optax.adam(lr, b1=o.b1, b2=o.b2, eps=o.eps) if o.name == "adam"
+           else optax.sgd(lr, momentum=o.momentum or None))
+  return optax.chain(optax.add_decayed_weights(o.weight_decay, mask), inner)
+
+
+def reference_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+  """What one device runs: `make_optimizer` behind global-norm clipping when configured."""
+  clip = cfg.optimizer.clip_global_norm
+  inner = make_optimizer(cfg)
+  return optax.chain(optax.clip_by_global_norm(clip), inner) if clip else inner
 
 
 def make_model(cfg: RunConfig) -> nnx.Module:

@@ -17,7 +17,7 @@ from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_n
 from resilient_jax.recipe import (
   make_data,
   make_model,
-  make_optimizer,
+  reference_optimizer,
   sample_seeds,
   step_batch,
 )
@@ -39,7 +39,7 @@ def train_reference(
   bind = Binder(stage, names)
   params = dict(flat_params(stage, names))
   per_token = loss_fn(model)
-  optimizer = make_optimizer(cfg)
+  optimizer = reference_optimizer(cfg)
   opt_state = optimizer.init(params)
   source, plan = make_data(cfg)
 

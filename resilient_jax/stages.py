@@ -15,7 +15,8 @@ failed worker's micro-batches runs the very same programs on its own device.
 - `backward_weight(params, saved, handover, acc) -> acc + grads`: the rest of the backward,
   no recomputation of B's. Accumulates into `acc` (donated) so a deferred W adds no extra op.
 - `backward_fused(residuals, saved, params, g, acc)`: B then W in one program (GPipe, 1F1B).
-- `optimizer_step(params, opt_state, grads) -> (params, opt_state)`: this stage's optax update.
+- `optimizer_step(params, opt_state, grads, scale=None) -> (params, opt_state)`: this stage's
+  optax update, of the gradients times `scale` (the global clip factor) when given.
 
 Parameters are flat dicts keyed by global parameter names (their paths in the model,
 `blocks.3.mlp.fc.kernel`), so a stage's parameters, gradients and optimizer state do not depend
@@ -195,9 +196,14 @@ class StagePrograms:
       dx, handover = backward_input(residuals, g)
       return dx, weight_grads(params, saved, handover, acc)
 
-    def optimizer_step(params, opt_state, grads):
+    def optimizer_step(params, opt_state, grads, scale=None):
+      if scale is not None:  # the global-norm clip factor (`Interpreter`)
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
+
+    def grad_sumsq(grads):
+      return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
 
     self.forward: Callable = forward
     self.backward_input: Callable = jax.jit(backward_input)
@@ -206,6 +212,8 @@ class StagePrograms:
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
     self.optimizer_step: Callable = jax.jit(optimizer_step)
+    # Sum of squares of the given (reduced) gradients: this slot's share of the global norm.
+    self.grad_sumsq: Callable = jax.jit(grad_sumsq)
     self._init_opt = jax.jit(optimizer.init)
     self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
 

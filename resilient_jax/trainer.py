@@ -215,7 +215,8 @@ class Trainer:
 
   def _interpreter(self, plan: Plan) -> Interpreter:
     self.microbatch_size = self.cfg.train.global_batch // num_microbatches(plan)
-    return Interpreter(self._programs_for, self.transport, plan)
+    return Interpreter(self._programs_for, self.transport, plan,
+                       clip_global_norm=self.cfg.optimizer.clip_global_norm)
 
   @property
   def programs(self) -> list[StagePrograms]:
@@ -439,6 +440,7 @@ class Trainer:
     schedules_seen: list[str] = []
     result = None
     step = start
+    nonfinite = 0  # steps skipped in a row
     while step <= end:
       last = step == end
       # Profile the last step, and the first step after each failure, for their timelines.
@@ -466,7 +468,10 @@ class Trainer:
         "step_time_s": round(result.step_time_s, 6),
         "samples_per_s": round(len(ids) / result.step_time_s, 3),
         "schedule": coord.plan_name,
+        "grad_norm": result.grad_norm,
       }
+      if result.skipped or result.clipped:
+        row["skipped" if result.skipped else "clipped"] = True
       if self.cluster is not None:
         row.update(attempts=result.attempts, time=round(time.time(), 3))
       metrics.append(row)
@@ -478,7 +483,12 @@ class Trainer:
         f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
         f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
         f"workers {row['live_workers']}  schedule {coord.plan_name}"
+        + ("  SKIPPED: non-finite gradients, no stage stepped" if result.skipped else "")
       )
+      nonfinite = nonfinite + 1 if result.skipped else 0
+      if nonfinite >= cfg.train.max_nonfinite_steps:
+        raise NonFiniteSteps(f"{nonfinite} steps in a row had non-finite gradients (up to step "
+                             f"{step}); stopping (train.max_nonfinite_steps)")
       if (every and step % every == 0) or (last and (every or cfg.train.stop_after)):
         self._save(step)
       step += 1
@@ -518,6 +528,10 @@ def _describe(plan: Plan) -> str:
   if isinstance(plan, GridPlan):
     return f"dp={plan.schedule.dp} pp={plan.schedule.pp}"
   return f"{len(plan.pipelines)} new {plan.name} pipelines"
+
+
+class NonFiniteSteps(RuntimeError):
+  """`train.max_nonfinite_steps` steps in a row had non-finite gradients."""
 
 
 class _Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer.run`

@@ -33,18 +33,20 @@ def tiny_config(**overrides) -> RunConfig:
 
 
 @functools.cache
-def _reference(model, steps: int, global_batch: int, seed: int):
+def _reference(model, optimizer, steps: int, global_batch: int, seed: int):
   from resilient_jax.reference import train_reference
 
   cfg = tiny_config(
     train__steps=steps, train__global_batch=global_batch, train__seed=seed, mesh__dp=1, mesh__pp=1
   )
-  return train_reference(dataclasses.replace(cfg, model=model))
+  return train_reference(dataclasses.replace(cfg, model=model, optimizer=optimizer))
 
 
 def reference_for(cfg: RunConfig):
-  """Losses and final parameters of the single-device run of `cfg`'s model and data."""
-  return _reference(cfg.model, cfg.train.steps, cfg.train.global_batch, cfg.train.seed)
+  """Losses and final parameters of the single-device run of `cfg`'s model, optimizer and
+  data."""
+  return _reference(cfg.model, cfg.optimizer, cfg.train.steps, cfg.train.global_batch,
+                    cfg.train.seed)
 
 
 def expected_digests(cfg: RunConfig) -> list[str]:

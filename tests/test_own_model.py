@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from resilient_jax import NotStageableError, check_stageable, run_config, train
-from resilient_jax.recipe import make_data, make_optimizer, sample_seeds, step_batch
+from resilient_jax.recipe import make_data, reference_optimizer, sample_seeds, step_batch
 from tests.helpers import (
   LOSS_RTOL,
   PARAM_ATOL,
@@ -58,7 +58,7 @@ def reference(model: nnx.Module, cfg, steps: int):
   order = [".".join(map(str, k)) for k, _ in nnx.to_flat_state(state)]
   leaves, treedef = jax.tree.flatten(state)
   params = dict(zip(order, leaves, strict=True))
-  optimizer = make_optimizer(cfg)
+  optimizer = reference_optimizer(cfg)
   opt_state = optimizer.init(params)
   source, plan = make_data(cfg)
 
@@ -93,15 +93,16 @@ def reference(model: nnx.Module, cfg, steps: int):
 
 
 # Every schedule on both grids, and every policy through a failure (one run has none), for the
-# user model and for Llama: a covering set rather than the full product, to keep the suite short.
+# user model and for Llama: a covering set rather than the full product, to keep the suite short
+# (the quick subset, `-m "not slow"`, runs the first entries of each).
 @pytest.mark.parametrize("dp,pp,schedule,policy,faults", [
   (2, 2, "gpipe", "recycle", ""),
   (2, 2, "zb-h1", "recycle", "2:1.1"),
-  (2, 2, "1f1b", "naive", "2:0.1"),
-  (2, 2, "gpipe", "auto", "2:1.0"),
+  pytest.param(2, 2, "1f1b", "naive", "2:0.1", marks=pytest.mark.slow),
+  pytest.param(2, 2, "gpipe", "auto", "2:1.0", marks=pytest.mark.slow),
   (2, 4, "1f1b", "bamboo", "2:0.2"),
   (2, 4, "zb-h1", "oobleck", "2:1.0"),
-  (2, 4, "gpipe", "restart", "2:1.3"),
+  pytest.param(2, 4, "gpipe", "restart", "2:1.3", marks=pytest.mark.slow),
 ])
 def test_user_model_matches_single_device(tmp_path, dp, pp, schedule, policy, faults):
   model = Net()
@@ -139,11 +140,11 @@ def test_dropout_draws_per_sample_masks():
 
 @pytest.mark.parametrize("dp,pp,schedule,policy,faults", [
   (2, 2, "zb-h1", "recycle", "2:0.1"),
-  (2, 2, "gpipe", "naive", "2:1.0"),
-  (2, 2, "1f1b", "auto", "2:0.1"),
+  pytest.param(2, 2, "gpipe", "naive", "2:1.0", marks=pytest.mark.slow),
+  pytest.param(2, 2, "1f1b", "auto", "2:0.1", marks=pytest.mark.slow),
   (2, 4, "gpipe", "restart", "2:1.3"),
-  (2, 4, "1f1b", "bamboo", "2:0.2"),
-  (2, 4, "zb-h1", "oobleck", "2:1.0"),
+  pytest.param(2, 4, "1f1b", "bamboo", "2:0.2", marks=pytest.mark.slow),
+  pytest.param(2, 4, "zb-h1", "oobleck", "2:1.0", marks=pytest.mark.slow),
 ])
 def test_llama_matches_single_device(tmp_path, dp, pp, schedule, policy, faults):
   cfg = tiny_config(model__name="llama", mesh__dp=dp, mesh__pp=pp, pipeline__schedule=schedule,

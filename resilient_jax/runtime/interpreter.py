@@ -27,6 +27,7 @@ committed state untouched and the step is re-run on the new plan with the same s
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -75,6 +76,12 @@ class StepResult:
   """Nodes that died during the step (multi-process; the step did not commit)."""
   detected_at: float = 0.0
   """`time.time()` when the outcome was known."""
+  grad_norm: float = 0.0
+  """The global norm of the step's gradients, over every parameter once."""
+  skipped: bool = False
+  """The gradients were not finite: every stage kept its state (the step committed nothing)."""
+  clipped: bool = False
+  """Global-norm clipping scaled the gradients (each stage redid its optimizer step)."""
   attempts: int = 1
   """Attempts the step took (set by the training loop)."""
 
@@ -104,6 +111,7 @@ class Interpreter(StateHandover):
     transport: how data crosses slot boundaries.
     plan: the plan to start with.
     state: where the state comes from (`place`); default the model's initial parameters.
+    clip_global_norm: clip the gradients to this global norm (0: off).
   """
 
   def __init__(
@@ -112,9 +120,11 @@ class Interpreter(StateHandover):
     transport: Transport,
     plan: Plan,
     state: Sequence[Source] | None = None,
+    clip_global_norm: float = 0.0,
   ):
     self._programs_for = programs_for
     self.transport = transport
+    self.clip_global_norm = clip_global_norm
     self.params: dict[Slot, Params] = {}
     self.opt_state: dict[Slot, Any] = {}
     self.replicas: dict[Slot, tuple[Params, Any]] = {}
@@ -138,6 +148,11 @@ class Interpreter(StateHandover):
       s for s, p in sorted(self.step_program.slots.items()) if self.transport.is_local(p.node)
     ]
     self._groups = self._reduction_groups()
+    # Each name's reduced gradient is the same on all its holders: its first holder counts it
+    # into the global norm.
+    self._owned: dict[Slot, list[str]] = {}
+    for g in self._groups:
+      self._owned.setdefault(g.holders[0], []).extend(g.names)
 
   def programs(self, split: tuple[LayerRange, ...]) -> Sequence[StagePrograms]:
     return self._programs_for(split)
@@ -368,6 +383,7 @@ class Interpreter(StateHandover):
     processed: list[int] = []
     acc: dict[Slot, Params] = {}
     new_state: dict[Slot, tuple[Params, Any]] = {}
+    sumsq: list[jax.Array] = []
     records: list[OpRecord] = []
 
     def grads_of(slot: Slot) -> Params:
@@ -520,9 +536,14 @@ class Interpreter(StateHandover):
           progressed = True
           start = time.perf_counter() - t0
           if op.kind == OPT:
-            new_state[slot] = self.program(slot).optimizer_step(
-              self.params[slot], self.opt_state[slot], grads_of(slot))
-            finish(slot, op, start, new_state[slot][0])
+            # Optimistic: unclipped, checked against the global norm when the step concludes.
+            prog, grads = self.program(slot), grads_of(slot)
+            new_state[slot] = prog.optimizer_step(self.params[slot], self.opt_state[slot], grads)
+            share = None
+            if self._owned.get(slot):
+              share = prog.grad_sumsq({n: grads[n] for n in self._owned[slot]})
+              sumsq.append(share)
+            finish(slot, op, start, (new_state[slot][0], share))
           else:
             finish(slot, op, start, compute(slot, op))
             after(slot, op)
@@ -532,14 +553,27 @@ class Interpreter(StateHandover):
         raise RuntimeError(f"plan {sp.name} cannot make progress; stuck at {heads}")
     dispatch_time = time.perf_counter() - t0
 
-    outcome: Outcome = tp.conclude(losses, [p for p, _ in new_state.values()])
-    elapsed = time.perf_counter() - t0
+    outcome: Outcome = tp.conclude(losses, [p for p, _ in new_state.values()], sumsq)
     if not outcome.committed:
-      return StepResult(0.0, {}, elapsed, records, [], dispatch_time, committed=False,
-                        lost=frozenset(outcome.lost), detected_at=outcome.detected_at)
-    for slot, (params, opt_state) in new_state.items():
-      self.params[slot], self.opt_state[slot] = params, opt_state
-    self._refresh_replicas((step, attempt))
+      return StepResult(0.0, {}, time.perf_counter() - t0, records, [], dispatch_time,
+                        committed=False, lost=frozenset(outcome.lost),
+                        detected_at=outcome.detected_at)
+    norm = math.sqrt(outcome.grad_sumsq) if outcome.grad_sumsq >= 0 else math.nan
+    skipped = not math.isfinite(norm)
+    clipped = not skipped and 0 < self.clip_global_norm < norm
+    if clipped:
+      # Post-validation: every process knows the same global norm, so every stage redoes its
+      # step with the same factor, from the committed state (the optimistic one is dropped).
+      scale = jnp.float32(self.clip_global_norm / norm)
+      for slot in new_state:
+        new_state[slot] = self.program(slot).optimizer_step(
+          self.params[slot], self.opt_state[slot], acc[slot],
+          jax.device_put(scale, self.device(slot)))
+    if not skipped:
+      for slot, (params, opt_state) in new_state.items():
+        self.params[slot], self.opt_state[slot] = params, opt_state
+      self._refresh_replicas((step, attempt))
+    elapsed = time.perf_counter() - t0
     mb_losses = outcome.losses
     return StepResult(
       loss=float(sum(mb_losses[mb] for mb in sorted(mb_losses))),
@@ -549,4 +583,7 @@ class Interpreter(StateHandover):
       processed=sorted(mb_losses) if outcome.remote else processed,
       dispatch_time_s=dispatch_time,
       detected_at=outcome.detected_at,
+      grad_norm=norm,
+      skipped=skipped,
+      clipped=clipped,
     )

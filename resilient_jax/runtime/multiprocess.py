@@ -153,9 +153,11 @@ class ProcessTransport(Transport):
       return local
     return out
 
-  def conclude(self, losses: Mapping[int, jax.Array], new_params: Sequence[Any]) -> Outcome:
+  def conclude(
+    self, losses: Mapping[int, jax.Array], new_params: Sequence[Any], grad_sumsq: Sequence[Any]
+  ) -> Outcome:
     cl = self.cluster
-    err = cl.wait((list(new_params), dict(losses)), "the step's results")
+    err = cl.wait((list(new_params), dict(losses), list(grad_sumsq)), "the step's results")
     if err is not None:
       self._failed("results", err)
     doomed = self.doomed
@@ -163,6 +165,8 @@ class ProcessTransport(Transport):
       "ok": not doomed,
       "why": doomed[:3],
       "losses": {} if doomed else {str(k): float(v) for k, v in losses.items()},
+      # A string, so that a non-finite norm survives the key-value store's JSON.
+      "sumsq": "0.0" if doomed else repr(float(sum(jax.device_get(list(grad_sumsq))))),
     }
     base = _attempt_key(self.step, self.attempt)
     if cl.process_id in self.participants:  # a process the plan left idle only follows
@@ -174,7 +178,8 @@ class ProcessTransport(Transport):
       cl.declared_dead(decision["lost"], what)
       return Outcome(False, {}, set(decision["lost"]), detected, remote=True)
     mb_losses = {int(k): v for st in statuses.values() for k, v in st["losses"].items()}
-    return Outcome(True, mb_losses, detected_at=detected, remote=True)
+    total = sum(float(st["sumsq"]) for st in statuses.values())
+    return Outcome(True, mb_losses, detected_at=detected, remote=True, grad_sumsq=total)
 
   def wait(self, tree: Any, what: str) -> None:
     self.cluster.wait(tree, what)

@@ -44,6 +44,8 @@ class Outcome:
   detected_at: float = 0.0
   remote: bool = False
   """Whether other processes contributed losses (`processed` then comes from them)."""
+  grad_sumsq: float = 0.0
+  """The squared global norm of the step's gradients, summed over every process's share."""
 
 
 class GroupSum:
@@ -134,11 +136,15 @@ class Transport:
     del index, nodes
     return self._group_sum(devices, local)
 
-  def conclude(self, losses: Mapping[int, jax.Array], new_params: Sequence[Any]) -> Outcome:
-    """Ends the attempt: commit (with every micro-batch's loss) or the nodes lost."""
-    values = jax.device_get(dict(losses))
+  def conclude(
+    self, losses: Mapping[int, jax.Array], new_params: Sequence[Any], grad_sumsq: Sequence[Any]
+  ) -> Outcome:
+    """Ends the attempt: commit (with every micro-batch's loss and the squared global norm of
+    the gradients, from this process's shares `grad_sumsq`) or the nodes lost."""
+    values, shares = jax.device_get((dict(losses), list(grad_sumsq)))
     jax.block_until_ready(list(new_params))
-    return Outcome(True, {mb: float(v) for mb, v in values.items()}, detected_at=time.time())
+    return Outcome(True, {mb: float(v) for mb, v in values.items()}, detected_at=time.time(),
+                   grad_sumsq=float(sum(shares)))
 
   def wait(self, tree: Any, what: str) -> None:
     """Blocks (bounded, across processes) until `tree` is computed."""

@@ -1,0 +1,134 @@
+"""The optimizer of `optimizer.*`, and global-norm clipping and non-finite skipping that act on
+the whole model while each stage still steps on its own: against one device running
+`optax.clip_by_global_norm` in front of the same optimizer."""
+
+import math
+
+import numpy as np
+import pytest
+
+from resilient_jax.config import ConfigError
+from resilient_jax.schedule.core import B, Op
+from resilient_jax.trainer import FaultEvent, NonFiniteSteps, Trainer
+from tests.helpers import assert_matches_reference, expected_digests, reference_for, tiny_config
+
+
+def _run(tmp_path, faults=(), **overrides):
+  cfg = tiny_config(**overrides)
+  result = Trainer(cfg, tmp_path, log=lambda _: None, faults=list(faults)).run()
+  assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
+  params = result.interpreter.all_params()
+  if cfg.optimizer.name == "lion":
+    # Lion steps by the sign of its update. The attention's key bias has a zero gradient
+    # (softmax ignores it), so its "gradient" is float noise whose sign no two summation orders
+    # agree on; leave that slice out, compare the rest.
+    ref = reference_for(cfg)[1]
+    d = cfg.model.d_model
+    for name in params:
+      if name.endswith("attn.qkv.bias"):
+        params[name] = np.concatenate([params[name][:d], ref[name][d:2 * d], params[name][2 * d:]])
+  assert_matches_reference(result.metrics, params, cfg)
+  return cfg, result
+
+
+@pytest.mark.parametrize("pp,tied,policy,faults,mid", [
+  (2, False, "recycle", "", FaultEvent(2, (1, 0), after_op=Op(B, 3))),
+  pytest.param(2, True, "recycle", "2:1.1", None, marks=pytest.mark.slow),
+  (4, True, "oobleck", "2:1.2", None),
+  pytest.param(4, False, "recycle", "", FaultEvent(2, (0, 3), after_op=Op(B, 1)),
+               marks=pytest.mark.slow),
+])
+def test_global_norm_clipping_matches_one_device(tmp_path, pp, tied, policy, faults, mid):
+  cfg, result = _run(
+    tmp_path, [mid] if mid else [], mesh__dp=2, mesh__pp=pp, model__tied_head=tied,
+    pipeline__schedule="zb-h1", resilience__policy=policy, faults__schedule=faults,
+    resilience__min_pipeline_nodes=2, optimizer__clip_global_norm=0.3)
+  # The threshold clips: every step's global norm is above it, and each row says so.
+  assert all(m["grad_norm"] > 0.3 and m.get("clipped") for m in result.metrics)
+  if tied:
+    # The embedding and the tied head are one weight held by two stages: still identical.
+    holders = [p for p in result.interpreter.params.values() if "embed.wte.embedding" in p]
+    assert len(holders) >= 2
+    for p in holders[1:]:
+      np.testing.assert_array_equal(np.asarray(p["embed.wte.embedding"]),
+                                    np.asarray(holders[0]["embed.wte.embedding"]))
+
+
+def test_a_norm_below_the_threshold_changes_nothing(tmp_path):
+  _, result = _run(tmp_path, mesh__dp=2, mesh__pp=2, optimizer__clip_global_norm=1e6)
+  assert not any(m.get("clipped") for m in result.metrics)
+  assert all(math.isfinite(m["grad_norm"]) for m in result.metrics)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["adam", "sgd", "lion", "adafactor"])
+def test_every_optimizer_matches_one_device(tmp_path, name):
+  _run(tmp_path, mesh__dp=2, mesh__pp=2, optimizer__name=name, optimizer__schedule="linear",
+       optimizer__clip_global_norm=0.5)
+
+
+def _poison(trainer, at_call):
+  """Makes one stage's weight gradient infinite in its `at_call`-th backward call."""
+  prog = trainer.programs[-1]
+  calls = [0]
+  for attr in ("backward_weight", "backward_fused"):
+    real = getattr(prog, attr)
+
+    def poisoned(*args, _real=real, _attr=attr):
+      out = _real(*args)
+      calls[0] += 1
+      if calls[0] != at_call:
+        return out
+      if _attr == "backward_fused":
+        dx, acc = out
+        return dx, {k: v * np.inf for k, v in acc.items()}
+      return {k: v * np.inf for k, v in out.items()}
+
+    setattr(prog, attr, poisoned)
+
+
+def test_a_non_finite_gradient_skips_the_step_on_every_stage(tmp_path):
+  """The last stage's gradient turns infinite in step 1: no stage steps (the first stage's
+  gradients were finite), the run goes on, and step 1 is marked."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=3)
+  per_step = cfg.pipeline.microbatches  # backward calls of the last stage in one step
+  trainer = Trainer(cfg, tmp_path / "one", log=lambda _: None)
+  before = trainer.interpreter.all_params()
+  _poison(trainer, at_call=per_step)
+  step1, _ = trainer.run_step(1)
+  assert step1.skipped and not math.isfinite(step1.grad_norm)
+  after = trainer.interpreter.all_params()
+  for k, v in before.items():
+    np.testing.assert_array_equal(after[k], v, err_msg=k)
+
+  trainer = Trainer(cfg, tmp_path / "run", log=lambda _: None)
+  _poison(trainer, at_call=per_step)
+  rows = trainer.run().metrics
+  assert [bool(m.get("skipped")) for m in rows] == [True, False, False]
+  assert [m["sample_digest"] for m in rows] == expected_digests(cfg)
+  assert all(np.isfinite(v).all() for v in trainer.interpreter.all_params().values())
+
+
+def test_too_many_non_finite_steps_stop_the_run(tmp_path):
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=3, train__max_nonfinite_steps=2)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  prog = trainer.programs[0]
+  real = prog.grad_sumsq
+  prog.grad_sumsq = lambda g: real(g) * np.inf
+  with pytest.raises(NonFiniteSteps, match="2 steps in a row"):
+    trainer.run()
+
+
+@pytest.mark.parametrize("key,value,message", [
+  ("name", "adagrad", "optimizer.name='adagrad' is not one of"),
+  ("learning_rate", float("inf"), "optimizer.learning_rate must be a positive number"),
+  ("b1", 5.0, "optimizer.b1 must be in [0, 1)"),
+  ("b2", -3.0, "optimizer.b2 must be a non-negative number"),
+  ("weight_decay", -100.0, "optimizer.weight_decay must be a non-negative number"),
+  ("clip_global_norm", float("nan"), "optimizer.clip_global_norm must be a non-negative"),
+  ("schedule", "cosine", "optimizer.schedule='cosine' is not one of"),
+])
+def test_bad_optimizer_settings_name_the_key(key, value, message):
+  with pytest.raises(ConfigError) as e:
+    tiny_config(**{f"optimizer__{key}": value})
+  assert message in str(e.value)
