@@ -16,6 +16,7 @@ _EXPORTS = {
   "Trainer": "resilient_jax.trainer",
   "TrainResult": "resilient_jax.trainer",
   "FaultEvent": "resilient_jax.trainer",
+  "NonFiniteSteps": "resilient_jax.trainer",
   "train": "resilient_jax.trainer",
   "run_config": "resilient_jax.trainer",
   "configure_jax": "resilient_jax.runtime_setup",
