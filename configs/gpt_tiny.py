@@ -24,6 +24,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     d_model=64,
     mlp_ratio=4,
     tied_head=False,
+    dtype="float32",  # compute dtype; bfloat16 for mixed precision
+    param_dtype="float32",
   )
   c.mesh = dict(dp=2, pp=2)
   c.pipeline = dict(schedule="1f1b", microbatches=4, partition="")

@@ -30,10 +30,15 @@ class GPTConfig(ModelConfig):
   d_model: int = 64
   mlp_ratio: int = 4
   tied_head: bool = False
+  dtype: str = "float32"
+  """Compute dtype (`bfloat16`: mixed precision; parameters, gradients, their accumulation
+  and the data-parallel reduction stay float32)."""
+  param_dtype: str = "float32"
 
   def __post_init__(self):
     self.check_positive("vocab_size", "seq_len", "num_layers", "num_heads", "d_model",
                         "mlp_ratio")
+    self.check_precision()
     if self.d_model % self.num_heads:
       raise ValueError(
         f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}"
@@ -54,16 +59,18 @@ class GPTConfig(ModelConfig):
     return GPT(self, rngs=nnx.Rngs(params=seed))
 
 
-def _dense(din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
-  return nnx.Linear(din, dout, kernel_init=nnx.initializers.normal(std), rngs=rngs)
+def _dense(cfg: GPTConfig, din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02
+           ) -> nnx.Linear:
+  return nnx.Linear(din, dout, kernel_init=nnx.initializers.normal(std), rngs=rngs,
+                    **cfg.precision)
 
 
 class Attention(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     self.num_heads = cfg.num_heads
-    self.qkv = _dense(cfg.d_model, 3 * cfg.d_model, rngs)
+    self.qkv = _dense(cfg, cfg.d_model, 3 * cfg.d_model, rngs)
     # GPT-2's residual-projection scaling keeps the residual stream's variance depth-independent.
-    self.proj = _dense(cfg.d_model, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.proj = _dense(cfg, cfg.d_model, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
 
   def __call__(self, x: Array) -> Array:
     b, t, d = x.shape
@@ -73,15 +80,16 @@ class Attention(nnx.Module):
     scores = (q @ k.transpose(0, 1, 3, 2)) / jnp.sqrt(jnp.float32(d // h))
     mask = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    out = jax.nn.softmax(scores, axis=-1) @ v
+    # Softmax in float32 whatever the compute dtype.
+    out = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype) @ v
     return self.proj(out.transpose(0, 2, 1, 3).reshape(b, t, d))
 
 
 class MLP(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     hidden = cfg.mlp_ratio * cfg.d_model
-    self.fc = _dense(cfg.d_model, hidden, rngs)
-    self.proj = _dense(hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.fc = _dense(cfg, cfg.d_model, hidden, rngs)
+    self.proj = _dense(cfg, hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
 
   def __call__(self, x: Array) -> Array:
     return self.proj(jax.nn.gelu(self.fc(x)))
@@ -91,9 +99,9 @@ class Block(nnx.Module):
   """Pre-LN transformer block."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    self.ln1 = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs, **cfg.precision)
     self.attn = Attention(cfg, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs, **cfg.precision)
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x: Array) -> Array:
@@ -106,9 +114,9 @@ class Embedding(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model,
-                         embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+                         embedding_init=nnx.initializers.normal(0.02), rngs=rngs, **cfg.precision)
     self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model,
-                         embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
+                         embedding_init=nnx.initializers.normal(0.01), rngs=rngs, **cfg.precision)
 
   def __call__(self, ids: Array) -> Array:
     return self.wte(ids) + self.wpe(jnp.arange(ids.shape[-1]))[None]
@@ -118,9 +126,9 @@ class Head(nnx.Module):
   """Final LayerNorm and the LM head (or the tied token embedding)."""
 
   def __init__(self, cfg: GPTConfig, wte: nnx.Embed, *, rngs: nnx.Rngs):
-    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs)
+    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs, **cfg.precision)
     self.tied = wte if cfg.tied_head else None
-    self.proj = None if cfg.tied_head else _dense(cfg.d_model, cfg.vocab_size, rngs)
+    self.proj = None if cfg.tied_head else _dense(cfg, cfg.d_model, cfg.vocab_size, rngs)
 
   def __call__(self, h: Array) -> Array:
     h = self.ln_f(h)

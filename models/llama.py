@@ -35,6 +35,9 @@ class LlamaConfig(ModelConfig):
   tied_head: bool = False
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
+  dtype: str = "float32"
+  """Compute dtype, as for GPT (`bfloat16`: parameters and gradients stay float32)."""
+  param_dtype: str = "float32"
 
   def __post_init__(self):
     self.check_positive("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
@@ -47,6 +50,7 @@ class LlamaConfig(ModelConfig):
                        f"model.num_heads={self.num_heads}")
     if not self.rope_theta > 0 or not self.norm_eps > 0:
       raise ValueError("model.rope_theta and model.norm_eps must be positive")
+    self.check_precision()
 
   @property
   def head_dim(self) -> int:
@@ -72,9 +76,10 @@ class LlamaConfig(ModelConfig):
     return Llama(self, rngs=nnx.Rngs(params=seed))
 
 
-def _linear(din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
+def _linear(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02
+            ) -> nnx.Linear:
   return nnx.Linear(din, dout, use_bias=False, kernel_init=nnx.initializers.normal(std),
-                    rngs=rngs)
+                    rngs=rngs, **cfg.precision)
 
 
 def rotary(x: Array, theta: float) -> Array:
@@ -84,7 +89,8 @@ def rotary(x: Array, theta: float) -> Array:
   angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None]
   cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
   x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -93,10 +99,10 @@ class Attention(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d, hd = cfg.d_model, cfg.head_dim
-    self.q = _linear(d, cfg.num_heads * hd, rngs)
-    self.k = _linear(d, cfg.num_kv_heads * hd, rngs)
-    self.v = _linear(d, cfg.num_kv_heads * hd, rngs)
-    self.o = _linear(cfg.num_heads * hd, d, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.q = _linear(cfg, d, cfg.num_heads * hd, rngs)
+    self.k = _linear(cfg, d, cfg.num_kv_heads * hd, rngs)
+    self.v = _linear(cfg, d, cfg.num_kv_heads * hd, rngs)
+    self.o = _linear(cfg, cfg.num_heads * hd, d, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
 
   def __call__(self, x: Array) -> Array:
     cfg = self.cfg
@@ -109,15 +115,16 @@ class Attention(nnx.Module):
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(hd))
     mask = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     return self.o(out.reshape(b, t, h * hd))
 
 
 class SwiGLU(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-    self.gate = _linear(cfg.d_model, cfg.hidden, rngs)
-    self.up = _linear(cfg.d_model, cfg.hidden, rngs)
-    self.down = _linear(cfg.hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.gate = _linear(cfg, cfg.d_model, cfg.hidden, rngs)
+    self.up = _linear(cfg, cfg.d_model, cfg.hidden, rngs)
+    self.down = _linear(cfg, cfg.hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
 
   def __call__(self, x: Array) -> Array:
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -125,9 +132,9 @@ class SwiGLU(nnx.Module):
 
 class Block(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-    self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+    self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs, **cfg.precision)
     self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs, **cfg.precision)
     self.mlp = SwiGLU(cfg, rngs=rngs)
 
   def __call__(self, x: Array) -> Array:
@@ -137,9 +144,9 @@ class Block(nnx.Module):
 
 class Head(nnx.Module):
   def __init__(self, cfg: LlamaConfig, tok: nnx.Embed, *, rngs: nnx.Rngs):
-    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs, **cfg.precision)
     self.tied = tok if cfg.tied_head else None
-    self.out = None if cfg.tied_head else _linear(cfg.d_model, cfg.vocab_size, rngs)
+    self.out = None if cfg.tied_head else _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)
 
   def __call__(self, h: Array) -> Array:
     h = self.norm(h)
@@ -150,7 +157,8 @@ class Llama(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
-                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+                           **cfg.precision)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.head = Head(cfg, self.embed, rngs=rngs)
 

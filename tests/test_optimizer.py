@@ -132,3 +132,33 @@ def test_bad_optimizer_settings_name_the_key(key, value, message):
   with pytest.raises(ConfigError) as e:
     tiny_config(**{f"optimizer__{key}": value})
   assert message in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
+def test_bfloat16_compute_matches_one_device_in_bfloat16(tmp_path, name):
+  """`model.dtype=bfloat16`: stages compute and pass activations in bfloat16, while parameters,
+  gradients, their accumulation and the data-parallel reduction stay float32; the pipelined run
+  (with a failure) matches one device computing in bfloat16 to bfloat16's tolerance."""
+  cfg = tiny_config(model__name=name, model__dtype="bfloat16", mesh__dp=2, mesh__pp=2,
+                    pipeline__schedule="zb-h1", faults__schedule="2:1.1", train__steps=4)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  reduced = set()
+  reduce = trainer.transport.reduce
+
+  def recording(index, nodes, devices, local):
+    reduced.update(str(v.dtype) for part in local.values() for v in part.values())
+    return reduce(index, nodes, devices, local)
+
+  trainer.transport.reduce = recording
+  result = trainer.run()
+  assert reduced == {"float32"}
+  assert str(trainer.programs[0].output_spec.dtype) == "bfloat16"  # activations between stages
+  params = result.interpreter.all_params()
+  assert {str(v.dtype) for v in params.values()} == {"float32"}
+  ref_losses, ref_params = reference_for(cfg)
+  np.testing.assert_allclose([m["loss"] for m in result.metrics], ref_losses, rtol=1e-4)
+  diffs = np.concatenate([np.abs(params[k] - v).ravel() for k, v in ref_params.items()])
+  # Summation order changes the last bits of bfloat16 values; Adam turns a near-zero gradient's
+  # noise into a step of up to the learning rate, so a few parameters differ by that much.
+  lr_steps = cfg.optimizer.learning_rate * cfg.train.steps
+  assert np.median(diffs) < 1e-4 and np.percentile(diffs, 99) < 1e-3 and diffs.max() < lr_steps

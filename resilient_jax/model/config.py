@@ -14,6 +14,9 @@ from collections.abc import Sequence
 
 from resilient_jax.checks import require_ints
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""Compute dtypes a model family's `model.dtype` may name."""
+
 FAMILIES = {"gpt": "models.gpt:GPTConfig", "llama": "models.llama:LlamaConfig"}
 """Model families selectable with `model.name`, as `module:class` (imported when chosen)."""
 
@@ -49,6 +52,20 @@ class ModelConfig:
 
   def check_positive(self, *keys: str) -> None:
     require_ints("model.", {k: getattr(self, k) for k in keys})
+
+  def check_precision(self) -> None:
+    """For families with `dtype` (compute) and `param_dtype` (stored parameters) keys."""
+    for key in ("dtype", "param_dtype"):
+      if getattr(self, key) not in DTYPES:
+        raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {', '.join(DTYPES)}")
+    if self.param_dtype != "float32":
+      raise ValueError("model.param_dtype must be float32: the optimizer keeps float32 master "
+                       "parameters (compute in lower precision with model.dtype)")
+
+  @property
+  def precision(self) -> dict[str, str]:
+    """`dtype` and `param_dtype`, as keyword arguments of every nnx layer."""
+    return {"dtype": self.dtype, "param_dtype": self.param_dtype}
 
 
 def family(name: str) -> type:

@@ -47,6 +47,7 @@ class Stageable(Protocol):
 
 def token_cross_entropy(logits: Array, targets: Array) -> Array:
   """Per-token softmax cross-entropy of integer `targets` (the default `loss`)."""
+  logits = logits.astype(jnp.float32)  # in float32 whatever the compute dtype
   logz = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   return logz - picked
