@@ -64,6 +64,10 @@ class TrainConfig:
   stop_after: int = 0
   """End the run cleanly after this step (checkpointing first); 0: run all `steps`. The
   learning-rate schedule still follows `steps`, so a resumed run continues it exactly."""
+  accumulate_steps: int = 1
+  """Global batches per optimizer step. In a pipeline accumulating gradients is running more
+  micro-batches before the optimizer step: each pipeline runs `accumulate_steps *
+  pipeline.microbatches` of the same size, and memory per micro-batch is unchanged."""
   max_nonfinite_steps: int = 10
   """A step whose gradients are not finite (on any stage) is skipped on every stage; after this
   many in a row the run stops (exit code 8) rather than train on."""
@@ -74,7 +78,8 @@ class TrainConfig:
     if self.data not in DATA_KINDS:
       raise ConfigError(f"train.data={self.data!r} is not one of {', '.join(DATA_KINDS)}")
     require_ints("train.", {"stop_after": self.stop_after}, 0, ConfigError)
-    require_ints("train.", {"max_nonfinite_steps": self.max_nonfinite_steps}, 1, ConfigError)
+    keys = ("max_nonfinite_steps", "accumulate_steps")
+    require_ints("train.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
 
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")
@@ -299,6 +304,17 @@ class RunConfig:
   @property
   def microbatch_size(self) -> int:
     return self.train.global_batch // (self.mesh.dp * self.pipeline.microbatches)
+
+  @property
+  def step_batch(self) -> int:
+    """Samples per optimizer step: `train.global_batch * train.accumulate_steps`."""
+    return self.train.global_batch * self.train.accumulate_steps
+
+  @property
+  def step_microbatches(self) -> int:
+    """Micro-batches per pipeline per optimizer step (`pipeline.microbatches` per global
+    batch accumulated)."""
+    return self.pipeline.microbatches * self.train.accumulate_steps
 
   @property
   def partition(self) -> list[range]:

@@ -73,7 +73,7 @@ def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:
   source = data_lib.make_source(
     t.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, seed=t.seed
   )
-  return source, data_lib.BatchPlan(source.num_samples, t.global_batch, t.seed)
+  return source, data_lib.BatchPlan(source.num_samples, cfg.step_batch, t.seed)
 
 
 def num_microbatches(plan: Plan) -> int:
@@ -90,7 +90,7 @@ def step_batch(
   """Sample ids per micro-batch `[n, microbatch]`, and inputs and targets of 1-based `step` as
   `[n, microbatch, seq_len]` arrays; n defaults to the configured grid's `dp * m`."""
   ids = plan.ids_for_step(step - 1)
-  n = microbatches or cfg.mesh.dp * cfg.pipeline.microbatches
+  n = microbatches or cfg.mesh.dp * cfg.step_microbatches
   mbs = data_lib.split_microbatches(ids, 1, n)
   inputs, targets = source.get(mbs.reshape(-1))
   shape = (*mbs.shape, cfg.model.seq_len)

@@ -209,12 +209,12 @@ class Trainer:
         self.microbatch_size,
         cfg.model.seq_len,
         make_optimizer(cfg),
-        cfg.train.global_batch,
+        cfg.step_batch,
       )
     return self._programs[key]
 
   def _interpreter(self, plan: Plan) -> Interpreter:
-    self.microbatch_size = self.cfg.train.global_batch // num_microbatches(plan)
+    self.microbatch_size = self.cfg.step_batch // num_microbatches(plan)
     return Interpreter(self._programs_for, self.transport, plan,
                        clip_global_norm=self.cfg.optimizer.clip_global_norm)
 

@@ -44,16 +44,15 @@ def _reference(model, optimizer, steps: int, global_batch: int, seed: int):
 
 def reference_for(cfg: RunConfig):
   """Losses and final parameters of the single-device run of `cfg`'s model, optimizer and
-  data."""
-  return _reference(cfg.model, cfg.optimizer, cfg.train.steps, cfg.train.global_batch,
-                    cfg.train.seed)
+  data (all the samples of an optimizer step in one batch)."""
+  return _reference(cfg.model, cfg.optimizer, cfg.train.steps, cfg.step_batch, cfg.train.seed)
 
 
 def expected_digests(cfg: RunConfig) -> list[str]:
   """The sample digest of every step of a run that saw no failure."""
   from resilient_jax import data as data_lib
 
-  plan = data_lib.BatchPlan(None, cfg.train.global_batch, cfg.train.seed)
+  plan = data_lib.BatchPlan(None, cfg.step_batch, cfg.train.seed)
   return [data_lib.sample_digest(plan.ids_for_step(t)) for t in range(cfg.train.steps)]
 
 

@@ -162,3 +162,12 @@ def test_bfloat16_compute_matches_one_device_in_bfloat16(tmp_path, name):
   # noise into a step of up to the learning rate, so a few parameters differ by that much.
   lr_steps = cfg.optimizer.learning_rate * cfg.train.steps
   assert np.median(diffs) < 1e-4 and np.percentile(diffs, 99) < 1e-3 and diffs.max() < lr_steps
+
+
+def test_accumulating_two_global_batches_is_one_optimizer_step_over_both(tmp_path):
+  """`train.accumulate_steps=2`: each optimizer step trains on two global batches (each
+  pipeline runs twice the micro-batches, of the same size), as one device stepping on both."""
+  cfg, result = _run(tmp_path, mesh__dp=2, mesh__pp=2, train__accumulate_steps=2,
+                     pipeline__schedule="zb-h1", faults__schedule="2:1.0")
+  assert cfg.microbatch_size == tiny_config().microbatch_size
+  assert all(m["samples"] == 2 * cfg.train.global_batch for m in result.metrics)

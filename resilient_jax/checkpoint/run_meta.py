@@ -20,7 +20,7 @@ def check_resumable(cfg: RunConfig, loaded: Loaded) -> None:
   data = loaded.meta["data"]
   for key, now in (
     ("seed", cfg.train.seed),
-    ("global_batch", cfg.train.global_batch),
+    ("global_batch", cfg.step_batch),
     ("kind", cfg.train.data),
   ):
     if data[key] != now:
@@ -51,7 +51,7 @@ def checkpoint_meta(cfg: RunConfig, plan: Plan, step: int) -> dict:
     "data": {
       "kind": cfg.train.data,
       "seed": cfg.train.seed,
-      "global_batch": cfg.train.global_batch,
+      "global_batch": cfg.step_batch,
       "next_step": step + 1,
     },
     "model": dataclasses.asdict(cfg.model),

@@ -113,8 +113,8 @@ class RunCoordinator(PhaseLog):
       else even_partition(cfg.model.num_layers, pp)
     )
     self.grid_nodes = list(nodes)
-    self.grid = Grid(dp, pp, cfg.pipeline.microbatches, self.base,
-                     cfg.resilience.memory_cap or None, cfg.train.global_batch)
+    self.grid = Grid(dp, pp, cfg.step_microbatches, self.base,
+                     cfg.resilience.memory_cap or None, cfg.step_batch)
     self.costs = analytic_costs(self.layout, self.partition)
     self.dead: frozenset[Worker] = frozenset()
     fault_free = simulate(generate(self.base, dp, pp, self.grid.m), self.costs.op).makespan
