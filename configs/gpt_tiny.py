@@ -33,7 +33,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     steps=20,
     global_batch=32,
     seed=0,
-    data="synthetic",
+    data="synthetic",  # or text, or tokens (train.data_path, train.data_dtype)
+    data_path="",
+    data_dtype="uint16",
     stop_after=0,
     max_nonfinite_steps=10,
   )

@@ -17,7 +17,8 @@ from resilient_jax.checks import require_ints, require_numbers
 from resilient_jax.model.config import ModelConfig, family, partition_layers
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
-DATA_KINDS = ("synthetic", "text")
+DATA_KINDS = ("synthetic", "text", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,11 @@ class TrainConfig:
   global_batch: int = 16
   seed: int = 0
   data: str = "synthetic"
+  """`synthetic`, `text` (bytes of the shipped text) or `tokens` (a flat binary of token ids)."""
+  data_path: str = ""
+  """`tokens`: the file; empty: the shipped one (the shipped text as uint16 ids)."""
+  data_dtype: str = "uint16"
+  """`tokens`: the id type of the file, `uint16` or `uint32`."""
   stop_after: int = 0
   """End the run cleanly after this step (checkpointing first); 0: run all `steps`. The
   learning-rate schedule still follows `steps`, so a resumed run continues it exactly."""
@@ -77,6 +83,11 @@ class TrainConfig:
     require_ints("train.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
     if self.data not in DATA_KINDS:
       raise ConfigError(f"train.data={self.data!r} is not one of {', '.join(DATA_KINDS)}")
+    if self.data_dtype not in TOKEN_DTYPES:
+      raise ConfigError(
+        f"train.data_dtype={self.data_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    if not isinstance(self.data_path, str):
+      raise ConfigError(f"train.data_path must be a path, got {self.data_path!r}")
     require_ints("train.", {"stop_after": self.stop_after}, 0, ConfigError)
     keys = ("max_nonfinite_steps", "accumulate_steps")
     require_ints("train.", {k: getattr(self, k) for k in keys}, 1, ConfigError)

@@ -19,7 +19,9 @@ distributed under the PSF License Agreement, which permits redistribution). It w
 joining `topics[k]` for `k` in sorted key order with a blank line between topics, mapping the few
 typographic characters (curly quotes, dashes, ellipsis, ...) to ASCII, stripping trailing
 whitespace, and truncating at the last line boundary before 256 KiB. The file is pure ASCII, so
-byte-level tokens are exactly its characters.
+byte-level tokens are exactly its characters. `python_reference.u16.bin` is the same text as
+token ids in the flat binary format nanoGPT-style preparers write (`prepare_tokens`), what
+`train.data=tokens` reads when `train.data_path` is empty.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ __all__ = [
   "DataSource",
   "SyntheticSource",
   "TextSource",
+  "TokenSource",
   "make_source",
+  "prepare_tokens",
   "sample_digest",
   "split_microbatches",
 ]
 
-SOURCE_KINDS = ("synthetic", "text")
+SOURCE_KINDS = ("synthetic", "text", "tokens")
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 TEXT_VOCAB_SIZE = 256  # byte-level
 
 
@@ -182,6 +187,82 @@ class TextSource:
     return windows[:, :-1].copy(), windows[:, 1:].copy()
 
 
+def default_tokens_path() -> Path:
+  """Path of the shipped token file (the shipped corpus's bytes as uint16 token ids)."""
+  return Path(str(importlib.resources.files("resilient_jax") / "corpus" /
+                  "python_reference.u16.bin"))
+
+
+def prepare_tokens(text_path: str | Path, out_path: str | Path, dtype: str = "uint16") -> Path:
+  """Writes a text file's byte-level token ids as a flat binary of `dtype` (no header: the
+  format nanoGPT-style preparers write, one id after another). How the shipped token file was
+  made."""
+  ids = np.frombuffer(Path(text_path).read_bytes(), dtype=np.uint8).astype(TOKEN_DTYPES[dtype])
+  Path(out_path).write_bytes(ids.tobytes())
+  return Path(out_path)
+
+
+class _Windows:
+  """Random access to the `(seq_len + 1)`-token window of each sample id over a token array."""
+
+  def __init__(self, tokens: np.ndarray, seq_len: int):
+    self.tokens, self.seq_len = tokens, seq_len
+
+  def __len__(self) -> int:
+    return (self.tokens.size - 1) // self.seq_len
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    start = int(i) * self.seq_len
+    return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
+
+
+class TokenSource:
+  """Windows over a flat binary file of token ids (uint16 or uint32), read through grain.
+
+  Sample `i` is tokens `[i * seq_len, (i + 1) * seq_len)` and its targets the same window one
+  token later; ids `0 .. num_samples - 1` are the non-overlapping windows (larger ids wrap).
+  The file is memory-mapped and read with `grain.MapDataset` random access by sample id, so
+  which samples a step trains on stays `BatchPlan`'s pure function of `(seed, step)`, epochs
+  reshuffled by seed: a re-routed micro-batch or a resumed run reads exactly the same samples.
+  """
+
+  def __init__(self, seq_len: int, vocab_size: int, path: str | Path | None = None,
+               dtype: str = "uint16") -> None:
+    """Opens and checks the file.
+
+    Raises:
+      ValueError: the file is missing, its size is not a whole number of `dtype` ids, it holds
+        fewer than `seq_len + 2` ids, or an id that is not below `vocab_size`.
+    """
+    import grain
+
+    self.path = Path(path) if path else default_tokens_path()
+    where = f"train.data_path={str(self.path)!r}"
+    if not self.path.is_file():
+      raise ValueError(f"{where} is not a file")
+    itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    size = self.path.stat().st_size
+    if size % itemsize:
+      raise ValueError(f"{where} has {size} bytes, not a whole number of {dtype} token ids "
+                       "(train.data_dtype)")
+    tokens = np.memmap(self.path, dtype=TOKEN_DTYPES[dtype], mode="r") if size else np.zeros(0)
+    if tokens.size < seq_len + 2:
+      raise ValueError(f"{where} holds {tokens.size} token ids; model.seq_len={seq_len} needs "
+                       f"at least {seq_len + 2}")
+    top = int(tokens.max())
+    if top >= vocab_size:
+      raise ValueError(f"{where} holds token id {top}, not below model.vocab_size={vocab_size}")
+    self.seq_len, self.vocab_size = int(seq_len), int(vocab_size)
+    self._windows = grain.MapDataset.source(_Windows(tokens, self.seq_len))
+    self.num_samples: int | None = len(self._windows)
+
+  def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Returns int32 `(inputs, targets)` of shape `[len(ids), seq_len]`."""
+    ids = _as_ids(ids)
+    windows = np.stack([self._windows[int(i) % self.num_samples] for i in ids])
+    return windows[:, :-1].copy(), windows[:, 1:].copy()
+
+
 class BatchPlan:
   """The order in which sample ids are consumed, as a pure function of `(seed, step)`.
 
@@ -272,14 +353,16 @@ def sample_digest(ids: np.ndarray) -> str:
   return hashlib.sha256(arr.tobytes()).hexdigest()[:16]
 
 
-def make_source(kind: str, *, vocab_size: int, seq_len: int, seed: int) -> DataSource:
+def make_source(kind: str, *, vocab_size: int, seq_len: int, seed: int, path: str = "",
+                dtype: str = "uint16") -> DataSource:
   """Builds a data source from config values.
 
   Args:
-    kind: "synthetic" or "text".
+    kind: "synthetic", "text" or "tokens".
     vocab_size: The model's vocabulary size; the text source needs at least 256.
     seq_len: Tokens per sample.
     seed: Seed of the synthetic source (the text source has no randomness).
+    path, dtype: the token file of "tokens" ("": the shipped one) and its id type.
 
   Returns:
     The source.
@@ -293,6 +376,8 @@ def make_source(kind: str, *, vocab_size: int, seq_len: int, seed: int) -> DataS
         f"got {vocab_size}"
       )
     return TextSource(seq_len=seq_len)
+  if kind == "tokens":
+    return TokenSource(seq_len, vocab_size, path or None, dtype)
   raise ValueError(f"unknown data source {kind!r}; choose one of {', '.join(SOURCE_KINDS)}")
 
 

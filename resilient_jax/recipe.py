@@ -9,7 +9,7 @@ import optax
 from flax import nnx
 
 from resilient_jax import data as data_lib
-from resilient_jax.config import RunConfig
+from resilient_jax.config import ConfigError, RunConfig
 from resilient_jax.runtime.interpreter import StepResult
 from resilient_jax.schedule.plan import GridPlan, Plan
 
@@ -70,9 +70,13 @@ def make_model(cfg: RunConfig) -> nnx.Module:
 
 def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:
   t = cfg.train
-  source = data_lib.make_source(
-    t.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, seed=t.seed
-  )
+  try:
+    source = data_lib.make_source(
+      t.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, seed=t.seed,
+      path=t.data_path, dtype=t.data_dtype,
+    )
+  except ValueError as e:  # a missing or malformed data file is the config's to fix
+    raise ConfigError(str(e)) from None
   return source, data_lib.BatchPlan(source.num_samples, cfg.step_batch, t.seed)
 
 

@@ -33,19 +33,18 @@ def tiny_config(**overrides) -> RunConfig:
 
 
 @functools.cache
-def _reference(model, optimizer, steps: int, global_batch: int, seed: int):
+def _reference(model, optimizer, train):
   from resilient_jax.reference import train_reference
 
-  cfg = tiny_config(
-    train__steps=steps, train__global_batch=global_batch, train__seed=seed, mesh__dp=1, mesh__pp=1
-  )
-  return train_reference(dataclasses.replace(cfg, model=model, optimizer=optimizer))
+  cfg = tiny_config(mesh__dp=1, mesh__pp=1)
+  return train_reference(dataclasses.replace(cfg, model=model, optimizer=optimizer, train=train))
 
 
 def reference_for(cfg: RunConfig):
   """Losses and final parameters of the single-device run of `cfg`'s model, optimizer and
   data (all the samples of an optimizer step in one batch)."""
-  return _reference(cfg.model, cfg.optimizer, cfg.train.steps, cfg.step_batch, cfg.train.seed)
+  train = dataclasses.replace(cfg.train, global_batch=cfg.step_batch, accumulate_steps=1)
+  return _reference(cfg.model, cfg.optimizer, train)
 
 
 def expected_digests(cfg: RunConfig) -> list[str]:

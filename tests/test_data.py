@@ -188,3 +188,37 @@ def test_make_source_errors() -> None:
   assert isinstance(data.make_source("text", vocab_size=512, seq_len=8, seed=0), data.DataSource)
   synthetic = data.make_source("synthetic", vocab_size=64, seq_len=8, seed=0)
   assert isinstance(synthetic, data.SyntheticSource) and synthetic.vocab_size == 64
+
+
+# --- token files (train.data=tokens) ----------------------------------------------------------
+
+
+def test_shipped_token_file_is_the_shipped_text_prepared(tmp_path):
+  made = data.prepare_tokens(data.default_text_path(), tmp_path / "t.bin")
+  assert made.read_bytes() == data.default_tokens_path().read_bytes()
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_windows_are_the_text_windows(tmp_path, dtype):
+  path = data.prepare_tokens(data.default_text_path(), tmp_path / f"t.{dtype}", dtype)
+  tokens = data.TokenSource(16, 256, path, dtype)
+  text = data.TextSource(16)
+  ids = np.array([0, 5, 7, 3, tokens.num_samples - 1])
+  for a, b in zip(tokens.get(ids), text.get(ids), strict=True):
+    np.testing.assert_array_equal(a, b)
+  x, y = tokens.get(ids)
+  np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the next tokens
+
+
+@pytest.mark.parametrize("content,dtype,message", [
+  (None, "uint16", "is not a file"),
+  (b"\x01\x00\x02", "uint16", "not a whole number of uint16 token ids"),
+  (np.arange(4, dtype=np.uint16).tobytes(), "uint16", "needs at least 18"),
+  (np.full(40, 300, dtype=np.uint16).tobytes(), "uint16", "token id 300, not below"),
+])
+def test_a_bad_token_file_names_the_problem(tmp_path, content, dtype, message):
+  path = tmp_path / "bad.bin"
+  if content is not None:
+    path.write_bytes(content)
+  with pytest.raises(ValueError, match=message):
+    data.TokenSource(16, 256, path, dtype)
