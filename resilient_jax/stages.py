@@ -15,8 +15,9 @@ failed worker's micro-batches runs the very same programs on its own device.
 - `backward_weight(params, saved, handover, acc) -> acc + grads`: the rest of the backward,
   no recomputation of B's. Accumulates into `acc` (donated) so a deferred W adds no extra op.
 - `backward_fused(residuals, saved, params, g, acc)`: B then W in one program (GPipe, 1F1B).
-- `optimizer_step(params, opt_state, grads, scale=None) -> (params, opt_state)`: this stage's
-  optax update, of the gradients times `scale` (the global clip factor) when given.
+- `optimizer_step(params, opt_state, grads, scale=None, owned=()) -> (params, opt_state,
+  sumsq)`: this stage's optax update, of the gradients times `scale` (the global clip factor)
+  when given, and the sum of squares of the `owned` gradients (its share of the global norm).
 
 Parameters are flat dicts keyed by global parameter names (their paths in the model,
 `blocks.3.mlp.fc.kernel`), so a stage's parameters, gradients and optimizer state do not depend
@@ -196,14 +197,15 @@ class StagePrograms:
       dx, handover = backward_input(residuals, g)
       return dx, weight_grads(params, saved, handover, acc)
 
-    def optimizer_step(params, opt_state, grads, scale=None):
+    def optimizer_step(params, opt_state, grads, scale=None, owned=()):
+      # The sum of squares of the `owned` gradients (this slot's share of the global norm) in
+      # the same program, so the gradients are read once.
+      sumsq = sum((jnp.sum(jnp.square(grads[n].astype(jnp.float32))) for n in owned),
+                  jnp.float32(0.0))
       if scale is not None:  # the global-norm clip factor (`Interpreter`)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
       updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-
-    def grad_sumsq(grads):
-      return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
+      return optax.apply_updates(params, updates), opt_state, sumsq
 
     self.forward: Callable = forward
     self.backward_input: Callable = jax.jit(backward_input)
@@ -211,9 +213,7 @@ class StagePrograms:
     self.backward_fused: Callable = jax.jit(backward_fused, donate_argnums=(4,))
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
-    self.optimizer_step: Callable = jax.jit(optimizer_step)
-    # Sum of squares of the given (reduced) gradients: this slot's share of the global norm.
-    self.grad_sumsq: Callable = jax.jit(grad_sumsq)
+    self.optimizer_step: Callable = jax.jit(optimizer_step, static_argnames=("owned",))
     self._init_opt = jax.jit(optimizer.init)
     self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
 

@@ -113,8 +113,13 @@ def test_too_many_non_finite_steps_stop_the_run(tmp_path):
   cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=3, train__max_nonfinite_steps=2)
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   prog = trainer.programs[0]
-  real = prog.grad_sumsq
-  prog.grad_sumsq = lambda g: real(g) * np.inf
+  real = prog.optimizer_step
+
+  def infinite_share(*args, **kwargs):
+    params, opt_state, share = real(*args, **kwargs)
+    return params, opt_state, share * np.inf
+
+  prog.optimizer_step = infinite_share
   with pytest.raises(NonFiniteSteps, match="2 steps in a row"):
     trainer.run()
 

@@ -150,9 +150,10 @@ class Interpreter(StateHandover):
     self._groups = self._reduction_groups()
     # Each name's reduced gradient is the same on all its holders: its first holder counts it
     # into the global norm.
-    self._owned: dict[Slot, list[str]] = {}
+    owned: dict[Slot, list[str]] = {}
     for g in self._groups:
-      self._owned.setdefault(g.holders[0], []).extend(g.names)
+      owned.setdefault(g.holders[0], []).extend(g.names)
+    self._owned: dict[Slot, tuple[str, ...]] = {s: tuple(sorted(n)) for s, n in owned.items()}
 
   def programs(self, split: tuple[LayerRange, ...]) -> Sequence[StagePrograms]:
     return self._programs_for(split)
@@ -537,13 +538,12 @@ class Interpreter(StateHandover):
           start = time.perf_counter() - t0
           if op.kind == OPT:
             # Optimistic: unclipped, checked against the global norm when the step concludes.
-            prog, grads = self.program(slot), grads_of(slot)
-            new_state[slot] = prog.optimizer_step(self.params[slot], self.opt_state[slot], grads)
-            share = None
-            if self._owned.get(slot):
-              share = prog.grad_sumsq({n: grads[n] for n in self._owned[slot]})
-              sumsq.append(share)
-            finish(slot, op, start, (new_state[slot][0], share))
+            stepped, opt_state, share = self.program(slot).optimizer_step(
+              self.params[slot], self.opt_state[slot], grads_of(slot),
+              owned=self._owned.get(slot, ()))
+            new_state[slot] = (stepped, opt_state)
+            sumsq.append(share)
+            finish(slot, op, start, (stepped, share))
           else:
             finish(slot, op, start, compute(slot, op))
             after(slot, op)
@@ -568,7 +568,7 @@ class Interpreter(StateHandover):
       for slot in new_state:
         new_state[slot] = self.program(slot).optimizer_step(
           self.params[slot], self.opt_state[slot], acc[slot],
-          jax.device_put(scale, self.device(slot)))
+          jax.device_put(scale, self.device(slot)))[:2]
     if not skipped:
       for slot, (params, opt_state) in new_state.items():
         self.params[slot], self.opt_state[slot] = params, opt_state
