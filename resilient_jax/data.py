@@ -216,8 +216,39 @@ class _Windows:
     return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
 
+def _read_tokens(path: Path, dtype: type, where: str) -> np.ndarray:
+  """The token ids of a flat binary (memory-mapped) or an ArrayRecord file (read through grain).
+
+  Raises:
+    ValueError: a size that is not a whole number of ids, or an unreadable ArrayRecord file.
+  """
+  itemsize = np.dtype(dtype).itemsize
+  name = np.dtype(dtype).name
+  if path.suffix in (".arrayrecord", ".array_record"):
+    import grain
+
+    try:
+      records = grain.sources.ArrayRecordDataSource(str(path))
+      parts = [records[i] for i in range(len(records))]
+    except Exception as e:  # noqa: BLE001 - any reader error is a malformed file to the user
+      raise ValueError(f"{where} is not a readable ArrayRecord file: "
+                       f"{str(e).splitlines()[0][:200]}") from None
+    bad = next((i for i, r in enumerate(parts) if len(r) % itemsize), None)
+    if bad is not None:
+      raise ValueError(f"{where}: record {bad} has {len(parts[bad])} bytes, not a whole number "
+                       f"of {name} token ids (train.data_dtype)")
+    return np.frombuffer(b"".join(parts), dtype=dtype)
+  size = path.stat().st_size
+  if size % itemsize:
+    raise ValueError(f"{where} has {size} bytes, not a whole number of {name} token ids "
+                     "(train.data_dtype)")
+  return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
 class TokenSource:
-  """Windows over a flat binary file of token ids (uint16 or uint32), read through grain.
+  """Windows over a file of token ids (uint16 or uint32), read through grain: a flat binary (the
+  nanoGPT format), or an ArrayRecord file (`.arrayrecord`) whose records, in order, hold the ids
+  of one stream (each record's bytes a whole number of ids, e.g. one document each).
 
   Sample `i` is tokens `[i * seq_len, (i + 1) * seq_len)` and its targets the same window one
   token later; ids `0 .. num_samples - 1` are the non-overlapping windows (larger ids wrap).
@@ -240,12 +271,7 @@ class TokenSource:
     where = f"train.data_path={str(self.path)!r}"
     if not self.path.is_file():
       raise ValueError(f"{where} is not a file")
-    itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
-    size = self.path.stat().st_size
-    if size % itemsize:
-      raise ValueError(f"{where} has {size} bytes, not a whole number of {dtype} token ids "
-                       "(train.data_dtype)")
-    tokens = np.memmap(self.path, dtype=TOKEN_DTYPES[dtype], mode="r") if size else np.zeros(0)
+    tokens = _read_tokens(self.path, TOKEN_DTYPES[dtype], where)
     if tokens.size < seq_len + 2:
       raise ValueError(f"{where} holds {tokens.size} token ids; model.seq_len={seq_len} needs "
                        f"at least {seq_len + 2}")

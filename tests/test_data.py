@@ -222,3 +222,24 @@ def test_a_bad_token_file_names_the_problem(tmp_path, content, dtype, message):
     path.write_bytes(content)
   with pytest.raises(ValueError, match=message):
     data.TokenSource(16, 256, path, dtype)
+
+
+def test_an_arrayrecord_token_file_is_one_stream_of_its_records(tmp_path):
+  from array_record.python import array_record_module
+
+  ids = np.frombuffer(data.default_text_path().read_bytes()[:4000], np.uint8).astype(np.uint32)
+  path = tmp_path / "docs.arrayrecord"
+  writer = array_record_module.ArrayRecordWriter(str(path), "group_size:1")
+  for doc in np.array_split(ids, 7):  # records of different lengths
+    writer.write(doc.tobytes())
+  writer.close()
+  flat = tmp_path / "flat.bin"
+  flat.write_bytes(ids.tobytes())
+  a, b = data.TokenSource(16, 256, path, "uint32"), data.TokenSource(16, 256, flat, "uint32")
+  assert a.num_samples == b.num_samples
+  sample = np.arange(a.num_samples)
+  for x, y in zip(a.get(sample), b.get(sample), strict=True):
+    np.testing.assert_array_equal(x, y)
+  (tmp_path / "broken.arrayrecord").write_bytes(b"not an array record")
+  with pytest.raises(ValueError, match="not a readable ArrayRecord file"):
+    data.TokenSource(16, 256, tmp_path / "broken.arrayrecord")
