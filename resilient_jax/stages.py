@@ -15,9 +15,9 @@ failed worker's micro-batches runs the very same programs on its own device.
 - `backward_weight(params, saved, handover, acc) -> acc + grads`: the rest of the backward,
   no recomputation of B's. Accumulates into `acc` (donated) so a deferred W adds no extra op.
 - `backward_fused(residuals, saved, params, g, acc)`: B then W in one program (GPipe, 1F1B).
-- `optimizer_step(params, opt_state, grads, scale=None, owned=()) -> (params, opt_state,
-  sumsq)`: this stage's optax update, of the gradients times `scale` (the global clip factor)
-  when given, and the sum of squares of the `owned` gradients (its share of the global norm).
+- `optimizer_step(params, opt_state, grads, owned, scale=None) -> (params, opt_state, sumsq)`:
+  this stage's optax update, of the gradients times `scale` (the global clip factor) when given,
+  and the sum of squares of the gradients whose `owned` weight is 1 (its share of the norm).
 
 Parameters are flat dicts keyed by global parameter names (their paths in the model,
 `blocks.3.mlp.fc.kernel`), so a stage's parameters, gradients and optimizer state do not depend
@@ -27,7 +27,7 @@ on how the model was cut.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -197,11 +197,11 @@ class StagePrograms:
       dx, handover = backward_input(residuals, g)
       return dx, weight_grads(params, saved, handover, acc)
 
-    def optimizer_step(params, opt_state, grads, scale=None, owned=()):
-      # The sum of squares of the `owned` gradients (this slot's share of the global norm) in
-      # the same program, so the gradients are read once.
-      sumsq = sum((jnp.sum(jnp.square(grads[n].astype(jnp.float32))) for n in owned),
-                  jnp.float32(0.0))
+    def optimizer_step(params, opt_state, grads, owned, scale=None):
+      # The sum of squares of the gradients `owned` weighs 1 (this slot's share of the global
+      # norm) in the same program, so the gradients are read once; a traced weight, not a
+      # static name list, so every replica of a stage shares one compiled program.
+      sumsq = sum(owned[n] * jnp.sum(jnp.square(g.astype(jnp.float32))) for n, g in grads.items())
       if scale is not None:  # the global-norm clip factor (`Interpreter`)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
       updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -213,7 +213,7 @@ class StagePrograms:
     self.backward_fused: Callable = jax.jit(backward_fused, donate_argnums=(4,))
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
-    self.optimizer_step: Callable = jax.jit(optimizer_step, static_argnames=("owned",))
+    self.optimizer_step: Callable = jax.jit(optimizer_step)
     self._init_opt = jax.jit(optimizer.init)
     self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
 
@@ -231,6 +231,11 @@ class StagePrograms:
   # worker's device keeps every later call on the same compiled program.
   def init_opt_state(self, params: Params, device: jax.Device) -> Any:
     return jax.device_put(self._init_opt(params), device)
+
+  def norm_weights(self, owned: Iterable[str], device: jax.Device) -> dict[str, jax.Array]:
+    """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm."""
+    names = set(owned)
+    return {n: jax.device_put(jnp.float32(n in names), device) for n in self.param_names}
 
   def zero_grads(self, params: Params, device: jax.Device) -> Params:
     return jax.device_put(self._zeros(params), device)

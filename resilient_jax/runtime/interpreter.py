@@ -153,7 +153,9 @@ class Interpreter(StateHandover):
     owned: dict[Slot, list[str]] = {}
     for g in self._groups:
       owned.setdefault(g.holders[0], []).extend(g.names)
-    self._owned: dict[Slot, tuple[str, ...]] = {s: tuple(sorted(n)) for s, n in owned.items()}
+    self._owned: dict[Slot, dict[str, jax.Array]] = {
+      s: self.program(s).norm_weights(owned.get(s, ()), self.device(s)) for s in self.local_slots
+    }
 
   def programs(self, split: tuple[LayerRange, ...]) -> Sequence[StagePrograms]:
     return self._programs_for(split)
@@ -539,8 +541,7 @@ class Interpreter(StateHandover):
           if op.kind == OPT:
             # Optimistic: unclipped, checked against the global norm when the step concludes.
             stepped, opt_state, share = self.program(slot).optimizer_step(
-              self.params[slot], self.opt_state[slot], grads_of(slot),
-              owned=self._owned.get(slot, ()))
+              self.params[slot], self.opt_state[slot], grads_of(slot), self._owned[slot])
             new_state[slot] = (stepped, opt_state)
             sumsq.append(share)
             finish(slot, op, start, (stepped, share))
@@ -567,7 +568,7 @@ class Interpreter(StateHandover):
       scale = jnp.float32(self.clip_global_norm / norm)
       for slot in new_state:
         new_state[slot] = self.program(slot).optimizer_step(
-          self.params[slot], self.opt_state[slot], acc[slot],
+          self.params[slot], self.opt_state[slot], acc[slot], self._owned[slot],
           jax.device_put(scale, self.device(slot)))[:2]
     if not skipped:
       for slot, (params, opt_state) in new_state.items():
