@@ -243,3 +243,13 @@ def test_an_arrayrecord_token_file_is_one_stream_of_its_records(tmp_path):
   (tmp_path / "broken.arrayrecord").write_bytes(b"not an array record")
   with pytest.raises(ValueError, match="not a readable ArrayRecord file"):
     data.TokenSource(16, 256, tmp_path / "broken.arrayrecord")
+
+
+def test_a_bad_token_file_is_a_config_error(tmp_path):
+  from resilient_jax.config import ConfigError
+  from resilient_jax.recipe import make_data
+  from tests.helpers import tiny_config
+
+  cfg = tiny_config(train__data="tokens", train__data_path=str(tmp_path / "missing.bin"))
+  with pytest.raises(ConfigError, match="is not a file"):  # the launcher: one line, exit 2
+    make_data(cfg)

@@ -33,10 +33,7 @@ def _run(tmp_path, faults=(), **overrides):
 
 @pytest.mark.parametrize("pp,tied,policy,faults,mid", [
   (2, False, "recycle", "", FaultEvent(2, (1, 0), after_op=Op(B, 3))),
-  pytest.param(2, True, "recycle", "2:1.1", None, marks=pytest.mark.slow),
   (4, True, "oobleck", "2:1.2", None),
-  pytest.param(4, False, "recycle", "", FaultEvent(2, (0, 3), after_op=Op(B, 1)),
-               marks=pytest.mark.slow),
 ])
 def test_global_norm_clipping_matches_one_device(tmp_path, pp, tied, policy, faults, mid):
   cfg, result = _run(
@@ -60,8 +57,10 @@ def test_a_norm_below_the_threshold_changes_nothing(tmp_path):
   assert all(math.isfinite(m["grad_norm"]) for m in result.metrics)
 
 
+# adam and sgd are `add_decayed_weights` chained in front of optax's own; lion and adafactor
+# are the ones with their own decay and step rules.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["adam", "sgd", "lion", "adafactor"])
+@pytest.mark.parametrize("name", ["lion", "adafactor"])
 def test_every_optimizer_matches_one_device(tmp_path, name):
   _run(tmp_path, mesh__dp=2, mesh__pp=2, optimizer__name=name, optimizer__schedule="linear",
        optimizer__clip_global_norm=0.5)
@@ -139,14 +138,13 @@ def test_bad_optimizer_settings_name_the_key(key, value, message):
   assert message in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
-def test_bfloat16_compute_matches_one_device_in_bfloat16(tmp_path, name):
+def test_bfloat16_compute_matches_one_device_in_bfloat16(tmp_path):
   """`model.dtype=bfloat16`: stages compute and pass activations in bfloat16, while parameters,
   gradients, their accumulation and the data-parallel reduction stay float32; the pipelined run
   (with a failure, clipping, on the shipped token file) matches one device computing in
   bfloat16 to bfloat16's tolerance."""
-  cfg = tiny_config(model__name=name, model__dtype="bfloat16", mesh__dp=2, mesh__pp=2,
-                    pipeline__schedule="zb-h1", faults__schedule="2:1.1", train__steps=4,
+  cfg = tiny_config(model__dtype="bfloat16", mesh__dp=2, mesh__pp=2,
+                    pipeline__schedule="zb-h1", faults__schedule="2:1.1",
                     train__data="tokens", optimizer__clip_global_norm=1.0)
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   reduced = set()
