@@ -51,16 +51,10 @@ def test_global_norm_clipping_matches_one_device(tmp_path, pp, tied, policy, fau
                                     np.asarray(holders[0]["embed.wte.embedding"]))
 
 
-def test_a_norm_below_the_threshold_changes_nothing(tmp_path):
-  _, result = _run(tmp_path, mesh__dp=2, mesh__pp=2, optimizer__clip_global_norm=1e6)
-  assert not any(m.get("clipped") for m in result.metrics)
-  assert all(math.isfinite(m["grad_norm"]) for m in result.metrics)
-
-
-# adam and sgd are `add_decayed_weights` chained in front of optax's own; lion and adafactor
-# are the ones with their own decay and step rules.
+# adam and sgd are `add_decayed_weights` chained in front of optax's own, adafactor's decay is
+# optax's; lion steps by a sign, which makes float noise visible (see `_run`).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lion", "adafactor"])
+@pytest.mark.parametrize("name", ["lion"])
 def test_every_optimizer_matches_one_device(tmp_path, name):
   _run(tmp_path, mesh__dp=2, mesh__pp=2, optimizer__name=name, optimizer__schedule="linear",
        optimizer__clip_global_norm=0.5)
@@ -87,25 +81,18 @@ def _poison(trainer, at_call):
 
 
 def test_a_non_finite_gradient_skips_the_step_on_every_stage(tmp_path):
-  """The last stage's gradient turns infinite in step 1: no stage steps (the first stage's
-  gradients were finite), the run goes on, and step 1 is marked."""
-  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=3)
-  per_step = cfg.pipeline.microbatches  # backward calls of the last stage in one step
-  trainer = Trainer(cfg, tmp_path / "one", log=lambda _: None)
+  """The last stage's gradient turns infinite: no stage steps (the first stage's gradients were
+  finite), and the step is marked (`test_too_many_non_finite_steps_stop_the_run`: the run goes
+  on through such steps)."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=1)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   before = trainer.interpreter.all_params()
-  _poison(trainer, at_call=per_step)
-  step1, _ = trainer.run_step(1)
-  assert step1.skipped and not math.isfinite(step1.grad_norm)
+  _poison(trainer, at_call=cfg.pipeline.microbatches)  # the step's last backward there
+  result = trainer.run()
+  assert result.metrics[0].get("skipped") and not math.isfinite(result.metrics[0]["grad_norm"])
   after = trainer.interpreter.all_params()
   for k, v in before.items():
     np.testing.assert_array_equal(after[k], v, err_msg=k)
-
-  trainer = Trainer(cfg, tmp_path / "run", log=lambda _: None)
-  _poison(trainer, at_call=per_step)
-  rows = trainer.run().metrics
-  assert [bool(m.get("skipped")) for m in rows] == [True, False, False]
-  assert [m["sample_digest"] for m in rows] == expected_digests(cfg)
-  assert all(np.isfinite(v).all() for v in trainer.interpreter.all_params().values())
 
 
 def test_too_many_non_finite_steps_stop_the_run(tmp_path):
