@@ -470,8 +470,7 @@ class Trainer:
         "schedule": coord.plan_name,
         "grad_norm": result.grad_norm,
       }
-      if result.skipped or result.clipped:
-        row["skipped" if result.skipped else "clipped"] = True
+      row.update({k: True for k in ("skipped", "clipped") if getattr(result, k)})
       if self.cluster is not None:
         row.update(attempts=result.attempts, time=round(time.time(), 3))
       metrics.append(row)
