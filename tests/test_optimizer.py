@@ -33,7 +33,7 @@ def _run(tmp_path, faults=(), **overrides):
 
 @pytest.mark.parametrize("pp,tied,policy,faults,mid", [
   (2, False, "recycle", "", FaultEvent(2, (1, 0), after_op=Op(B, 3))),
-  (4, True, "oobleck", "2:1.2", None),
+  pytest.param(4, True, "oobleck", "2:1.2", None, marks=pytest.mark.slow),
 ])
 def test_global_norm_clipping_matches_one_device(tmp_path, pp, tied, policy, faults, mid):
   cfg, result = _run(
@@ -125,6 +125,7 @@ def test_bad_optimizer_settings_name_the_key(key, value, message):
   assert message in str(e.value)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_matches_one_device_in_bfloat16(tmp_path):
   """`model.dtype=bfloat16`: stages compute and pass activations in bfloat16, while parameters,
   gradients, their accumulation and the data-parallel reduction stay float32; the pipelined run
@@ -156,6 +157,7 @@ def test_bfloat16_compute_matches_one_device_in_bfloat16(tmp_path):
   assert np.median(diffs) < 1e-4 and np.percentile(diffs, 99) < 1e-3 and diffs.max() < lr_steps
 
 
+@pytest.mark.slow
 def test_accumulating_two_global_batches_is_one_optimizer_step_over_both(tmp_path):
   """`train.accumulate_steps=2`: each optimizer step trains on two global batches (each
   pipeline runs twice the micro-batches, of the same size), as one device stepping on both."""

@@ -147,9 +147,10 @@ class OobleckPolicy(InPlacePolicy):
     lost every replica)."""
     key = (grid, costs, failed)
     if key not in self._instances:
-      start = self.instantiate_on(grid, costs, range(grid.workers))
-      self._instances[key] = start if not failed else self.next_instance(grid, costs, start,
-                                                                         failed)
+      self._instances[key] = (
+        self.next_instance(grid, costs, self.plan(grid, frozenset(), costs), failed) if failed
+        else self.instantiate_on(grid, costs, range(grid.workers))
+      )
     return self._instances[key]
 
   def instance_step_time(
