@@ -80,6 +80,7 @@ def test_rerouted_work_runs_on_the_peer(tmp_path):
   assert {f"F{mb}" for mb in range(2 * m)} <= on_peer
 
 
+@pytest.mark.slow  # a launcher process; test_multiprocess.py checks exit 3 on a job too
 def test_launcher_exits_3_naming_a_lost_stage_without_restore(tmp_path):
   proc = run_launcher(
     "--config=configs/gpt_tiny.py:runlocal",
