@@ -13,12 +13,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from resilient_jax import data
 from resilient_jax.checks import require_ints, require_numbers
 from resilient_jax.model.config import ModelConfig, family, partition_layers
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
-DATA_KINDS = ("synthetic", "text", "tokens")
-TOKEN_DTYPES = ("uint16", "uint32")
+DATA_KINDS = data.SOURCE_KINDS
+TOKEN_DTYPES = tuple(data.TOKEN_DTYPES)
 
 
 class ConfigError(ValueError):
