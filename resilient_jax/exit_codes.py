@@ -2,7 +2,8 @@
 
 A cluster scheduler acts on them: 2 and 3 need a person (a bad configuration; nothing left to
 train on), 4 a look at the storage, 5 a requeue of the whole job (it resumes from its latest
-checkpoint), 6 and 7 end one process while the others go on.
+checkpoint), 6 and 7 end one process while the others go on, 9 a requeue (preempted: it stopped
+with a checkpoint of its last step).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ EXIT_DECLARED_DEAD = 7
 EXIT_NONFINITE = 8
 """`train.max_nonfinite_steps` steps in a row had non-finite gradients (each was skipped on
 every stage; the checkpoints hold the last finite state)."""
+EXIT_PREEMPTED = 9
+"""SIGTERM or SIGINT (a scheduler's preemption): the job stopped after the step in flight and
+checkpointed it; run the same command to resume."""
 
 
 def exit_code_for(error: BaseException) -> int | None:
@@ -32,7 +36,7 @@ def exit_code_for(error: BaseException) -> int | None:
   from resilient_jax.checkpoint import CheckpointError
   from resilient_jax.config import ConfigError
   from resilient_jax.policy import NoDevicesLeft, StageLost
-  from resilient_jax.trainer import NonFiniteSteps
+  from resilient_jax.trainer import NonFiniteSteps, Preempted
 
   if isinstance(error, ConfigError):
     return EXIT_BAD_CONFIG
@@ -42,4 +46,6 @@ def exit_code_for(error: BaseException) -> int | None:
     return EXIT_CHECKPOINT
   if isinstance(error, NonFiniteSteps):
     return EXIT_NONFINITE
+  if isinstance(error, Preempted):
+    return EXIT_PREEMPTED
   return None

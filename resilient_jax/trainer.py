@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -42,8 +44,9 @@ import numpy as np
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter, load_latest
 from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
-from resilient_jax.checkpoint.store import Loaded, load, step_dir
+from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
+from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
 from resilient_jax.recipe import (
   make_data,
@@ -65,6 +68,8 @@ Logger = Callable[[str], None]
 
 PAUSE_ENV = "RESILIENT_JAX_PAUSE"
 PAUSE_FILE_ENV = "RESILIENT_JAX_PAUSE_FILE"
+SAVE_WAIT_S = 600.0
+"""How long an ending run waits for its checkpoint save in flight."""
 KILLS_FILE = "kills.jsonl"
 """Written into the workdir by `launch/local.py`: one line per injected kill, with its time."""
 
@@ -156,8 +161,12 @@ class Trainer:
       self.log(f"initialised {n} parameters from {source}")
     self.source, self.plan = make_data(cfg)
     self.ckpt_dir = self.workdir / "checkpoints"
-    self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep) if self.chief \
-      else None
+    self.writer = None
+    if self.chief:
+      self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
+      for name in self.writer.remove_unfinished():
+        self.log(f"removed {self.ckpt_dir / name}: a save that never committed (its writer "
+                 "stopped mid-way)")
     need = cfg.mesh.num_workers
     pp = cfg.mesh.pp
     if cluster is None:
@@ -195,6 +204,7 @@ class Trainer:
     self.faults = [(f, f.worker[0] * pp + f.worker[1]) for f in events]
     self.recovery: list[dict] = []
     self.attempts = 0
+    self.stop_signal = ""
 
   # ---------------------------------------------------------------- programs and state
 
@@ -317,16 +327,23 @@ class Trainer:
       raise
     if decision.restore:
       nodes = self._plan_nodes(decision.plan)
-      self.log(f"{decision.reason}; restoring the latest checkpoint onto "
-               f"{_describe(decision.plan)} ({len(nodes)} of {len(self.coordinator.live)} "
+      where = (f"{_describe(decision.plan)} ({len(nodes)} of {len(self.coordinator.live)} "
                "surviving nodes)")
+      if self.writer is not None:
+        self.writer.wait()  # a save in flight is a checkpoint to restore
+      if self.chief and not committed_steps(self.ckpt_dir):
+        off = "" if self.cfg.checkpoint.every_steps else " (checkpoint.every_steps=0)"
+        self.log(f"{decision.reason}; there is no checkpoint to restore{off}: starting again "
+                 f"from step 1 on {where}, losing {step - 1} committed step(s)")
+      else:
+        self.log(f"{decision.reason}; restoring the latest checkpoint onto {where}")
       self.interpreter = self._interpreter(decision.plan)
       restored = self._load(f"{step}/{self.attempts}")
-      if restored == 0:
-        self.log(f"no checkpoint to restore: starting again from step 1 ({step - 1} "
-                 "committed step(s) lost)")
-      else:
+      if restored:
         self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
+      elif committed_steps(self.ckpt_dir):
+        self.log(f"no checkpoint verified: starting again from step 1, losing {step - 1} "
+                 "committed step(s)")
       return restored
     dead = {n for _, n in self.coordinator.failed}
     copied = self.interpreter.place(decision.plan, self.interpreter.sources(dead), dead=dead,
@@ -343,11 +360,7 @@ class Trainer:
     return sorted(plan.nodes[w] for w in plan.schedule.ops)
 
   def _kill_times(self) -> dict[int, float]:
-    path = self.workdir / KILLS_FILE
-    if not path.exists():
-      return {}
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return {r["process"]: r["time"] for r in rows}
+    return {r["process"]: r["time"] for r in read_jsonl(self.workdir / KILLS_FILE)}
 
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
     """Attempts 1-based `step` until an attempt commits, whatever fails during it.
@@ -412,7 +425,7 @@ class Trainer:
     return result, mb_ids
 
   def _write_recovery(self) -> None:
-    (self.workdir / "recovery.json").write_text(json.dumps(self.recovery, indent=1) + "\n")
+    write_json_atomic(self.workdir / "recovery.json", self.recovery)
 
   # ---------------------------------------------------------------- the loop
 
@@ -426,14 +439,66 @@ class Trainer:
                         stem=stem)
 
   def run(self) -> TrainResult:
+    """Trains to `train.steps` (or `train.stop_after`), resuming from the workdir.
+
+    SIGTERM or SIGINT (a scheduler's preemption; Ctrl-C) stops the run after the step in
+    flight, in every process of the job, with a checkpoint of that step: `Preempted`. Whatever
+    ends the run, a checkpoint save in flight is committed (or its error reported) first.
+    """
+    handlers = self._catch_stop_signals()
+    try:
+      return self._run()
+    finally:
+      for signum, previous in handlers.items():
+        signal.signal(signum, previous)
+      self._finish_saving()
+
+  def _catch_stop_signals(self) -> dict[int, Any]:
+    """Installs handlers that ask the job to stop after the step in flight; a second signal
+    ends this process at once. Returns the handlers replaced (none off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+      return {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+      del frame
+      if self.transport.stop_requested:  # asked twice: stop now
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+      self.transport.stop_requested = True
+      self.stop_signal = signal.Signals(signum).name
+
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+  def _finish_saving(self) -> None:
+    """Waits (bounded) for the checkpoint save in flight, so no exit path drops it half-way;
+    on an error path its failure is logged rather than raised over the error."""
+    if self.writer is None:
+      return
+    try:
+      if not self.writer.wait(timeout_s=SAVE_WAIT_S):
+        self.log(f"a checkpoint save was still running after {SAVE_WAIT_S:.0f}s; abandoned "
+                 "(its unfinished folder is removed at the next start)")
+    except CheckpointError as e:
+      self.log(f"error: {e}")
+
+  def _run(self) -> TrainResult:
     cfg = self.cfg
     if self.chief:
-      (self.workdir / "config.json").write_text(
-        json.dumps(dataclasses.asdict(cfg), indent=1, default=str)
-      )
+      write_json_atomic(self.workdir / "config.json", dataclasses.asdict(cfg))
     metrics_path = self.workdir / "metrics.jsonl"
     start = self._load("start") + 1
-    metrics = _read_metrics(metrics_path, up_to=start - 1) if self.chief else []
+    metrics = []
+    if self.chief:
+      earlier = read_jsonl(metrics_path, log=self.log)
+      if start == 1 and earlier:
+        why = ("every checkpoint failed verification" if committed_steps(self.ckpt_dir) else
+               "checkpointing is off (checkpoint.every_steps=0)" if not cfg.checkpoint.every_steps
+               else "none was written")
+        self.log(f"no checkpoint to resume from in {self.ckpt_dir} ({why}): starting from step "
+                 f"1; the {len(earlier)} step(s) metrics.jsonl holds from an earlier run are "
+                 "lost and will be redone")
+      metrics = [r for r in earlier if r["step"] < start]
+      _write_metrics(metrics_path, metrics)
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     every = cfg.checkpoint.every_steps
     failure_steps = {f.step for f, _ in self.faults}
@@ -488,6 +553,15 @@ class Trainer:
       if nonfinite >= cfg.train.max_nonfinite_steps:
         raise NonFiniteSteps(f"{nonfinite} steps in a row had non-finite gradients (up to step "
                              f"{step}); stopping (train.max_nonfinite_steps)")
+      if result.stop and not last:
+        self.log(f"stopping after step {step}: {self._stop_reason()}; checkpointing it")
+        self._save(step)
+        if self.writer is not None:
+          self.writer.wait()
+        if self.cluster is not None:
+          self.leave_together(f"stopped/{step}")
+        raise Preempted(f"stopped after step {step} on request ({self._stop_reason()}), with a "
+                        "checkpoint of it; run the same command to resume")
       if (every and step % every == 0) or (last and (every or cfg.train.stop_after)):
         self._save(step)
       step += 1
@@ -501,12 +575,17 @@ class Trainer:
         self.log("step times by schedule:")
         for line in self.coordinator.summary():
           self.log(line)
-      (self.workdir / "schedule.txt").write_text("\n\n".join(schedules_seen) + "\n")
+      write_text_atomic(self.workdir / "schedule.txt", "\n\n".join(schedules_seen) + "\n")
       if result is not None:
         self._write_timeline(end, result, stem="timeline")
     if self.cluster is not None:
       self.leave_together("finished")
     return TrainResult(metrics, self.interpreter, self.coordinator, result)
+
+  def _stop_reason(self) -> str:
+    if self.transport.stop_requested:
+      return f"this process received {self.stop_signal}"
+    return "another process of the job received a stop signal"
 
   def leave_together(self, key: str) -> None:
     """Called by every surviving process before it leaves: process 0, which hosts the
@@ -533,24 +612,18 @@ class NonFiniteSteps(RuntimeError):
   """`train.max_nonfinite_steps` steps in a row had non-finite gradients."""
 
 
+class Preempted(RuntimeError):
+  """The run stopped on SIGTERM/SIGINT after a committed step, which it checkpointed."""
+
+
 class _Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer.run`
   def __init__(self, step: int):
     super().__init__(f"restored step {step}")
     self.step = step
 
 
-def _read_metrics(path: Path, up_to: int) -> list[dict]:
-  """Rows of steps <= `up_to` (a resumed run redoes the later ones); rewrites the file."""
-  rows = []
-  if path.exists():
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-  rows = [r for r in rows if r["step"] <= up_to]
-  _write_metrics(path, rows)
-  return rows
-
-
 def _write_metrics(path: Path, rows: list[dict]) -> None:
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunConfig:

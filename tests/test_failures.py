@@ -109,7 +109,8 @@ def test_launcher_exits_3_when_no_device_is_left(tmp_path):
   assert proc.returncode == 3, proc.stderr[-2000:]
   assert "no device" in proc.stderr.strip().splitlines()[-1]
   assert "Traceback" not in proc.stderr
-  assert "restoring the latest checkpoint onto dp=1 pp=1" in proc.stdout
+  assert ("there is no checkpoint to restore (checkpoint.every_steps=0): starting again from "
+          "step 1 on dp=1 pp=1") in proc.stdout
 
 
 def test_failure_outside_the_grid_is_a_config_error(tmp_path):

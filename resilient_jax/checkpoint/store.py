@@ -9,16 +9,19 @@ Layout of `<dir>/step_00000012/`:
 A save copies the state to the host (the only part training waits for), then a background
 thread writes it into `<dir>/.tmp-step_.../`, writes `meta.json` last and renames the folder to
 its final name. A half-written checkpoint therefore never has a final name, and `latest()`
-never picks it. Loading verifies every entry against its checksum; a bad checkpoint is reported
-by name and the previous one is used.
+never picks it (`remove_unfinished` clears such folders at start). A state holding an inf or NaN
+is never written. Loading verifies every entry against its checksum and that it is finite; a bad
+checkpoint is reported by name and the previous one is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -71,6 +74,12 @@ def _checkpointer():
   )
 
 
+def non_finite(arrays: Mapping[str, np.ndarray]) -> list[str]:
+  """Names of the floating-point arrays holding an inf or NaN."""
+  return sorted(k for k, a in arrays.items()
+                if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all())
+
+
 def committed_steps(root: str | Path) -> list[int]:
   """Steps with a committed (fully written and renamed) checkpoint, ascending."""
   root = Path(root)
@@ -105,6 +114,36 @@ def read_meta(path: Path) -> dict[str, Any]:
   return meta
 
 
+def _ignore_reads_after_a_failed_restore() -> None:
+  """Keeps a damaged checkpoint's fallback to one line.
+
+  When one read of a restore fails, orbax closes its event loop while tensorstore's other reads
+  are still in flight; each of them then reports `RuntimeError: Event loop is closed` through
+  `sys.unraisablehook` (hundreds of tracebacks for one bad file), and asyncio logs the other
+  failed reads as "Task exception was never retrieved". Those are dropped (the failure is
+  reported once, as a `CheckpointError`); anything else goes where it went before.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "_resilient_jax", False):
+    return
+
+  def unread_failure(record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage().startswith("Task exception was never retrieved")
+                and exc is not None and "Error reading" in str(exc))
+
+  logging.getLogger("asyncio").addFilter(unread_failure)
+
+  def hook(unraisable: Any) -> None:
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook._resilient_jax = True  # type: ignore[attr-defined]
+  sys.unraisablehook = hook
+
+
 def load(path: str | Path) -> Loaded:
   """Reads and verifies one checkpoint folder.
 
@@ -116,6 +155,7 @@ def load(path: str | Path) -> Loaded:
 
   path = Path(path)
   meta = read_meta(path)
+  _ignore_reads_after_a_failed_restore()
   as_numpy = {g: {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in meta["entries"][g]}
               for g in ("params", "opt_state")}
   try:
@@ -138,6 +178,10 @@ def load(path: str | Path) -> Loaded:
     for name, info in sorted(meta["entries"][group].items()):
       if crcs[name] != info["crc32"]:
         raise CheckpointError(f"{path}: {group} entry {name!r} fails its checksum")
+    bad = non_finite({k: stored[k] for k in meta["entries"][group]})
+    if bad:
+      raise CheckpointError(f"{path}: {group} entry {bad[0]!r} holds non-finite values"
+                            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
   return Loaded(meta["step"], {k: np.asarray(v) for k, v in tree["params"].items()},
                 {k: np.asarray(v) for k, v in tree["opt_state"].items()}, meta, path)
 
@@ -190,21 +234,45 @@ class CheckpointWriter:
                                     name=f"checkpoint-{step}", daemon=False)
     self._thread.start()
 
-  def wait(self) -> None:
-    """Blocks until the save in flight (if any) is committed."""
+  def wait(self, timeout_s: float | None = None) -> bool:
+    """Blocks until the save in flight (if any) is committed.
+
+    Returns:
+      False if it was still running after `timeout_s` (it goes on in the background).
+
+    Raises:
+      CheckpointError: the save failed (its checkpoint was not committed).
+    """
     if self._thread is not None:
-      self._thread.join()
+      self._thread.join(timeout_s)
+      if self._thread.is_alive():
+        return False
       self._thread = None
     if self._error is not None:
       err, self._error = self._error, None
       raise CheckpointError(f"a background checkpoint save failed: {err}") from err
+    return True
+
+  def remove_unfinished(self) -> list[str]:
+    """Removes the folders of saves that never committed (their writer died); returns their
+    names. Call before the first save."""
+    if not self.root.is_dir():
+      return []
+    stale = sorted(p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX))
+    for p in stale:
+      shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
 
   def _write(self, step: int, host: dict, meta: dict) -> None:
     t0 = self.clock()
     tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
     try:
-      tmp.mkdir(parents=True)
       tree = {g: {k: np.asarray(v) for k, v in host[g].items()} for g in ("params", "opt_state")}
+      bad = non_finite(tree["params"]) + non_finite(tree["opt_state"])
+      if bad:
+        raise CheckpointError(f"the state of step {step} is not finite ({', '.join(bad[:3])}"
+                              f"{', ...' if len(bad) > 3 else ''}): not written")
+      tmp.mkdir(parents=True)
       _checkpointer().save((tmp / "state").absolute(), tree)
       entries = {}
       for g, arrays in tree.items():
@@ -215,8 +283,10 @@ class CheckpointWriter:
               "bytes": int(sum(a.nbytes for g in tree.values() for a in g.values()))}
       (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
       final = step_dir(self.root, step)
-      if final.exists():
-        shutil.rmtree(final)
+      if final.exists():  # a step saved again (a redone step): set the old copy aside first
+        old = final.with_name(f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
       tmp.rename(final)  # the commit: atomic on one filesystem
       self._retain()
     except BaseException as e:  # reported on the next save or wait

@@ -84,6 +84,8 @@ class StepResult:
   """Global-norm clipping scaled the gradients (each stage redid its optimizer step)."""
   attempts: int = 1
   """Attempts the step took (set by the training loop)."""
+  stop: bool = False
+  """A process asked to stop after this step (`Outcome.stop`)."""
 
 
 class WorkerLost(Exception):
@@ -587,4 +589,5 @@ class Interpreter(StateHandover):
       grad_norm=norm,
       skipped=skipped,
       clipped=clipped,
+      stop=outcome.stop,
     )

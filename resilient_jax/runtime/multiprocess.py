@@ -167,6 +167,7 @@ class ProcessTransport(Transport):
       "losses": {} if doomed else {str(k): float(v) for k, v in losses.items()},
       # A string, so that a non-finite norm survives the key-value store's JSON.
       "sumsq": "0.0" if doomed else repr(float(sum(jax.device_get(list(grad_sumsq))))),
+      "stop": self.stop_requested,
     }
     base = _attempt_key(self.step, self.attempt)
     if cl.process_id in self.participants:  # a process the plan left idle only follows
@@ -179,7 +180,9 @@ class ProcessTransport(Transport):
       return Outcome(False, {}, set(decision["lost"]), detected, remote=True)
     mb_losses = {int(k): v for st in statuses.values() for k, v in st["losses"].items()}
     total = sum(float(st["sumsq"]) for st in statuses.values())
-    return Outcome(True, mb_losses, detected_at=detected, remote=True, grad_sumsq=total)
+    stop = any(st.get("stop") for st in statuses.values())
+    return Outcome(True, mb_losses, detected_at=detected, remote=True, grad_sumsq=total,
+                   stop=stop)
 
   def wait(self, tree: Any, what: str) -> None:
     self.cluster.wait(tree, what)

@@ -46,6 +46,9 @@ class Outcome:
   """Whether other processes contributed losses (`processed` then comes from them)."""
   grad_sumsq: float = 0.0
   """The squared global norm of the step's gradients, summed over every process's share."""
+  stop: bool = False
+  """Some participant asked to stop after this step (`Transport.stop_requested`, e.g. on
+  SIGTERM): every process that commits the step sees the same value."""
 
 
 class GroupSum:
@@ -101,6 +104,9 @@ class Transport:
 
   remote_collectives = False
   """Whether a reduction may wait on other processes (then groups run in one global order)."""
+  stop_requested = False
+  """Set (by a signal handler) to stop the job after the step in flight; an attempt that
+  commits carries it to every process in `Outcome.stop`."""
 
   def __init__(self, devices: Mapping[int, jax.Device]):
     self.devices = dict(devices)
@@ -144,7 +150,7 @@ class Transport:
     values, shares = jax.device_get((dict(losses), list(grad_sumsq)))
     jax.block_until_ready(list(new_params))
     return Outcome(True, {mb: float(v) for mb, v in values.items()}, detected_at=time.time(),
-                   grad_sumsq=float(sum(shares)))
+                   grad_sumsq=float(sum(shares)), stop=self.stop_requested)
 
   def wait(self, tree: Any, what: str) -> None:
     """Blocks (bounded, across processes) until `tree` is computed."""

@@ -1,0 +1,124 @@
+"""Nothing lost on the way out: preemption, torn outputs, saves in flight, and saying what is lost.
+
+The multi-process side (stalled processes, SIGTERM to a whole job) is in test_multiprocess.py.
+"""
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from resilient_jax import checkpoint as ckpt
+from resilient_jax.checkpoint import store
+from resilient_jax.checkpoint.__main__ import main as checkpoint_cli
+from resilient_jax.checkpoint.store import CheckpointWriter
+from resilient_jax.exit_codes import EXIT_PREEMPTED, exit_code_for
+from resilient_jax.policy import StageLost
+from resilient_jax.trainer import Preempted, Trainer
+from tests.helpers import assert_matches_reference, expected_digests, tiny_config
+
+
+def _rows(workdir):
+  return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_checkpoints_the_step_and_the_resume_continues_exactly(tmp_path):
+  """SIGTERM while step 3 runs: the run finishes step 3, checkpoints it (checkpointing is off
+  otherwise) and stops with `Preempted`; the resume, after its metrics file was torn by a kill
+  mid-write, drops the torn line and trains what one device would."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=5)
+  lines = []
+
+  def log(line):
+    lines.append(line)
+    if line.startswith("step    2/"):
+      os.kill(os.getpid(), signal.SIGTERM)  # handled on this thread before step 3 commits
+
+  with pytest.raises(Preempted) as stopped:
+    Trainer(cfg, tmp_path, log=log).run()
+  assert exit_code_for(stopped.value) == EXIT_PREEMPTED
+  assert any("stopping after step 3: this process received SIGTERM" in x for x in lines)
+  assert ckpt.committed_steps(tmp_path / "checkpoints") == [3]
+  assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+
+  with (tmp_path / "metrics.jsonl").open("a") as f:
+    f.write('{"step": 4, "loss": 5.1')  # a writer killed mid-line
+  lines.clear()
+  result = Trainer(cfg, tmp_path, log=lines.append).run()
+  assert any("dropped line 4" in x for x in lines)
+  assert any("restored step 3" in x for x in lines)
+  rows = _rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+  assert [r["sample_digest"] for r in rows] == expected_digests(cfg)
+  assert_matches_reference(rows, result.interpreter.all_params(), cfg)
+
+
+def test_an_exit_waits_for_the_save_in_flight(tmp_path, monkeypatch):
+  """A whole stage lost (exit 3, no restore) while step 3's checkpoint is still being written:
+  the run ends only after that checkpoint committed; a folder left by an earlier crashed save
+  is removed at start."""
+  real_write = CheckpointWriter._write
+
+  def slow_write(self, *args):
+    time.sleep(0.5)
+    real_write(self, *args)
+
+  monkeypatch.setattr(CheckpointWriter, "_write", slow_write)
+  stale = tmp_path / "checkpoints" / ".tmp-step_00000002-deadbeef"
+  stale.mkdir(parents=True)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=5, checkpoint__every_steps=3,
+                    faults__schedule="4:0.1,4:1.1", resilience__restore_on_stage_loss=False)
+  lines = []
+  with pytest.raises(StageLost):
+    Trainer(cfg, tmp_path, log=lines.append).run()
+  assert any("removed" in x and stale.name in x for x in lines)
+  assert ckpt.committed_steps(tmp_path / "checkpoints") == [3]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003"]
+  assert ckpt.load(ckpt.step_dir(tmp_path / "checkpoints", 3)).step == 3
+
+
+def test_a_restore_without_checkpoints_says_what_is_lost(tmp_path):
+  """A whole stage lost with checkpointing off: the log says so and how many committed steps
+  are lost (never "restoring the latest checkpoint"); the run starts over on the survivors."""
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=4, faults__schedule="3:0.1,3:1.1")
+  lines = []
+  result = Trainer(cfg, tmp_path, log=lines.append).run()
+  assert not any("restoring the latest checkpoint" in x for x in lines)
+  assert any("no checkpoint to restore (checkpoint.every_steps=0): starting again from step 1"
+             in x and "losing 2 committed step(s)" in x for x in lines), lines
+  assert [m["step"] for m in result.metrics] == [1, 2, 3, 4]
+
+  # Run again on the finished workdir without checkpoints: the earlier rows are redone.
+  lines.clear()
+  Trainer(tiny_config(mesh__dp=1, mesh__pp=2, train__steps=1), tmp_path, log=lines.append).run()
+  assert any("checkpointing is off" in x and "the 4 step(s) metrics.jsonl holds" in x
+             for x in lines), lines
+
+
+def test_non_finite_state_is_never_written_and_never_loaded(tmp_path, capsys, monkeypatch):
+  params = {"w": np.ones((4, 4), np.float32), "step": np.zeros((), np.int32)}
+  opt = {"0/mu/w": np.zeros((4, 4), np.float32)}
+  writer = CheckpointWriter(tmp_path, keep=1)
+  writer.save(1, params, opt, {"layout": {}})
+  assert writer.wait()
+  bad = dict(params, w=np.full((4, 4), np.nan, np.float32))
+  writer.save(2, bad, opt, {"layout": {}})
+  with pytest.raises(ckpt.CheckpointError, match="state of step 2 is not finite"):
+    writer.wait()
+  # Retention (keep=1) kept the finite checkpoint; nothing of step 2 is on disk.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+
+  # One written without the check (an older version): refused on load and by `verify`.
+  monkeypatch.setattr(store, "non_finite", lambda arrays: [])
+  CheckpointWriter(tmp_path / "old", keep=0)._write(3, {"params": bad, "opt_state": opt},
+                                                     {"layout": {}})
+  monkeypatch.undo()
+  path = ckpt.step_dir(tmp_path / "old", 3)
+  with pytest.raises(ckpt.CheckpointError, match="'w' holds non-finite values"):
+    ckpt.load(path)
+  assert checkpoint_cli(["checkpoint", "verify", str(path)]) == 1
+  assert "non-finite" in capsys.readouterr().err
