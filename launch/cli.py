@@ -1,40 +1,381 @@
 """What every entry point in `launch/` shares: bad input is one line on stderr and exit 2.
 
-Config files behind `ml_collections.config_flags` load lazily, so their errors can surface while
-flags are parsed or on first access; both paths end here with the most specific line of the
-error rather than a traceback.
+A launcher's inputs are checked before JAX starts: flags, the config file and its
+`--config.KEY=VALUE` overrides (`load_config`), and the output directory (`writable_dir`).
+`launch.train` and `launch.local` read the training flags through one parser
+(`define_train_flags`, `train_inputs`), so `launch.local` rejects what a worker would reject
+before it starts any process.
+
+`ml_collections.config_flags` loads the config file and applies the overrides while absl parses
+the flags, so a user's syntax error, a `get_config` that raises, an unknown key and a value of
+the wrong type all surface as exceptions from parsing, often wrapped twice. `describe` turns
+each into one line that names the flag, key or file, without an exception class name.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import os
+import re
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+import ml_collections
 from absl import flags
+from ml_collections import config_flags
+
+# Not re-exported by the package: the parser that loads a config file, and the test for a
+# config flag.
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser, is_config_flag
+
+if TYPE_CHECKING:
+  from resilient_jax.config import RunConfig
 
 EXIT_BAD_CONFIG = 2
 
-# What flag parsing and config loading raise for bad input (absl, ml_collections, the file).
-INPUT_ERRORS = (flags.Error, OSError, ValueError, TypeError, AttributeError, KeyError)
+T = TypeVar("T")
+
+# What converting a loaded config raises for bad values (the ConfigError classes are
+# ValueErrors; the rest come from configs that do not have the expected shape).
+CONVERT_ERRORS = (ValueError, TypeError, KeyError, AttributeError, OSError)
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false"}
 
 
 def fail(message: str, code: int = EXIT_BAD_CONFIG) -> NoReturn:
-  print(f"error: {message}", file=sys.stderr)
+  """Prints `error: MESSAGE` (one line) on stderr and exits with `code`."""
+  print(f"error: {_one_line(message)}", file=sys.stderr)
   sys.exit(code)
+
+
+def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
+  """Parses flags (a bad flag or config is a one-line error, exit 2), then calls `main`.
+
+  Args:
+    main: the launcher, called with the arguments left after the flags (the program first).
+    argv: the command line; default `sys.argv`.
+  """
+  argv = list(sys.argv if argv is None else argv)
+  sys.argv = argv  # config_flags reads the --config.KEY overrides from sys.argv
+  main(parse_flags(flags.FLAGS, argv))
+
+
+def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
+  """`flag_values(argv)`, failing with one line for any bad flag, config file or override."""
+  problem = _config_path_problem(flag_values, argv)
+  if problem:
+    fail(problem)
+  try:
+    return flag_values(list(argv))
+  except Exception as e:  # noqa: BLE001 - loading the config file runs the user's code
+    fail(describe(e, flag_values, argv))
+
+
+# ---------------------------------------------------------------- the training flags
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFlags:
+  """`launch.train`'s flags, defined on one `FlagValues`."""
+
+  config: flags.FlagHolder
+  workdir: flags.FlagHolder
+
+
+def define_train_flags(
+  flag_values: flags.FlagValues = flags.FLAGS, sys_argv: Sequence[str] | None = None
+) -> TrainFlags:
+  """Defines `--config` and `--workdir` on `flag_values`.
+
+  Args:
+    flag_values: where to define them.
+    sys_argv: the command line the config overrides are read from (default `sys.argv` when
+      parsing).
+  """
+  return TrainFlags(
+    config=config_flags.DEFINE_config_file(
+      "config", None, "Path to a configs/*.py file.", flag_values=flag_values,
+      lock_config=True, sys_argv=None if sys_argv is None else list(sys_argv),
+    ),
+    workdir=flags.DEFINE_string(
+      "workdir", None, "Directory for metrics, timelines, schedules.", flag_values=flag_values
+    ),
+  )
+
+
+def train_inputs(remaining: Sequence[str], train_flags: TrainFlags) -> tuple[RunConfig, str]:
+  """The validated `RunConfig` and the absolute workdir (created, writable) of parsed flags.
+
+  Args:
+    remaining: what flag parsing left (the program, then positional arguments).
+    train_flags: the parsed flags.
+
+  Returns:
+    `(cfg, workdir)`; any bad input is a one-line error and exit 2 instead.
+  """
+  from resilient_jax.config import check_paths, from_config_dict
+
+  if len(remaining) > 1:
+    fail(f"unexpected arguments {' '.join(remaining[1:])} (flags are written --name=value)")
+
+  def convert(cd: Any) -> RunConfig:
+    cfg = from_config_dict(cd)
+    check_paths(cfg)
+    return cfg
+
+  cfg = load_config(train_flags.config, convert, "configs/gpt_tiny.py")
+  return cfg, writable_dir("--workdir", train_flags.workdir.value)
+
+
+def parse_train_args(argv: Sequence[str]) -> tuple[RunConfig, str]:
+  """`launch.train`'s command line `argv` (the program first) -> `train_inputs`.
+
+  Parsed on a fresh `FlagValues`, so a launcher with flags of its own can check its workers'
+  arguments exactly as they will.
+  """
+  flag_values = flags.FlagValues()
+  train_flags = define_train_flags(flag_values, sys_argv=argv)
+  return train_inputs(parse_flags(flag_values, argv), train_flags)
+
+
+# ---------------------------------------------------------------- config and directories
+
+
+def load_config(holder: flags.FlagHolder, convert: Callable[[Any], T], example: str) -> T:
+  """`convert(config)` of a parsed config flag: its value, or one line and exit 2.
+
+  Args:
+    holder: the flag of `config_flags.DEFINE_config_file`.
+    convert: validates the ConfigDict into typed config; its errors name the key.
+    example: a config file for the message when the flag is missing.
+  """
+  if holder.value is None:
+    fail(f"--{holder.name} is required (e.g. --{holder.name}={example})")
+  try:
+    return convert(holder.value)
+  except CONVERT_ERRORS as e:
+    if isinstance(e, OSError):
+      # config_flags defers a file's read error until the config is first used: here.
+      fail(f"--{holder.name}: cannot read the config file ({last_line(e)})")
+    fail(last_line(e))
+
+
+def writable_dir(flag: str, path: str | None) -> str:
+  """Creates directory `path` if needed and checks that files can be written in it.
+
+  Args:
+    flag: the flag it came from, for the message (`--workdir`).
+    path: the directory.
+
+  Returns:
+    Its absolute path; a missing, blocked or read-only directory is one line and exit 2.
+  """
+  if not path:
+    fail(f"{flag} is required")
+  where = f"{flag}={path}"
+  full = os.path.abspath(path)
+  if os.path.exists(full) and not os.path.isdir(full):
+    fail(f"{where}: is a file, not a directory")
+  try:
+    os.makedirs(full, exist_ok=True)
+  except OSError as e:
+    blocker = _first_non_directory(full)
+    if blocker:
+      fail(f"{where}: {blocker} is a file, not a directory")
+    fail(f"{where}: cannot create it ({e.strerror or e})")
+  try:
+    # A probe file rather than os.access: root, ACLs and read-only mounts all answer here. The
+    # name is random, so processes of one job can probe a shared directory at once.
+    fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=full)
+    os.close(fd)
+    os.unlink(probe)
+  except OSError as e:
+    fail(f"{where}: cannot write there ({e.strerror or e})")
+  return full
+
+
+def _first_non_directory(path: str) -> str | None:
+  """The first existing ancestor of `path` (or itself) that is not a directory."""
+  parts = os.path.abspath(path).split(os.sep)
+  for i in range(2, len(parts) + 1):
+    prefix = os.sep.join(parts[:i])
+    if os.path.exists(prefix) and not os.path.isdir(prefix):
+      return prefix
+    if not os.path.exists(prefix):
+      return None
+  return None
+
+
+# ---------------------------------------------------------------- describing parse errors
+
+
+def describe(e: BaseException, flag_values: flags.FlagValues, argv: Sequence[str]) -> str:
+  """One line for an error raised while `flag_values` parsed `argv`.
+
+  Args:
+    e: the error.
+    flag_values: the flags being parsed (their config flags and types name the problem).
+    argv: the command line.
+
+  Returns:
+    The message, naming the flag, config key or file.
+  """
+  if isinstance(e, flags.UnrecognizedFlagError):
+    close = _closest(e.flagname, flag_values)
+    return f"unknown flag --{e.flagname}" + (f" (did you mean --{close}?)" if close else "")
+  root = _root_cause(e)
+  for name in _config_flag_names(flag_values):
+    spec = _flag_arg(argv, name)
+    if not spec:
+      continue
+    in_file = _config_file_error(root, name, spec)
+    if in_file:
+      return in_file
+    bad = _bad_override(argv, name, spec)
+    if bad:
+      return bad
+  message = last_line(e)
+  m = re.match(r"flag --([^=\s]+)=(.*?): (.*)$", message)
+  if m:
+    flag, value, reason = m.groups()
+    kind = flag_values[flag].flag_type() if flag in flag_values else ""
+    return f"--{flag}={value}: " + (f"not {_KINDS[kind]}" if kind in _KINDS else reason)
+  m = re.match(r"Missing value for flag -*(\S+)", message)
+  if m:
+    return f"--{m.group(1)}: missing value (write --{m.group(1)}=VALUE)"
+  return message
+
+
+def _config_flag_names(flag_values: flags.FlagValues) -> list[str]:
+  return [n for n in flag_values if is_config_flag(flag_values[n])]
+
+
+def _flag_arg(argv: Sequence[str], name: str) -> str | None:
+  """The value given to `--name` in `argv` (the last one), "" if it has none, None if absent."""
+  found = None
+  for i, arg in enumerate(argv):
+    if arg == "--":
+      break
+    m = re.match(rf"^--?{re.escape(name)}(=(.*))?$", arg)
+    if m:
+      if m.group(1) is not None:
+        found = m.group(2)
+      else:
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        found = "" if nxt.startswith("-") else nxt
+  return found
+
+
+def _config_path_problem(flag_values: flags.FlagValues, argv: Sequence[str]) -> str | None:
+  """What is wrong with the file a config flag names, before config_flags tries to load it."""
+  for name in _config_flag_names(flag_values):
+    spec = _flag_arg(argv, name)
+    if spec is None:
+      if any(re.match(rf"^--?(no)?{re.escape(name)}\.", a) for a in argv):
+        return f"--{name}.KEY overrides need --{name}=FILE"
+      continue
+    path = spec.split(":", 1)[0]
+    if not path:
+      return f"--{name}: missing value (write --{name}=FILE.py, or FILE.py:VARIANT)"
+    if not os.path.exists(path):
+      return f"--{name}={spec}: no such file"
+    if os.path.isdir(path):
+      return f"--{name}={spec}: is a directory, not a config file"
+  return None
+
+
+def _root_cause(e: BaseException) -> BaseException:
+  """The innermost exception of `e`'s chain (flags re-raise config errors, wrapped)."""
+  seen = {id(e)}
+  while True:
+    inner = e.__cause__ or e.__context__
+    if inner is None or id(inner) in seen:
+      return e
+    seen.add(id(inner))
+    e = inner
+
+
+def _config_file_error(root: BaseException, name: str, spec: str) -> str | None:
+  """The message for an error in the config file itself (its syntax, or `get_config`)."""
+  path = os.path.abspath(spec.split(":", 1)[0])
+  if isinstance(root, SyntaxError):
+    where = "" if root.filename and os.path.abspath(root.filename) == path else \
+      f"{root.filename} "
+    return f"--{name}={spec}: {where}line {root.lineno}: {root.msg}"
+  frames = traceback.extract_tb(root.__traceback__)
+  lines = [f.lineno for f in frames if os.path.abspath(f.filename) == path]
+  if not lines:
+    return None
+  if isinstance(root, KeyError) and root.args:
+    message = f"no key {root.args[0]}"
+  else:
+    message = last_line(root) if str(root).strip() else "get_config failed"
+  return f"--{name}={spec}: line {lines[-1]}: {message}"
+
+
+def _bad_override(argv: Sequence[str], name: str, spec: str) -> str | None:
+  """The first `--name.KEY[=VALUE]` of `argv` that the config `spec` cannot take, described."""
+  try:
+    cd = ConfigFileFlagParser(name, lock_config=False).parse(spec)
+  except Exception:  # noqa: BLE001 - described by the caller as it is
+    return None
+  if not _is_section(cd):
+    return None
+  for arg in argv:
+    if arg == "--":
+      break
+    m = re.match(rf"^--?(?:no)?{re.escape(name)}\.([^=]+)(=.*)?$", arg)
+    problem = m and _key_problem(cd, name, m.group(1), has_value=m.group(2) is not None)
+    if problem:
+      return f"--{name}.{m.group(1)}: {problem}"
+  return None
+
+
+def _key_problem(cd: Any, name: str, key: str, *, has_value: bool) -> str | None:
+  """Why config `cd` cannot take an override of dotted `key` (None if it can)."""
+  node, parts = cd, key.split(".")
+  for i, part in enumerate(parts):
+    above = ".".join(parts[:i])
+    if not _is_section(node):
+      return f"no such key ({above} is a value, not a section)"
+    if part not in node:
+      close = _closest(part, node)
+      if close:
+        return f"no such key (did you mean {'.'.join([*parts[:i], close, *parts[i + 1:]])}?)"
+      return f"no such key ({above or name} has no {'key' if above else 'section'} {part})"
+    node = node[part]
+  if _is_section(node) and has_value:
+    keys = ", ".join(f"{key}.{k}" for k in list(node)[:4]) + (", ..." if len(node) > 4 else "")
+    return f"{key} is a section, not a value" + (f" (its keys: {keys})" if keys else "")
+  return None
+
+
+def _is_section(x: Any) -> bool:
+  return isinstance(x, (Mapping, ml_collections.ConfigDict))
+
+
+def _closest(word: str, choices: Any) -> str | None:
+  """The choice closest to a mistyped `word`, if one is close."""
+  close = difflib.get_close_matches(word, [str(c) for c in choices], n=1)
+  return close[0] if close else None
 
 
 def last_line(e: BaseException) -> str:
   """The most specific line of an error message (config loaders nest their causes)."""
   lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-  return lines[-1] if lines else type(e).__name__
+  return lines[-1] if lines else "failed"
 
 
-def run(main: Callable[[list[str]], None], argv: list[str] | None = None) -> None:
-  """Parses flags (a bad flag or config override is a one-line error, exit 2), then `main`."""
-  argv = sys.argv if argv is None else argv
-  try:
-    remaining = flags.FLAGS(argv)
-  except INPUT_ERRORS as e:
-    fail(last_line(e))
-  main(remaining)
+def _strip_errno(message: str) -> str:
+  return re.sub(r"\[Errno \d+\]\s*", "", message)
+
+
+def _one_line(message: str) -> str:
+  """`message` as one line without Python's exception class names or escaped quotes."""
+  message = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+  message = re.sub(r"\b[A-Z]\w*(?:Error|Exception|Warning):\s*", "", message)
+  return _strip_errno(message).replace("\\'", "'").replace('\\"', '"')

@@ -20,30 +20,19 @@ _OUT = flags.DEFINE_string("out", None, "Directory for results.json and the PNG 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    cli.fail(f"unexpected arguments {' '.join(argv[1:])}")
-  if not _OUT.value:
-    cli.fail("--out is required (e.g. --out=/tmp/sim)")
+    cli.fail(f"unexpected arguments {' '.join(argv[1:])} (flags are written --name=value)")
 
   from resilient_jax.sim import (
     PolicyUnavailableError,
-    SimConfigError,
     format_table,
     from_config_dict,
     run_simulation,
   )
 
+  cfg = cli.load_config(_CONFIG, from_config_dict, "configs/sim/gpt3_6_7b.py")
+  out = cli.writable_dir("--out", _OUT.value)
   try:
-    # The config file is loaded lazily, on first access: its errors surface here.
-    if _CONFIG.value is None:
-      cli.fail("--config is required (e.g. --config=configs/sim/gpt3_6_7b.py)")
-    cfg = from_config_dict(_CONFIG.value)
-  except SimConfigError as e:
-    cli.fail(str(e))
-  except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
-    cli.fail(f"--config: {cli.last_line(e)}")
-
-  try:
-    results = run_simulation(cfg, _OUT.value, log=lambda line: print(line, flush=True))
+    results = run_simulation(cfg, out, log=lambda line: print(line, flush=True))
   except (PolicyUnavailableError, ValueError) as e:
     # Bad input files (profile, trace CSV) and unavailable policies: one line, exit 2.
     cli.fail(cli.last_line(e))

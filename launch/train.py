@@ -16,38 +16,16 @@ from __future__ import annotations
 
 import os
 
-from absl import flags
-from ml_collections import config_flags
-
 from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "Path to a configs/*.py file.", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, timelines, schedules.")
+_FLAGS = cli.define_train_flags()
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {' '.join(argv[1:])}")
-  if not _WORKDIR.value:
-    cli.fail("--workdir is required")
-
-  from resilient_jax.config import ConfigError, from_config_dict
-
-  try:
-    # The config file is loaded lazily, on first access: its errors surface here.
-    if _CONFIG.value is None:
-      cli.fail("--config is required (e.g. --config=configs/gpt_tiny.py)")
-    cfg = from_config_dict(_CONFIG.value)
-  except ConfigError as e:
-    cli.fail(str(e))
-  except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
-    cli.fail(f"--config: {cli.last_line(e)}")
+  cfg, workdir = cli.train_inputs(argv, _FLAGS)
 
   from resilient_jax import runtime_setup
 
-  workdir = os.path.abspath(_WORKDIR.value)
   cluster = None
   if cfg.distributed.enabled:
     runtime_setup.configure_jax(num_cpu_devices=1)

@@ -9,6 +9,7 @@ launcher prints that one line and exits with code 2.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -407,3 +408,19 @@ def from_config_dict(cd: Mapping[str, Any], model: ModelConfig | None = None) ->
     checkpoint=_section(cd, "checkpoint", CheckpointConfig),
     distributed=_section(cd, "distributed", DistributedConfig),
   )
+
+
+def check_paths(cfg: RunConfig) -> None:
+  """Checks that the files `cfg` reads exist, so that a launcher can say so before JAX starts
+  (their contents are checked by their readers when the run starts).
+
+  Raises:
+    ConfigError: `train.data_path` (of `train.data=tokens`) is not a file, or
+      `checkpoint.init_from` does not exist.
+  """
+  t = cfg.train
+  if t.data == "tokens" and t.data_path and not os.path.isfile(t.data_path):
+    raise ConfigError(f"train.data_path={t.data_path!r} is not a file")
+  source = cfg.checkpoint.init_from
+  if source and not os.path.exists(source):
+    raise ConfigError(f"checkpoint.init_from={source!r} does not exist")
