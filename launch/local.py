@@ -7,10 +7,15 @@ starts 4 processes of `launch.train` on 127.0.0.1 (one worker each, `jax.distrib
 process 0 hosting the coordination service), streams their output prefixed with `[pN]`, and
 at the start of step 3 SIGKILLs process 2 from outside. `--kill=STEP:PROCESS[:WHERE]`,
 comma-separated; WHERE picks the moment within the step: `start` (default, before the step's
-first op), an op of that process such as `F1`, `B0` or `W3` (right after it was dispatched), or
-`AR` (inside the gradient all-reduce, the peers already waiting in it). The victim stops at
-that point and announces it; the launcher then kills it and appends the kill time to
-`WORKDIR/kills.jsonl`, which the survivors use for `recovery.json`.
+first op), an op of that process such as `F1`, `B0`, `W3`, `BW0` (1F1B's and GPipe's fused
+backward) or `FR2` (right after it was dispatched), or `AR` (inside the gradient all-reduce, the
+peers already waiting in it). Process `p` runs worker `(p // mesh.pp, p % mesh.pp)`, and a kill
+point that process does not reach in the configured schedule is an error before anything
+starts. The victim stops at that point and announces it; the launcher then kills it and appends
+the kill time to `WORKDIR/kills.jsonl`, which the survivors use for `recovery.json`.
+
+The arguments after `--` are checked as `launch.train` reads them (`launch/cli.py`) before any
+process starts: a bad flag, config, workdir or process count is one line on stderr and exit 2.
 
 Exit code: 0 if every process that was not killed finished with 0, else the first non-zero
 code among them (`launch/train.py` documents them; 5 means process 0 was lost). No process
@@ -30,17 +35,27 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from absl import flags
 
 from launch import cli
+from resilient_jax.schedule.core import AR, COMPUTE_KINDS, Op
+
+if TYPE_CHECKING:
+  from resilient_jax.config import RunConfig
+  from resilient_jax.model.config import ModelConfig
+  from resilient_jax.schedule.plan import SlotProgram
 
 _NUM = flags.DEFINE_integer("num_processes", 2, "Processes to start (one worker each).")
 _KILL = flags.DEFINE_string("kill", "", "STEP:PROCESS[:WHERE],... processes to SIGKILL.")
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1; 0 picks a free one.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 1800, "Kill everything after this many seconds.")
 
-_KILL_RE = re.compile(r"^(\d+):(\d+)(?::(start|AR|[FBW]\d+))?$")
+# WHERE: the step's start, the gradient all-reduce, or a compute op of any kind a schedule has
+# (F1, B0, W2, BW0, FR3): longest kind first, so that BW0 is not read as B.
+_OP_KINDS = "|".join(sorted(COMPUTE_KINDS, key=len, reverse=True))
+_KILL_RE = re.compile(rf"^(\d+):(\d+)(?::(start|{AR}|(?:{_OP_KINDS})\d+))?$")
 
 
 def parse_kills(spec: str, num_processes: int) -> dict[int, tuple[int, str]]:
@@ -53,16 +68,83 @@ def parse_kills(spec: str, num_processes: int) -> dict[int, tuple[int, str]]:
   for part in filter(None, (p.strip() for p in spec.split(","))):
     m = _KILL_RE.match(part)
     if not m:
-      raise ValueError(f"--kill entry {part!r} is not STEP:PROCESS[:WHERE] (WHERE: start, AR, "
-                       "or an op like F1, B0, W2)")
+      raise ValueError(f"--kill entry {part} is not STEP:PROCESS[:WHERE] (WHERE: start, AR, "
+                       f"or an op: {', '.join(k + '0' for k in COMPUTE_KINDS)}, ...)")
     step, proc, where = int(m.group(1)), int(m.group(2)), m.group(3) or "start"
     if step < 1 or proc >= num_processes:
-      raise ValueError(f"--kill entry {part!r}: step must be >= 1 and process below "
+      raise ValueError(f"--kill entry {part}: step must be >= 1 and process below "
                        f"--num_processes={num_processes}")
     if proc in kills:
       raise ValueError(f"--kill names process {proc} twice")
     kills[proc] = (step, where)
   return kills
+
+
+def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig) -> None:
+  """Checks that every kill point is reached by the run `cfg` when nothing has failed yet.
+
+  Process `p` runs worker `(p // mesh.pp, p % mesh.pp)` of the grid (the coordinator's node
+  order); its ops are those of the plan the configured policy starts with, so this builds that
+  plan (pure Python, no JAX). A later kill in a run that has already lost a process may find
+  the plan re-routed.
+
+  Raises:
+    ValueError: a step past the run's last step, or an op the process does not run.
+  """
+  from resilient_jax.policy.coordinator import RunCoordinator
+  from resilient_jax.schedule.plan import step_program
+
+  last = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
+  program = None
+  for proc, (step, where) in sorted(kills.items()):
+    entry = f"--kill entry {step}:{proc}" + ("" if where == "start" else f":{where}")
+    if step > last:
+      raise ValueError(f"{entry}: the run ends after step {last}")
+    if where == "start":
+      continue
+    if program is None:
+      coordinator = RunCoordinator(cfg, range(cfg.mesh.num_workers), log=lambda _: None)
+      program = step_program(coordinator.plan)
+    mine = [p for p in program.slots.values() if p.node == proc]
+    worker = f"process {proc} (worker dp {proc // cfg.mesh.pp}, stage {proc % cfg.mesh.pp})"
+    if where == AR:
+      if not any(_shares_parameters(a, b, cfg.model) for a in mine
+                 for b in program.slots.values() if b.node != proc):
+        raise ValueError(f"{entry}: {worker} reduces its gradients with no other process, so "
+                         "it never enters an all-reduce")
+      continue
+    ops = [op for p in mine for op in p.ops if op.kind in COMPUTE_KINDS]
+    if where not in {str(op) for op in ops}:
+      raise ValueError(f"{entry}: {worker} does not run {where} under "
+                       f"{program.name}; its ops are {_summary(ops)}")
+
+
+def _shares_parameters(a: SlotProgram, b: SlotProgram, model: ModelConfig) -> bool:
+  """Whether two slots hold a parameter in common (then they all-reduce its gradient)."""
+  (lo_a, hi_a), (lo_b, hi_b) = a.split[a.stage], b.split[b.stage]
+  if max(lo_a, lo_b) < min(hi_a, hi_b):
+    return True
+  # The first stage holds the embeddings, the last the final norm and head; a tied head is
+  # the token embedding, which the first and the last stage then share.
+  ends_a = {e for e, yes in (("first", a.stage == 0), ("last", a.last)) if yes}
+  ends_b = {e for e, yes in (("first", b.stage == 0), ("last", b.last)) if yes}
+  tied = getattr(model, "tied_head", False)
+  return bool(ends_a & ends_b) or (tied and bool(ends_a) and bool(ends_b))
+
+
+def _summary(ops: list[Op]) -> str:
+  """`F4..F7, BW4..BW7`: a worker's compute ops by kind."""
+  by_kind: dict[str, list[int]] = {}
+  for op in ops:
+    by_kind.setdefault(op.kind, []).append(op.mb)
+  parts = []
+  for kind, mbs in by_kind.items():
+    mbs = sorted(set(mbs))
+    if len(mbs) > 2 and mbs[-1] - mbs[0] == len(mbs) - 1:  # a contiguous run
+      parts.append(f"{kind}{mbs[0]}..{kind}{mbs[-1]}")
+    else:
+      parts.extend(f"{kind}{m}" for m in mbs)
+  return ", ".join(parts)
 
 
 def _free_port() -> int:
@@ -71,13 +153,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _workdir(train_args: list[str]) -> str:
-  for i, a in enumerate(train_args):
-    if a.startswith("--workdir="):
-      return a.split("=", 1)[1]
-    if a == "--workdir" and i + 1 < len(train_args):
-      return train_args[i + 1]
-  raise ValueError("the arguments after -- need --workdir=DIR (shared by all processes)")
+def worker_args(train_args: list[str], num_processes: int, process: int, port: int) -> list[str]:
+  """`launch.train`'s arguments for one process of the job."""
+  return [
+    *train_args,
+    "--config.distributed.enabled=true",
+    f"--config.distributed.coordinator=127.0.0.1:{port}",
+    f"--config.distributed.num_processes={num_processes}",
+    f"--config.distributed.process_id={process}",
+  ]
 
 
 def _stream(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
@@ -91,12 +175,22 @@ def launch(
   num_processes: int,
   train_args: list[str],
   kills: dict[int, tuple[int, str]],
+  workdir: str | os.PathLike,
   *,
   port: int = 0,
   timeout_s: float = 1800,
 ) -> int:
-  """Runs the job; returns its exit code (see the module docstring)."""
-  workdir = Path(_workdir(train_args)).absolute()
+  """Runs the job; returns its exit code (see the module docstring).
+
+  Args:
+    num_processes: processes to start, one worker each.
+    train_args: `launch.train`'s arguments, the same for every process.
+    kills: `parse_kills`'s result.
+    workdir: the `--workdir` of `train_args` (created).
+    port: the coordinator's port; 0 picks a free one.
+    timeout_s: kill everything after this long (exit code 124).
+  """
+  workdir = Path(workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
   kills_log = workdir / "kills.jsonl"
   kills_log.unlink(missing_ok=True)
@@ -116,13 +210,7 @@ def launch(
         step, where = kills[i]
         env["RESILIENT_JAX_PAUSE"] = f"{step}:{where}"
         env["RESILIENT_JAX_PAUSE_FILE"] = str(pause_dir / f"p{i}")
-      cmd = [
-        sys.executable, "-m", "launch.train", *train_args,
-        "--config.distributed.enabled=true",
-        f"--config.distributed.coordinator=127.0.0.1:{port}",
-        f"--config.distributed.num_processes={num_processes}",
-        f"--config.distributed.process_id={i}",
-      ]
+      cmd = [sys.executable, "-m", "launch.train", *worker_args(train_args, num_processes, i, port)]
       p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
       procs.append(p)
       t = threading.Thread(target=_stream, args=(p, f"[p{i}] ", lock), daemon=True)
@@ -171,18 +259,32 @@ def launch(
 
 
 def main(argv: list[str]) -> None:
-  train_args = argv[1:]
-  if _NUM.value < 1:
-    cli.fail(f"--num_processes must be >= 1, got {_NUM.value}")
+  num, train_args = _NUM.value, argv[1:]
+  if num < 1:
+    cli.fail(f"--num_processes must be >= 1, got {num}")
+  if not 0 <= _PORT.value <= 65535:
+    cli.fail(f"--port={_PORT.value} is not a port (0..65535; 0 picks a free one)")
+  if _TIMEOUT.value < 1:
+    cli.fail(f"--timeout must be >= 1 (seconds), got {_TIMEOUT.value}")
   if not train_args:
     cli.fail("pass launch.train's arguments after --, e.g. -- --config=configs/gpt_tiny.py "
              "--workdir=/tmp/run")
   try:
-    kills = parse_kills(_KILL.value, _NUM.value)
-    _workdir(train_args)
+    kills = parse_kills(_KILL.value, num)
   except ValueError as e:
     cli.fail(str(e))
-  sys.exit(launch(_NUM.value, train_args, kills, port=_PORT.value, timeout_s=_TIMEOUT.value))
+  port = _PORT.value or _free_port()
+  # Every process's arguments as launch.train will read them (process 0's stand for all: they
+  # differ only in the id), so a mistake is one line here rather than one per process later.
+  cfg, workdir = cli.parse_train_args(["launch.train", *worker_args(train_args, num, 0, port)])
+  if cfg.mesh.num_workers != num:
+    cli.fail(f"--num_processes={num}: mesh.dp * mesh.pp = {cfg.mesh.dp} * {cfg.mesh.pp} "
+             f"workers need {cfg.mesh.num_workers} processes (one worker each)")
+  try:
+    check_kills(kills, cfg)
+  except ValueError as e:
+    cli.fail(str(e))
+  sys.exit(launch(num, train_args, kills, workdir, port=port, timeout_s=_TIMEOUT.value))
 
 
 if __name__ == "__main__":
