@@ -14,12 +14,17 @@ point that process does not reach in the configured schedule is an error before 
 starts. The victim stops at that point and announces it; the launcher then kills it and appends
 the kill time to `WORKDIR/kills.jsonl`, which the survivors use for `recovery.json`.
 
+`--stop` takes points the same way and freezes the process there with SIGSTOP instead (a hung
+host: its ports stay open, only its heartbeat stops); `--stop_s=S` lets it go again (SIGCONT)
+after S seconds, when it finds itself declared dead and exits 7 if the others went on without
+it; with 0 it stays frozen and is killed once the others are done.
+
 The arguments after `--` are checked as `launch.train` reads them (`launch/cli.py`) before any
 process starts: a bad flag, config, workdir or process count is one line on stderr and exit 2.
 
-Exit code: 0 if every process that was not killed finished with 0, else the first non-zero
-code among them (`launch/train.py` documents them; 5 means process 0 was lost). No process
-outlives the launcher.
+Exit code: 0 if every process that was not killed finished with 0 (or 7, declared dead, while
+process 0 finished with 0), else the first other code among them (`launch/train.py` documents
+them; 5 means process 0 was lost). No process outlives the launcher.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING
 from absl import flags
 
 from launch import cli
+from resilient_jax.exit_codes import EXIT_DECLARED_DEAD, EXIT_OK
 from resilient_jax.schedule.core import AR, COMPUTE_KINDS, Op
 
 if TYPE_CHECKING:
@@ -49,6 +55,10 @@ if TYPE_CHECKING:
 
 _NUM = flags.DEFINE_integer("num_processes", 2, "Processes to start (one worker each).")
 _KILL = flags.DEFINE_string("kill", "", "STEP:PROCESS[:WHERE],... processes to SIGKILL.")
+_STOP = flags.DEFINE_string("stop", "", "STEP:PROCESS[:WHERE][@SECONDS],... processes to SIGSTOP "
+                            "(freeze), each let go after SECONDS (default --stop_s).")
+_STOP_S = flags.DEFINE_float("stop_s", 0.0, "SIGCONT a --stop process after this many seconds; "
+                             "0 leaves it frozen until the others are done.")
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1; 0 picks a free one.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 1800, "Kill everything after this many seconds.")
 
@@ -58,29 +68,31 @@ _OP_KINDS = "|".join(sorted(COMPUTE_KINDS, key=len, reverse=True))
 _KILL_RE = re.compile(rf"^(\d+):(\d+)(?::(start|{AR}|(?:{_OP_KINDS})\d+))?$")
 
 
-def parse_kills(spec: str, num_processes: int) -> dict[int, tuple[int, str]]:
-  """`STEP:PROCESS[:WHERE],...` -> {process: (step, where)}.
+def parse_kills(spec: str, num_processes: int, flag: str = "--kill"
+                ) -> dict[int, tuple[int, str]]:
+  """`STEP:PROCESS[:WHERE],...` (the value of `flag`) -> {process: (step, where)}.
 
   Raises:
-    ValueError: a malformed entry, an unknown process, or a process killed twice.
+    ValueError: a malformed entry, an unknown process, or a process named twice.
   """
   kills: dict[int, tuple[int, str]] = {}
   for part in filter(None, (p.strip() for p in spec.split(","))):
     m = _KILL_RE.match(part)
     if not m:
-      raise ValueError(f"--kill entry {part} is not STEP:PROCESS[:WHERE] (WHERE: start, AR, "
+      raise ValueError(f"{flag} entry {part} is not STEP:PROCESS[:WHERE] (WHERE: start, AR, "
                        f"or an op: {', '.join(k + '0' for k in COMPUTE_KINDS)}, ...)")
     step, proc, where = int(m.group(1)), int(m.group(2)), m.group(3) or "start"
     if step < 1 or proc >= num_processes:
-      raise ValueError(f"--kill entry {part}: step must be >= 1 and process below "
+      raise ValueError(f"{flag} entry {part}: step must be >= 1 and process below "
                        f"--num_processes={num_processes}")
     if proc in kills:
-      raise ValueError(f"--kill names process {proc} twice")
+      raise ValueError(f"{flag} names process {proc} twice")
     kills[proc] = (step, where)
   return kills
 
 
-def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig) -> None:
+def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig, flag: str = "--kill"
+                ) -> None:
   """Checks that every kill point is reached by the run `cfg` when nothing has failed yet.
 
   Process `p` runs worker `(p // mesh.pp, p % mesh.pp)` of the grid (the coordinator's node
@@ -97,7 +109,7 @@ def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig) -> None:
   last = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
   program = None
   for proc, (step, where) in sorted(kills.items()):
-    entry = f"--kill entry {step}:{proc}" + ("" if where == "start" else f":{where}")
+    entry = f"{flag} entry {step}:{proc}" + ("" if where == "start" else f":{where}")
     if step > last:
       raise ValueError(f"{entry}: the run ends after step {last}")
     if where == "start":
@@ -177,6 +189,8 @@ def launch(
   kills: dict[int, tuple[int, str]],
   workdir: str | os.PathLike,
   *,
+  stops: dict[int, tuple[int, str]] | None = None,
+  stop_s: float | dict[int, float] = 0.0,
   port: int = 0,
   timeout_s: float = 1800,
 ) -> int:
@@ -186,6 +200,9 @@ def launch(
     num_processes: processes to start, one worker each.
     train_args: `launch.train`'s arguments, the same for every process.
     kills: `parse_kills`'s result.
+    stops: processes to freeze (SIGSTOP) instead, at points given the same way.
+    stop_s: how long a frozen process stays frozen (then SIGCONT), or that per process; 0: until
+      every other process has ended (then it is killed).
     workdir: the `--workdir` of `train_args` (created).
     port: the coordinator's port; 0 picks a free one.
     timeout_s: kill everything after this long (exit code 124).
@@ -202,12 +219,15 @@ def launch(
   procs: list[subprocess.Popen] = []
   lock = threading.Lock()
   streams = []
+  stops = stops or {}
+  events = {**{i: (*e, "kill") for i, e in kills.items()},
+            **{i: (*e, "stop") for i, e in stops.items()}}
   try:
     for i in range(num_processes):
       env = dict(env_base)
       env.pop("RESILIENT_JAX_PAUSE", None)
-      if i in kills:
-        step, where = kills[i]
+      if i in events:
+        step, where, _ = events[i]
         env["RESILIENT_JAX_PAUSE"] = f"{step}:{where}"
         env["RESILIENT_JAX_PAUSE_FILE"] = str(pause_dir / f"p{i}")
       cmd = [sys.executable, "-m", "launch.train", *worker_args(train_args, num_processes, i, port)]
@@ -217,33 +237,58 @@ def launch(
       t.start()
       streams.append(t)
     killed: set[int] = set()
+    frozen: dict[int, float] = {}  # process -> when to let it go (inf: never)
     deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-      for i in sorted(set(kills) - killed):
+    while any(p.poll() is None for i, p in enumerate(procs)
+              if frozen.get(i, 0.0) != float("inf")):
+      for i in sorted(set(events) - killed - set(frozen)):
         marker = pause_dir / f"p{i}"
         if marker.exists() and procs[i].poll() is None:
-          procs[i].send_signal(signal.SIGKILL)
+          step, where, action = events[i]
+          procs[i].send_signal(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
           now = time.time()
-          killed.add(i)
-          step, where = kills[i]
+          if action == "kill":
+            killed.add(i)
+          else:
+            hold = stop_s.get(i, 0.0) if isinstance(stop_s, dict) else stop_s
+            frozen[i] = time.monotonic() + hold if hold > 0 else float("inf")
+            marker.unlink()  # once let go, it goes on from where it stopped
           with kills_log.open("a") as f:
-            f.write(json.dumps({"process": i, "step": step, "at": where, "time": now}) + "\n")
+            f.write(json.dumps({"process": i, "step": step, "at": where, "time": now,
+                                "signal": "SIGKILL" if action == "kill" else "SIGSTOP"}) + "\n")
           with lock:
-            print(f"[launch] SIGKILLed process {i} at step {step} ({where})", flush=True)
+            print(f"[launch] {'SIGKILLed' if action == 'kill' else 'SIGSTOPped'} process {i} "
+                  f"at step {step} ({where})", flush=True)
+      for i, when in sorted(frozen.items()):
+        if time.monotonic() >= when:
+          frozen[i] = float("nan")  # let go once
+          procs[i].send_signal(signal.SIGCONT)
+          with lock:
+            print(f"[launch] SIGCONT to process {i}", flush=True)
       if time.monotonic() > deadline:
         with lock:
           print(f"[launch] timed out after {timeout_s:.0f}s; killing every process", flush=True)
         return 124
       time.sleep(0.02)
+    still_frozen = [i for i, when in frozen.items() if when == float("inf")]
+    for i in still_frozen:  # the others are done: a frozen process is not coming back
+      procs[i].kill()
+      procs[i].wait()
+      killed.add(i)
     for t in streams:
       t.join(timeout=5)
     codes = {i: p.returncode for i, p in enumerate(procs)}
-    not_reached = sorted(set(kills) - killed)
+    not_reached = sorted(set(events) - killed - set(frozen))
     if not_reached:
       with lock:
-        print(f"[launch] processes {not_reached} never reached their --kill point", flush=True)
-    survivors = {i: c for i, c in codes.items() if i not in killed}
-    failed = {i: c for i, c in survivors.items() if c != 0}
+        print(f"[launch] processes {not_reached} never reached their --kill/--stop point",
+              flush=True)
+    # A frozen process that was let go ends as the others left it (7: declared dead; 5: the
+    # job had ended); and any process the others declared dead leaving with 7 is the job
+    # working as designed, once process 0 finished.
+    survivors = {i: c for i, c in codes.items() if i not in killed and i not in frozen}
+    expected = {EXIT_OK} | ({EXIT_DECLARED_DEAD} if codes.get(0) == EXIT_OK else set())
+    failed = {i: c for i, c in survivors.items() if c not in expected}
     summary = ", ".join(f"p{i}={'killed' if i in killed else c}" for i, c in codes.items())
     print(f"[launch] exit codes: {summary}", flush=True)
     return next(iter(failed.values())) if failed else 0
@@ -271,8 +316,24 @@ def main(argv: list[str]) -> None:
              "--workdir=/tmp/run")
   try:
     kills = parse_kills(_KILL.value, num)
+    holds = {}
+    for part in filter(None, (p.strip() for p in _STOP.value.split(","))):
+      point, _, secs = part.partition("@")
+      proc = int(point.split(":")[1]) if point.count(":") >= 1 and \
+        point.split(":")[1].isdigit() else -1
+      try:
+        holds[proc] = float(secs) if secs else _STOP_S.value
+      except ValueError:
+        raise ValueError(f"--stop entry {part}: {secs} is not a number of seconds") from None
+    stops = parse_kills(",".join(p.partition("@")[0] for p in _STOP.value.split(",")), num,
+                        flag="--stop")
+    both = sorted(set(kills) & set(stops))
+    if both:
+      raise ValueError(f"--kill and --stop both name process {both[0]}")
   except ValueError as e:
     cli.fail(str(e))
+  if _STOP_S.value < 0 or any(s < 0 for s in holds.values()):
+    cli.fail("--stop_s and --stop's @SECONDS must be >= 0")
   port = _PORT.value or _free_port()
   # Every process's arguments as launch.train will read them (process 0's stand for all: they
   # differ only in the id), so a mistake is one line here rather than one per process later.
@@ -282,9 +343,11 @@ def main(argv: list[str]) -> None:
              f"workers need {cfg.mesh.num_workers} processes (one worker each)")
   try:
     check_kills(kills, cfg)
+    check_kills(stops, cfg, flag="--stop")
   except ValueError as e:
     cli.fail(str(e))
-  sys.exit(launch(num, train_args, kills, workdir, port=port, timeout_s=_TIMEOUT.value))
+  sys.exit(launch(num, train_args, kills, workdir, stops=stops, stop_s=holds, port=port,
+                  timeout_s=_TIMEOUT.value))
 
 
 if __name__ == "__main__":

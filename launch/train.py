@@ -6,15 +6,17 @@ With `--config.distributed.enabled=true` this is one process of a `jax.distribut
 launch/local.py and launch/CLUSTERS.md); the same training loop runs either way. Exit codes
 (`resilient_jax/exit_codes.py`): 0 done, 2 bad configuration or flags, 3 failures left no
 device to continue on (or a whole stage, with resilience.restore_on_stage_loss=false), 4 a
-checkpoint could not be written; multi-process jobs also: 5 the coordination service (process
-0) was lost, requeue the job; 6 a survivor waited past distributed.wait_timeout_s; 7 the other
-processes declared this one dead (its heartbeat stopped for distributed.heartbeat_timeout_s)
-and went on without it.
+checkpoint could not be written, 8 too many non-finite steps in a row, 9 preempted (SIGTERM or
+SIGINT: stopped after the step in flight with a checkpoint of it); multi-process jobs also: 5
+the coordination service (process 0) was lost, requeue the job; 6 a survivor waited past
+distributed.wait_timeout_s; 7 the other processes declared this one dead (its heartbeat stopped
+for distributed.heartbeat_timeout_s) and went on without it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 from launch import cli
 
@@ -49,13 +51,18 @@ def main(argv: list[str]) -> None:
       flush=True,
     )
 
-  from resilient_jax.exit_codes import EXIT_OK, exit_code_for
+  from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, exit_code_for
   from resilient_jax.trainer import train
 
   try:
     result = train(cfg, workdir, log=lambda line: print(line, flush=True), cluster=cluster)
   except Exception as e:
     code = exit_code_for(e)
+    if code == EXIT_PREEMPTED:  # not an error: the run stopped as asked, with a checkpoint
+      print(f"preempted: {e}", file=sys.stderr, flush=True)
+      if cluster is not None:
+        cluster.finish(code)
+      sys.exit(code)
     if cluster is not None:
       if code is None:
         cluster.check_coordinator()  # its loss surfaces as many kinds of errors: exit 5

@@ -21,9 +21,10 @@ to the next committed step), `timeline*.json/png`, `schedule.txt`, `profile.json
 `config.json`, `checkpoints/`.
 
 Test hook for multi-process jobs: `RESILIENT_JAX_PAUSE=STEP:WHERE` makes this process write the
-time to the file named by `RESILIENT_JAX_PAUSE_FILE` and stop at that point of that step
+time to the file named by `RESILIENT_JAX_PAUSE_FILE` and wait at that point of that step
 (`start`, an op such as `F1` or `B0` right after it was dispatched, or `AR` inside the gradient
-all-reduce), so that `launch/local.py --kill` can SIGKILL it at exactly that moment.
+all-reduce) until the file is gone, so that `launch/local.py` can SIGKILL it (`--kill`) or
+SIGSTOP it (`--stop`) at exactly that moment.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ Logger = Callable[[str], None]
 
 PAUSE_ENV = "RESILIENT_JAX_PAUSE"
 PAUSE_FILE_ENV = "RESILIENT_JAX_PAUSE_FILE"
+KV_KEEP_STEPS = 8
+"""A multi-process job keeps the key-value store's agreements of this many recent steps."""
 SAVE_WAIT_S = 600.0
 """How long an ending run waits for its checkpoint save in flight."""
 KILLS_FILE = "kills.jsonl"
@@ -100,10 +103,16 @@ def pause_hook_from_env() -> Callable[[int, str], None] | None:
   def hook(step: int, at: str) -> None:
     if (step, at) != target:
       return
-    if path:
-      Path(path).write_text(json.dumps({"time": time.time(), "step": step, "at": at}))
-    time.sleep(600)  # the launcher kills this process now
-    raise RuntimeError(f"paused at {spec} but nobody killed this process")
+    marker = Path(path) if path else None
+    if marker is not None:
+      marker.write_text(json.dumps({"time": time.time(), "step": step, "at": at}))
+    # The launcher kills or stops this process now; one it stops and lets go again removes the
+    # marker before it resumes the process, which then goes on from here.
+    deadline = time.monotonic() + 600
+    while marker is None or marker.exists():
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"paused at {spec} but nobody killed or released this process")
+      time.sleep(0.01)
 
   return hook
 
@@ -274,6 +283,7 @@ class Trainer:
       }
       state = self.transport.share_state(step, holders, self.interpreter.export_state)
       if self.chief:
+        self.cluster.kv_delete(f"state/{step}")  # the holders' specs, read
         if state is None:
           self.log(f"checkpoint of step {step} skipped: a stage's holder died while handing "
                    "its state over (the previous checkpoint stays the latest)")
@@ -542,6 +552,12 @@ class Trainer:
       if self.chief:
         with metrics_path.open("a") as f:
           f.write(json.dumps(row) + "\n")
+        if self.cluster is not None and step > KV_KEEP_STEPS:
+          # Every participant is past the earlier steps (they all reported on this one), and a
+          # process the plan left idle only follows decisions, so it is at most a step or two
+          # behind: old agreements are read by nobody again. Without this the store grows by
+          # about a dozen keys a step.
+          self.cluster.kv_delete(f"step/{step - KV_KEEP_STEPS}")
       coord.record_step_time(step, result.step_time_s, profiled=bool(result.records))
       self.log(
         f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "

@@ -109,6 +109,24 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
     assert e["detect_to_next_step_s"] < 1.0, e
 
 
+def test_a_frozen_process_costs_one_worker_and_a_short_freeze_costs_nothing(tmp_path):
+  """SIGSTOP (a hung host: ports open, heartbeat stopped). Process 0, which also hosts the
+  coordination service, frozen in step 2 for less than the heartbeat timeout: everyone waits
+  and goes on. Process 3 frozen in step 4 after dispatching F5, beyond the timeout: the others
+  abandon what they waited on from it, declare it dead and re-run the step without it, exactly
+  as if it had crashed there; let go later, it finds itself declared dead and leaves (7)."""
+  workdir = tmp_path / "multi"
+  proc = run_local(workdir, "--stop=2:0:F1@1,4:3:F5@8",
+                   extra=["--config.distributed.heartbeat_timeout_s=3"])
+  assert proc.returncode == 0, tail(proc)
+  assert "exit codes: p0=0, p1=0, p2=0" in proc.stdout, tail(proc)
+  assert "process 3: the other processes declared this one dead" in proc.stdout or \
+    "p3=5" in proc.stdout, tail(proc)  # let go after the job ended: the service is gone
+  multi = read_rows(workdir / "metrics.jsonl")
+  assert_same_run(multi, in_process(tmp_path, [FaultEvent(4, (1, 1), Op(F, 5))]))
+  assert [r["attempts"] for r in multi] == [1, 1, 1, 2, 1]
+
+
 @pytest.mark.parametrize("policy", ["oobleck", "bamboo", "restart", "auto"])
 def test_every_policy_survives_a_sigkill(tmp_path, policy):
   """The same interpreter and loop run every policy across processes: Oobleck copies the layers
@@ -342,13 +360,22 @@ def test_probe_tells_a_refused_port_from_a_listening_one():
 
 
 def test_a_process_declared_dead_exits_7():
+  """The survivors mark the lost processes (a frozen one reads its mark once let go) and cut
+  their pending pulls from them; the lost process itself exits 7."""
   code = ("from resilient_jax.runtime.cluster import Cluster\n"
-          "c = Cluster.__new__(Cluster); c.process_id = 2\n"
-          "c.declared_dead([1, 3], 'step 3'); print('still here', flush=True)\n"
+          "class Store:\n"
+          "  keys = {}\n"
+          "  def key_value_set(self, k, v, overwrite): self.keys[k] = v\n"
+          "class Connection:\n"
+          "  def _poison_connection(self): print('poisoned', flush=True)\n"
+          "c = Cluster.__new__(Cluster); c.process_id = 2; c.client = Store()\n"
+          "c._connections = {1: Connection()}\n"
+          "c.declared_dead([1, 3], 'step 3'); print('still here', sorted(Store.keys), flush=True)\n"
           "c.declared_dead([2], 'step 4')\n")
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                         timeout=120)
   from resilient_jax.exit_codes import EXIT_DECLARED_DEAD
 
   assert proc.returncode == EXIT_DECLARED_DEAD == 7
-  assert "still here" in proc.stdout and "declared this one dead (step 4)" in proc.stderr
+  assert "poisoned\nstill here ['declared/1', 'declared/3']" in proc.stdout, proc.stderr
+  assert "declared this one dead (step 4)" in proc.stderr

@@ -292,12 +292,20 @@ class Cluster:
   # ---------------------------------------------------------------- liveness
 
   def _beat(self) -> None:
+    """Bumps this process's heartbeat counter; and exits with `EXIT_DECLARED_DEAD` once the
+    others declared this process dead (it was frozen, e.g. SIGSTOPped, for longer than the
+    heartbeat timeout and has just been let go again): from this thread, so that a main thread
+    that resumes inside a wait leaves at once instead of acting on decisions it missed."""
     n = 0
+    me = self.process_id
     while True:
       n += 1
       try:
-        self.client.key_value_set(f"hb/{self.process_id}", str(n), allow_overwrite=True)
-      except Exception:  # a lost coordination service is the watchdog's business
+        self.client.key_value_set(f"hb/{me}", str(n), allow_overwrite=True)
+        if self.client.key_value_try_get(f"declared/{me}"):
+          self.declared_dead([me], "its heartbeat stopped for longer than "
+                             f"{self.cfg.heartbeat_timeout_s}s")
+      except Exception:  # NOT_FOUND; a lost coordination service is the watchdog's business
         pass
       time.sleep(self._heartbeat_interval_s)
 
@@ -334,6 +342,7 @@ class Cluster:
     for p in sorted(unknown):
       if self.probe(p):
         self._dead.add(p)
+        self._cut_off(p)
         self.log(f"process {self.process_id}: process {p} refuses connections: dead")
     unknown -= self._dead
     now = time.monotonic()
@@ -344,16 +353,31 @@ class Cluster:
       silent = self._heartbeats.observe(counters, now, unknown) & unknown
       for p in sorted(silent):
         self._dead.add(p)
+        self._cut_off(p)
         self.log(f"process {self.process_id}: no heartbeat from process {p} for "
                  f"{self.cfg.heartbeat_timeout_s}s: dead")
     return ids & self._dead
 
+  def _cut_off(self, process: int) -> None:
+    """Fails every pull from `process` still pending. A frozen process never answers them,
+    and computations waiting on their arrays hold up this device's queue until they fail
+    (later dispatches would block behind them); a crashed one's fail by themselves."""
+    conn = self._connections.pop(process, None)
+    if conn is not None:
+      conn._poison_connection()  # noqa: SLF001 - the transfer API's only way to fail pulls
+
   def declared_dead(self, lost: Iterable[int], what: str) -> None:
-    """Exits with `EXIT_DECLARED_DEAD` if this process is in an agreed `lost` set."""
-    if self.process_id in set(lost):
+    """Exits with `EXIT_DECLARED_DEAD` if this process is in an agreed `lost` set; else marks
+    the lost processes `declared/{pid}`, which a lost process that was only frozen reads once
+    it runs again (`_beat`)."""
+    lost = set(lost)
+    if self.process_id in lost:
       exit_now(EXIT_DECLARED_DEAD, f"process {self.process_id}: the other processes declared "
                f"this one dead ({what}) and went on without it; exiting with code "
                f"{EXIT_DECLARED_DEAD}")
+    for p in sorted(lost):
+      self.kv_set(f"declared/{p}", True)
+      self._cut_off(p)
 
   # ---------------------------------------------------------------- agreement
 
@@ -427,6 +451,10 @@ class Cluster:
       raise RuntimeError(f"coordination service call failed: {e}") from None
     return json.loads(raw)
 
+  def kv_delete(self, key: str) -> None:
+    """Deletes `key` and every key under `key/`."""
+    self._service(self.client.key_value_delete, key)
+
   def kv_dir(self, directory: str) -> dict[str, Any]:
     """Every key directly under `directory/`, by its last component."""
     rows = self._service(self.client.key_value_dir_get, directory)
@@ -446,6 +474,8 @@ class Cluster:
     The arrays arrive asynchronously; if the producer dies first they hold an error, which
     surfaces in `wait`.
     """
+    if process in self._dead:
+      return None
     sharding = jax.sharding.SingleDeviceSharding(self.device)
     specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
     try:
@@ -474,8 +504,18 @@ class Cluster:
 
   # ---------------------------------------------------------------- bounded waits
 
-  def wait(self, tree: Any, what: str) -> BaseException | None:
+  def wait(self, tree: Any, what: str, peers: Iterable[int] = ()) -> BaseException | None:
     """Blocks until every array in `tree` is computed; returns the error if one failed.
+
+    Args:
+      tree: arrays, some possibly computed from other processes' data or in a collective with
+        them.
+      what: names the wait in messages.
+      peers: the processes the arrays may wait on. Once one of them is proven dead (`dead`: a
+        crash, or a stalled process whose heartbeat stopped), the wait is abandoned and returns
+        an error: a frozen peer holds a collective or a transfer forever without failing it,
+        and must cost its own worker only, not the waiters' (the computation stays pending on
+        the device; nothing later depends on it).
 
     Exits the process with `EXIT_WAIT_TIMEOUT` if that takes longer than the configured bound.
     """
@@ -490,7 +530,13 @@ class Cluster:
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(self.cfg.wait_timeout_s)
+    peers = sorted(set(peers) - {self.process_id})
+    deadline = time.monotonic() + self.cfg.wait_timeout_s
+    while not box and time.monotonic() < deadline:
+      t.join(HEARTBEAT_CHECK_S if peers else self.cfg.wait_timeout_s)
+      dead = self.dead(peers) if peers and not box else set()
+      if dead:
+        return RuntimeError(f"processes {sorted(dead)} died while this one waited for {what}")
     if not box:
       exit_now(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
                f"{self.cfg.wait_timeout_s}s for {what}; exiting with code {EXIT_WAIT_TIMEOUT}")

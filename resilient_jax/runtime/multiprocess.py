@@ -131,10 +131,12 @@ class ProcessTransport(Transport):
     """Sums over processes if every member agrees to run the collective; else keeps the local
     values and marks the attempt doomed."""
     what = f"all-reduce {index}"
-    err = self.cluster.wait(local, f"this process's gradients for {what}")
+    err = self.cluster.wait(local, f"this process's gradients for {what}", self.participants)
     if err is not None:  # computed from a lost peer's data: the attempt cannot commit
       self._failed("gradients", err)
-      local = {d: {n: jnp.zeros_like(v) for n, v in g.items()} for d, g in local.items()}
+      # Fresh zeros, not `zeros_like(v)`: that dispatch would queue behind v's pending inputs.
+      local = {d: {n: jnp.zeros(v.shape, v.dtype, device=d) for n, v in g.items()}
+               for d, g in local.items()}
     procs = sorted(set(nodes))
     skipped = self._agree_collective(self.step, self.attempt, what, procs)
     if self.pause is not None:
@@ -147,7 +149,7 @@ class ProcessTransport(Transport):
     except Exception as e:  # a peer died inside the collective
       self._failed(what, e)
       return local
-    err = self.cluster.wait(out, what)
+    err = self.cluster.wait(out, what, procs)
     if err is not None:
       self._failed(what, err)
       return local
@@ -157,7 +159,8 @@ class ProcessTransport(Transport):
     self, losses: Mapping[int, jax.Array], new_params: Sequence[Any], grad_sumsq: Sequence[Any]
   ) -> Outcome:
     cl = self.cluster
-    err = cl.wait((list(new_params), dict(losses), list(grad_sumsq)), "the step's results")
+    err = cl.wait((list(new_params), dict(losses), list(grad_sumsq)), "the step's results",
+                  self.participants)
     if err is not None:
       self._failed("results", err)
     doomed = self.doomed
@@ -185,7 +188,7 @@ class ProcessTransport(Transport):
                    stop=stop)
 
   def wait(self, tree: Any, what: str) -> None:
-    self.cluster.wait(tree, what)
+    self.cluster.wait(tree, what, self.participants)
 
   def exchange(
     self, transfers: Sequence[Transfer], lookup: Lookup, specs: Specs, channel: int, tag: Tag
@@ -202,7 +205,7 @@ class ProcessTransport(Transport):
         continue
       got = cl.pull(src, uid, [specs[k] for k in keys])
       what = f"state from process {src}"
-      if got is None or cl.wait(got, what) is not None:
+      if got is None or cl.wait(got, what, [src]) is not None:
         raise RuntimeError(f"process {cl.process_id}: {what} was lost during the hand-over")
       received.setdefault(dst, {}).update(zip(keys, got, strict=True))
     return received
@@ -335,7 +338,7 @@ class ProcessTransport(Transport):
         return None
       specs = [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt)) for _, shape, dt in spec]
       got = cl.pull(node, transfer_id(step, 63, 0, key, STATE), specs)
-      if got is None or cl.wait(got, f"state {key} from process {node}") is not None:
+      if got is None or cl.wait(got, f"state {key} from process {node}", [node]) is not None:
         return None
       values = dict(zip([n for n, _, _ in spec], got, strict=True))
       params.update({n[2:]: v for n, v in values.items() if n.startswith("p/")})
