@@ -112,18 +112,19 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
 def test_a_frozen_process_costs_one_worker_and_a_short_freeze_costs_nothing(tmp_path):
   """SIGSTOP (a hung host: ports open, heartbeat stopped). Process 0, which also hosts the
   coordination service, frozen in step 2 for less than the heartbeat timeout: everyone waits
-  and goes on. Process 3 frozen in step 4 after dispatching F5, beyond the timeout: the others
-  abandon what they waited on from it, declare it dead and re-run the step without it, exactly
-  as if it had crashed there; let go later, it finds itself declared dead and leaves (7)."""
+  and goes on. Process 3 frozen in step 4 inside the gradient all-reduce (its gradients
+  offered, its peer's not yet pulled), beyond the timeout: the others abandon what they waited
+  on from it, declare it dead and re-run the step without it, exactly as if it had crashed
+  there; let go later, it finds itself declared dead and leaves (7)."""
   workdir = tmp_path / "multi"
-  proc = run_local(workdir, "--stop=2:0:F1@1,4:3:F5@8",
+  proc = run_local(workdir, "--stop=2:0:F1@1,4:3:AR@8",
                    extra=["--config.distributed.heartbeat_timeout_s=3"])
   assert proc.returncode == 0, tail(proc)
   assert "exit codes: p0=0, p1=0, p2=0" in proc.stdout, tail(proc)
   assert "process 3: the other processes declared this one dead" in proc.stdout or \
     "p3=5" in proc.stdout, tail(proc)  # let go after the job ended: the service is gone
   multi = read_rows(workdir / "metrics.jsonl")
-  assert_same_run(multi, in_process(tmp_path, [FaultEvent(4, (1, 1), Op(F, 5))]))
+  assert_same_run(multi, in_process(tmp_path, [FaultEvent(4, (1, 1), Op(AR))]))
   assert [r["attempts"] for r in multi] == [1, 1, 1, 2, 1]
 
 

@@ -11,9 +11,9 @@ is bounded:
   not moved for `heartbeat_timeout_s` (while this process's own counter kept moving, so a
   stall here or in the store is not mistaken for silence there) is declared dead. The port
   proves a crash within milliseconds; the heartbeat covers a host that went silent (its
-  ports time out instead of refusing). A verdict is final. (Unlike a pull from a crashed
-  process, a pull from a silent host does not fail: a survivor that waits for such data still
-  ends with `EXIT_WAIT_TIMEOUT`.)
+  ports time out instead of refusing, or, frozen, accept and never answer). A verdict is final.
+  A pull from a silent host never fails by itself: once it is declared dead, every pull from
+  it still pending is failed (`_cut_off`) and every wait on it given up (`wait`).
 * **Agreement.** `decide(key, proposal)` is first writer wins: the proposal is written with
   `allow_overwrite=False`, and every caller then reads the key back and follows the *stored*
   value, never its own proposal, so every process that reads a decision acts on the same one

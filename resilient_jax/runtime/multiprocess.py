@@ -6,8 +6,12 @@ agreed set of failed nodes; nodes are process ids) and executes only its own slo
 * an activation or activation gradient for a slot of another process is offered to it under
   an id derived from (step, attempt, micro-batch, stage, kind), so a stale attempt's data can
   never be mistaken for the current one's; the consumer pulls it asynchronously;
-* a reduction whose holders span processes first agrees with its members whether to run the
-  collective, then sums with one `psum` over their devices (`GroupSum`);
+* a reduction whose holders span processes is a gather over the same transfers: each member
+  offers its stage's gradients as one flat buffer to every other member and sums the buffers it
+  pulls, in process order (so every replica holds bitwise the same sum). Not a collective: a
+  collective with a frozen member cannot be abandoned (it holds the device's queue), while a
+  pull from a member declared dead is cut off (`Cluster.dead`), and a new live set compiles
+  nothing new;
 * the end of the attempt is agreed: every process installs its new state on a commit, or every
   survivor drops the attempt on a loss and the step is re-run on the new plan.
 
@@ -18,16 +22,14 @@ will not come. Decisions go through the key-value store, first writer wins
 (`Cluster.decide`), under `step/{step}/{attempt}/`, and every process follows the stored
 decision, never its own proposal:
 
-* Before a collective, each member writes `{name}/{pid}` (ready), then follows
-  `{name}/decision`: "run" is proposed once every member is ready; "skip" once a member that
-  is not ready is proven dead (`Cluster.dead`: its port refuses connections, or its heartbeat
-  stopped), or once the attempt has failed. So either every member enters the collective or
-  none does (a member that dies inside it makes the others' collective fail, not hang), and
-  nobody waits for a heartbeat timeout to learn of a crash.
 * At the end, each process writes `end/{pid}` (its status: ok, or why not, and its losses),
   then follows `end/outcome`: `{"commit": true}` is proposed once every participant reported
-  success, `{"lost": [pids]}` once a participant is proven dead. A process that finds itself
-  in `lost` (after a false heartbeat verdict) exits with `EXIT_DECLARED_DEAD`.
+  success, `{"lost": [pids]}` once a participant is proven dead (`Cluster.dead`: its port
+  refuses connections, or its heartbeat stopped). A process that finds itself in `lost` (it was
+  frozen, or a heartbeat verdict was false) exits with `EXIT_DECLARED_DEAD`.
+
+A gather moves (members - 1) buffers into each member where a ring all-reduce moves about two:
+the same at dp=2, more for wide data parallelism (a price paid for abandonable reductions).
 
 Each directory is read whole in one call, and a waiter blocks on its decision key between
 reads, so it follows a decision as soon as it is written. Every wait has the
@@ -36,7 +38,8 @@ reads, so it follows a decision as soon as it is written. Every wait has the
 
 from __future__ import annotations
 
-import re
+import functools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -128,8 +131,8 @@ class ProcessTransport(Transport):
   def reduce(
     self, index: int, nodes: Sequence[int], devices: Devices, local: PerDevice
   ) -> PerDevice:
-    """Sums over processes if every member agrees to run the collective; else keeps the local
-    values and marks the attempt doomed."""
+    """Sums this process's gradients with the other members' (see the module docstring); if a
+    member is lost, keeps the local values and marks the attempt doomed."""
     what = f"all-reduce {index}"
     err = self.cluster.wait(local, f"this process's gradients for {what}", self.participants)
     if err is not None:  # computed from a lost peer's data: the attempt cannot commit
@@ -137,23 +140,42 @@ class ProcessTransport(Transport):
       # Fresh zeros, not `zeros_like(v)`: that dispatch would queue behind v's pending inputs.
       local = {d: {n: jnp.zeros(v.shape, v.dtype, device=d) for n, v in g.items()}
                for d, g in local.items()}
+    del devices  # one device per process: the members are the processes
     procs = sorted(set(nodes))
-    skipped = self._agree_collective(self.step, self.attempt, what, procs)
+    (dev, grads), = local.items()
+    names = tuple(sorted(grads))
+    flat = _flatten(names)(grads)
+    me = self.cluster.process_id
+    for q in procs:
+      if q != me:
+        self.cluster.offer(self._reduce_id(index, me, q), [flat])
     if self.pause is not None:
       self.pause(self.step, "AR")
-    if skipped is not None:
-      self.doomed.append(f"{what} skipped: {skipped}")
-      return local
-    try:
-      out = self._group_sum(devices, local)
-    except Exception as e:  # a peer died inside the collective
-      self._failed(what, e)
-      return local
+    spec = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    parts = {me: flat}
+    for q in procs:
+      if q != me:
+        got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec])
+        if got is None:
+          self.doomed.append(f"{what}: process {q} unreachable")
+          return local
+        parts[q] = got[0]
+    # The same order on every member, so that every replica holds bitwise the same sum.
+    total = parts[procs[0]]
+    for q in procs[1:]:
+      total = _add(total, parts[q])
+    out = _unflatten(names, tuple((grads[n].shape, grads[n].dtype) for n in names))(total)
     err = self.cluster.wait(out, what, procs)
     if err is not None:
       self._failed(what, err)
       return local
-    return out
+    return {dev: out}
+
+  def _reduce_id(self, index: int, sender: int, receiver: int) -> int:
+    """The transfer id of `sender`'s gradients for `receiver` in reduction `index` of this
+    attempt: apart from activations' ids (below 2**60) and `Cluster.connect`'s (2**61 on)."""
+    key = ((self.step * 64 + self.attempt % 64) * 1024 + index % 1024) * 1024 + sender
+    return (1 << 60) + key * 1024 + receiver
 
   def conclude(
     self, losses: Mapping[int, jax.Array], new_params: Sequence[Any], grad_sumsq: Sequence[Any]
@@ -211,39 +233,6 @@ class ProcessTransport(Transport):
     return received
 
   # ---------------------------------------------------------------- agreement
-
-  def _agree_collective(self, step: int, attempt: int, what: str, procs: list[int]) -> str | None:
-    """Agrees with the other members whether the collective `what` runs: None if it does, else
-    why not. Either every member enters it or none does.
-
-    Each member writes `{name}/{pid}` (ready), then follows `{name}/decision`, proposing "run"
-    once every member is ready, or "skip" once a member that is not ready is proven dead (also
-    proposing that dead set as the attempt's outcome) or the attempt's outcome is already
-    decided (it can only be a loss: this member has not reported its status yet).
-    """
-    cl = self.cluster
-    base = _attempt_key(step, attempt)
-    directory = f"{base}/" + re.sub(r"[^\w-]+", "-", what)
-    key = f"{directory}/decision"
-    cl.kv_set(f"{directory}/{cl.process_id}", True)
-
-    def check() -> dict | None:
-      decided, ready = _split(cl.kv_dir(directory), "decision")
-      if decided is not None:
-        return decided
-      missing = set(procs) - set(ready)
-      if not missing:
-        return cl.decide(key, {"run": True})
-      if cl.kv_try_get(f"{base}/end/outcome") is not None:
-        return cl.decide(key, {"run": False, "why": "the attempt already failed"})
-      dead = cl.dead(missing)
-      if dead:
-        cl.decide(f"{base}/end/outcome", {"lost": sorted(dead)})
-        return cl.decide(key, {"run": False, "why": f"processes {sorted(dead)} died"})
-      return None
-
-    decided = cl.poll(f"the members of the {what} ({procs})", check, wake_key=key)
-    return None if decided["run"] else decided["why"]
 
   def _agree_outcome(
     self, base: str, participants: list[int], what: str
@@ -344,6 +333,30 @@ class ProcessTransport(Transport):
       params.update({n[2:]: v for n, v in values.items() if n.startswith("p/")})
       opt.append({n[2:]: v for n, v in values.items() if n.startswith("o/")})
     return params, universal.merge(opt)
+
+
+@functools.cache
+def _flatten(names: tuple[str, ...]) -> Callable[[Mapping[str, jax.Array]], jax.Array]:
+  """One program that lays a stage's gradients out as one float32 buffer (one transfer)."""
+  return jax.jit(lambda g: jnp.concatenate([g[n].astype(jnp.float32).ravel() for n in names]))
+
+
+@functools.cache
+def _unflatten(names: tuple[str, ...], layout: tuple) -> Callable:
+  """The inverse of `_flatten` for gradients of these shapes and dtypes."""
+
+  def split(flat: jax.Array) -> dict[str, jax.Array]:
+    out, at = {}, 0
+    for n, (shape, dtype) in zip(names, layout, strict=True):
+      size = math.prod(shape)
+      out[n] = flat[at:at + size].reshape(shape).astype(dtype)
+      at += size
+    return out
+
+  return jax.jit(split)
+
+
+_add = jax.jit(jnp.add)
 
 
 def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[int, Any]]:
