@@ -17,7 +17,8 @@ the kill time to `WORKDIR/kills.jsonl`, which the survivors use for `recovery.js
 `--stop` takes points the same way and freezes the process there with SIGSTOP instead (a hung
 host: its ports stay open, only its heartbeat stops); `--stop_s=S` lets it go again (SIGCONT)
 after S seconds, when it finds itself declared dead and exits 7 if the others went on without
-it; with 0 it stays frozen and is killed once the others are done.
+it; with 0 it stays frozen and is killed once the others are done. `--term` takes one such
+point: when that process reaches it, every running process gets SIGTERM (a preemption).
 
 The arguments after `--` are checked as `launch.train` reads them (`launch/cli.py`) before any
 process starts: a bad flag, config, workdir or process count is one line on stderr and exit 2.
@@ -57,6 +58,8 @@ _NUM = flags.DEFINE_integer("num_processes", 2, "Processes to start (one worker 
 _KILL = flags.DEFINE_string("kill", "", "STEP:PROCESS[:WHERE],... processes to SIGKILL.")
 _STOP = flags.DEFINE_string("stop", "", "STEP:PROCESS[:WHERE][@SECONDS],... processes to SIGSTOP "
                             "(freeze), each let go after SECONDS (default --stop_s).")
+_TERM = flags.DEFINE_string("term", "", "STEP:PROCESS[:WHERE]: when that process reaches that "
+                            "point, SIGTERM every running process (a scheduler's preemption).")
 _STOP_S = flags.DEFINE_float("stop_s", 0.0, "SIGCONT a --stop process after this many seconds; "
                              "0 leaves it frozen until the others are done.")
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1; 0 picks a free one.")
@@ -191,6 +194,7 @@ def launch(
   *,
   stops: dict[int, tuple[int, str]] | None = None,
   stop_s: float | dict[int, float] = 0.0,
+  term: dict[int, tuple[int, str]] | None = None,
   port: int = 0,
   timeout_s: float = 1800,
 ) -> int:
@@ -203,6 +207,7 @@ def launch(
     stops: processes to freeze (SIGSTOP) instead, at points given the same way.
     stop_s: how long a frozen process stays frozen (then SIGCONT), or that per process; 0: until
       every other process has ended (then it is killed).
+    term: {process: point}: when it reaches the point, every running process gets SIGTERM.
     workdir: the `--workdir` of `train_args` (created).
     port: the coordinator's port; 0 picks a free one.
     timeout_s: kill everything after this long (exit code 124).
@@ -221,7 +226,9 @@ def launch(
   streams = []
   stops = stops or {}
   events = {**{i: (*e, "kill") for i, e in kills.items()},
-            **{i: (*e, "stop") for i, e in stops.items()}}
+            **{i: (*e, "stop") for i, e in stops.items()},
+            **{i: (*e, "term") for i, e in (term or {}).items()}}
+  termed: set[int] = set()
   try:
     for i in range(num_processes):
       env = dict(env_base)
@@ -241,9 +248,18 @@ def launch(
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for i, p in enumerate(procs)
               if frozen.get(i, 0.0) != float("inf")):
-      for i in sorted(set(events) - killed - set(frozen)):
+      for i in sorted(set(events) - killed - set(frozen) - termed):
         marker = pause_dir / f"p{i}"
-        if marker.exists() and procs[i].poll() is None:
+        if marker.exists() and procs[i].poll() is None and events[i][2] == "term":
+          termed.add(i)
+          for j, q in enumerate(procs):
+            if q.poll() is None and j not in frozen:
+              q.send_signal(signal.SIGTERM)
+          marker.unlink()
+          with lock:
+            print(f"[launch] SIGTERM to every running process (process {i} at step "
+                  f"{events[i][0]}, {events[i][1]})", flush=True)
+        elif marker.exists() and procs[i].poll() is None:
           step, where, action = events[i]
           procs[i].send_signal(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
           now = time.time()
@@ -278,7 +294,7 @@ def launch(
     for t in streams:
       t.join(timeout=5)
     codes = {i: p.returncode for i, p in enumerate(procs)}
-    not_reached = sorted(set(events) - killed - set(frozen))
+    not_reached = sorted(set(events) - killed - set(frozen) - termed)
     if not_reached:
       with lock:
         print(f"[launch] processes {not_reached} never reached their --kill/--stop point",
@@ -327,9 +343,10 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"--stop entry {part}: {secs} is not a number of seconds") from None
     stops = parse_kills(",".join(p.partition("@")[0] for p in _STOP.value.split(",")), num,
                         flag="--stop")
-    both = sorted(set(kills) & set(stops))
+    term = parse_kills(_TERM.value, num, flag="--term")
+    both = sorted((set(kills) & set(stops)) | (set(term) & (set(kills) | set(stops))))
     if both:
-      raise ValueError(f"--kill and --stop both name process {both[0]}")
+      raise ValueError(f"--kill, --stop and --term name process {both[0]} twice")
   except ValueError as e:
     cli.fail(str(e))
   if _STOP_S.value < 0 or any(s < 0 for s in holds.values()):
@@ -344,10 +361,11 @@ def main(argv: list[str]) -> None:
   try:
     check_kills(kills, cfg)
     check_kills(stops, cfg, flag="--stop")
+    check_kills(term, cfg, flag="--term")
   except ValueError as e:
     cli.fail(str(e))
-  sys.exit(launch(num, train_args, kills, workdir, stops=stops, stop_s=holds, port=port,
-                  timeout_s=_TIMEOUT.value))
+  sys.exit(launch(num, train_args, kills, workdir, stops=stops, stop_s=holds, term=term,
+                  port=port, timeout_s=_TIMEOUT.value))
 
 
 if __name__ == "__main__":

@@ -100,9 +100,12 @@ def pause_hook_from_env() -> Callable[[int, str], None] | None:
   target = (int(step_s), where or "start")
   path = os.environ.get(PAUSE_FILE_ENV, "")
 
+  fired = []
+
   def hook(step: int, at: str) -> None:
-    if (step, at) != target:
+    if (step, at) != target or fired:  # once: a re-run of the step goes on through it
       return
+    fired.append(True)
     marker = Path(path) if path else None
     if marker is not None:
       marker.write_text(json.dumps({"time": time.time(), "step": step, "at": at}))

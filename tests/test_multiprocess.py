@@ -109,23 +109,30 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
     assert e["detect_to_next_step_s"] < 1.0, e
 
 
-def test_a_frozen_process_costs_one_worker_and_a_short_freeze_costs_nothing(tmp_path):
+def test_frozen_processes_then_preemption(tmp_path):
   """SIGSTOP (a hung host: ports open, heartbeat stopped). Process 0, which also hosts the
   coordination service, frozen in step 2 for less than the heartbeat timeout: everyone waits
   and goes on. Process 3 frozen in step 4 inside the gradient all-reduce (its gradients
   offered, its peer's not yet pulled), beyond the timeout: the others abandon what they waited
   on from it, declare it dead and re-run the step without it, exactly as if it had crashed
-  there; let go later, it finds itself declared dead and leaves (7)."""
+  there; let go later, it finds itself declared dead and leaves (7, or 5 once the job is over).
+  Meanwhile, in step 4, the scheduler preempts the job (SIGTERM to every running process): all
+  finish step 4, checkpoint it and exit 9; the run resumed from that checkpoint (here
+  in-process, on the full grid) trains exactly what a run without the preemption did."""
   workdir = tmp_path / "multi"
-  proc = run_local(workdir, "--stop=2:0:F1@1,4:3:AR@8",
+  proc = run_local(workdir, "--stop=2:0:F1@1,4:3:AR@8", "--term=4:1:F1",
                    extra=["--config.distributed.heartbeat_timeout_s=3"])
-  assert proc.returncode == 0, tail(proc)
-  assert "exit codes: p0=0, p1=0, p2=0" in proc.stdout, tail(proc)
-  assert "process 3: the other processes declared this one dead" in proc.stdout or \
-    "p3=5" in proc.stdout, tail(proc)  # let go after the job ended: the service is gone
+  assert proc.returncode == 9, tail(proc)
+  assert "exit codes: p0=9, p1=9, p2=9" in proc.stdout, tail(proc)
+  assert "stopping after step 4" in proc.stdout, tail(proc)
   multi = read_rows(workdir / "metrics.jsonl")
-  assert_same_run(multi, in_process(tmp_path, [FaultEvent(4, (1, 1), Op(AR))]))
-  assert [r["attempts"] for r in multi] == [1, 1, 1, 2, 1]
+  assert [r["attempts"] for r in multi] == [1, 1, 1, 2]
+  assert [p.name for p in (workdir / "checkpoints").iterdir()] == ["step_00000004"]
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS)
+  resumed = train(cfg, workdir, log=lambda _: None).metrics
+  reference = in_process(tmp_path, [FaultEvent(4, (1, 1), Op(AR))])
+  assert_same_run(resumed, reference, workers=False)
+  assert [r["live_workers"] for r in resumed] == [4, 4, 4, 3, 4]
 
 
 @pytest.mark.parametrize("policy", ["oobleck", "bamboo", "restart", "auto"])
