@@ -302,10 +302,12 @@ class Cluster:
       n += 1
       try:
         self.client.key_value_set(f"hb/{me}", str(n), allow_overwrite=True)
-        if self.client.key_value_try_get(f"declared/{me}"):
+        # A directory read: empty while nobody is declared, where a key read would raise.
+        declared = {k for k, _ in self.client.key_value_dir_get("declared")}
+        if f"declared/{me}" in declared:
           self.declared_dead([me], "its heartbeat stopped for longer than "
                              f"{self.cfg.heartbeat_timeout_s}s")
-      except Exception:  # NOT_FOUND; a lost coordination service is the watchdog's business
+      except Exception:  # a lost coordination service is the watchdog's business
         pass
       time.sleep(self._heartbeat_interval_s)
 
