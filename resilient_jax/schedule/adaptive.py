@@ -42,11 +42,12 @@ from resilient_jax.schedule.routing import (
   _live_workers,
   _loads,
   default_memory_cap,
+  memory_cap_for_load,
   reroute,
 )
 from resilient_jax.schedule.validate import peak_inflight, validate
 
-__all__ = ["POLICIES", "plan", "plan_adaptive", "plan_naive"]
+__all__ = ["POLICIES", "plan", "plan_adaptive", "plan_naive", "plan_on_route"]
 
 POLICIES = ("adaptive", "naive")
 
@@ -327,9 +328,18 @@ def plan_adaptive(
   dp, pp, m, dead = state.dp, state.pp, state.m, state.failed
   costs.check_stages(pp)
   route = reroute(dp, pp, m, dead)
-  live = _live_workers(dp, pp, dead)
   cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base)
+  schedule, _ = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base)
+  validate(schedule, memory_cap=cap)
+  return schedule
 
+
+def _adaptive_on_route(
+  dp: int, pp: int, m: int, dead: frozenset[Worker], route: Route, costs: OpCosts, cap: int,
+  base: str,
+) -> tuple[Schedule, float]:
+  """`plan_adaptive` on given routes, unvalidated; returns the schedule and its makespan."""
+  live = _live_workers(dp, pp, dead)
   loads = _loads(route)
   ramp = [math.ceil((pp - s) * loads[(d, s)] / m) for d, s in live]
   # Each variant costs one O(#ops log #ops) pass; past ~50k ops only the first few are tried so
@@ -343,7 +353,7 @@ def plan_adaptive(
     )
     score = (round(span, 9), peak)
     if best is None or score < best:
-      best, raw = score, out
+      best, raw, makespan = score, out, span
   chosen = _to_ops(live, raw)
   if not dead:
     # Without failures the base order itself (backwards split) is a candidate, so that the
@@ -353,12 +363,62 @@ def plan_adaptive(
     }
     cand = _finish("adaptive", dp, pp, m, route, base_compute)
     peak = max(peak_inflight(ops) for ops in base_compute.values())
-    score = (round(simulate(cand, costs).makespan, 9), peak)
+    span = simulate(cand, costs).makespan
+    score = (round(span, 9), peak)
     if peak <= cap and best is not None and score < best:
-      chosen = base_compute
-  schedule = _finish("adaptive", dp, pp, m, route, chosen)
-  validate(schedule, memory_cap=cap)
-  return schedule
+      chosen, makespan = base_compute, span
+  return _finish("adaptive", dp, pp, m, route, chosen), makespan
+
+
+def plan_on_route(
+  policy: str,
+  dp: int,
+  pp: int,
+  m: int,
+  dead: frozenset[Worker],
+  route: Route,
+  costs: OpCosts,
+  *,
+  memory_cap: int | None = None,
+  base: str,
+) -> tuple[Schedule, float | None]:
+  """What `plan` makes, on routes given by the caller and without `validate`.
+
+  The runtime plans a failure on the part of the grid it touches (`expand.py`), whose routes are
+  the full grid's `reroute` restricted to it, not `reroute` of the smaller grid; it validates in
+  tests and on small grids only, so validation is the caller's.
+
+  Args:
+    policy: "adaptive" or "naive".
+    dp: pipelines of this grid.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    dead: its failed workers (at least one).
+    route: `route[mb][stage]`, live workers only.
+    costs: op costs (the full grid's, all-reduce included).
+    memory_cap: the in-flight cap for "adaptive"; None: `memory_cap_for_load` of the busiest
+      worker under `route`, as `default_memory_cap` would give the full grid.
+    base: the fault-free generator.
+
+  Returns:
+    The schedule and, for "adaptive", its makespan under `costs` (the list scheduler's, equal to
+    `simulate`'s); None for "naive".
+
+  Raises:
+    ScheduleError: when `memory_cap` is below 1.
+    ValueError: for an unknown policy or base.
+  """
+  if policy not in POLICIES:
+    raise ValueError(f"unknown policy {policy!r}; choose one of {list(POLICIES)}")
+  _check_base(base)
+  if policy == "naive":
+    return _finish("naive", dp, pp, m, route, _naive_compute(dp, pp, m, dead, route, base)), None
+  _check_cap(memory_cap)
+  costs.check_stages(pp)
+  cap = memory_cap
+  if cap is None:
+    cap = memory_cap_for_load(max(_loads(route).values()), pp, m, base)
+  return _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base)
 
 
 def _naive_compute(

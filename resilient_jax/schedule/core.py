@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 Worker = tuple[int, int]
 """A worker is `(dp, stage)`: one device (or sub-mesh) of the DP x PP grid."""
@@ -66,15 +66,18 @@ class Schedule:
     dp: number of data-parallel pipelines in the grid (failed ones included).
     pp: number of pipeline stages.
     microbatches: micro-batches per pipeline (m); the step has `dp * m` micro-batches.
-    route: `route[mb][stage]` is the dp index of the worker running that stage of `mb`.
-    ops: ordered ops of every live worker.
+    route: `route[mb][stage]` is the dp index of the worker running that stage of `mb` (a
+      tuple, or for a plan expanded from part of the grid an `expand.ExpandedRoute` that
+      builds entries on use).
+    ops: ordered ops of every live worker (a dict, or an `expand.ExpandedOps` that builds a
+      worker's list on first use: a process of a large job only reads its own workers').
   """
 
   name: str
   dp: int
   pp: int
   microbatches: int
-  route: tuple[tuple[int, ...], ...]
+  route: Sequence[tuple[int, ...]]
   ops: Mapping[Worker, tuple[Op, ...]]
 
   @property
@@ -103,32 +106,51 @@ class Schedule:
 
   def backward_op(self, mb: int, stage: int) -> Op:
     """The op that produces the activation gradient of `mb` at `stage` (B or BW)."""
-    op = self._backward_index[self.worker_of(mb, stage)].get(mb)
+    worker = self.worker_of(mb, stage)
+    index = self._backward_index.get(worker)
+    if index is None:
+      # Built once per worker, and only for the workers asked about, so that `dependencies()`
+      # stays O(1) per op (the cost model walks every op of 1000s of workers) and a lookup does
+      # not expand a whole lazily expanded plan. The first B/BW of a micro-batch wins, as a list
+      # scan would.
+      index = self._backward_index[worker] = {}
+      for op in self.ops[worker]:
+        if op.kind in (B, BW):
+          index.setdefault(op.mb, op)
+    op = index.get(mb)
     if op is None:
       raise KeyError(f"no backward for micro-batch {mb} at stage {stage}")
     return op
 
   @functools.cached_property
   def _backward_index(self) -> dict[Worker, dict[int, Op]]:
-    # Built once per schedule so that `dependencies()` stays O(1) per op: the cost model walks
-    # every op of 1000s of workers. The first B/BW of a micro-batch wins, as a list scan would.
-    index: dict[Worker, dict[int, Op]] = {}
-    for w, ops in self.ops.items():
-      index[w] = per_mb = {}
-      for op in ops:
-        if op.kind in (B, BW):
-          per_mb.setdefault(op.mb, op)
-    return index
+    return {}
 
   def to_text(self) -> str:
-    """A printable form: one line per worker, plus the routes that leave their pipeline."""
+    """A printable form: one line per worker, plus the routes that leave their pipeline.
+
+    Pipelines that an expanded plan runs on the fault-free lists (`ExpandedOps.fault_free`)
+    are summed up in one line, so the text of a 16k-worker plan is as long as what the failure
+    changed. Built once per schedule: the trainer compares it after every step.
+    """
+    if "_text" not in self.__dict__:
+      self.__dict__["_text"] = self._render()
+    return self.__dict__["_text"]
+
+  def _render(self) -> str:
+    folded = getattr(self.ops, "fault_free", frozenset())
     lines = [f"schedule {self.name}: dp={self.dp} pp={self.pp} m={self.microbatches}"]
     for w in self.workers:
-      lines.append(f"  d{w[0]} s{w[1]} | " + " ".join(str(op) for op in self.ops[w]))
+      if w[0] not in folded:
+        lines.append(f"  d{w[0]} s{w[1]} | " + " ".join(str(op) for op in self.ops[w]))
+    if folded:
+      lines.append(f"  the other {len(folded)} pipelines run {self.ops.base}'s fault-free lists")
+    m = self.microbatches
+    shown = (mb for d in range(self.dp) if d not in folded for mb in range(d * m, (d + 1) * m))
     moved = [
-      f"  mb{mb}: " + " -> ".join(f"({d},{s})" for s, d in enumerate(r))
-      for mb, r in enumerate(self.route)
-      if any(d != self.owner(mb) for d in r)
+      f"  mb{mb}: " + " -> ".join(f"({d},{s})" for s, d in enumerate(self.route[mb]))
+      for mb in shown
+      if any(d != self.owner(mb) for d in self.route[mb])
     ]
     if moved:
       lines.append("re-routed micro-batches:")

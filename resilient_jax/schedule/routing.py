@@ -8,6 +8,7 @@ schedule on those routes can be, which the planners (`adaptive.py`) are measured
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Collection, Iterable
 
@@ -94,28 +95,52 @@ def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> Route:
     StageLostError: when every worker of some stage has failed.
     ValueError: for a bad shape or a failed worker outside the grid.
   """
-  dead = _check_grid(dp, pp, m, failed)
+  moved = rerouted_stages(dp, pp, m, failed)
   route = [[mb // m] * pp for mb in range(dp * m)]
+  for (mb, s), d in moved.items():
+    route[mb][s] = d
+  return tuple(tuple(r) for r in route)
+
+
+def rerouted_stages(
+  dp: int, pp: int, m: int, failed: Iterable[Worker]
+) -> dict[tuple[int, int], int]:
+  """The part of `reroute` that leaves the owners: `{(mb, stage): dp}` for every stage of a
+  micro-batch that runs outside its own pipeline.
+
+  Costs O(failed * m + D * pp), not O(D * m * pp) as the whole route does: at cluster scale the
+  runtime's replanning needs only these entries (`expand.footprint`).
+
+  Raises:
+    StageLostError: when every worker of some stage has failed.
+    ValueError: for a bad shape or a failed worker outside the grid.
+  """
+  dead = _check_grid(dp, pp, m, failed)
+  lost_by_stage: dict[int, list[int]] = {}
+  for d, s in sorted(dead):
+    lost_by_stage.setdefault(s, []).append(d)
+  moved: dict[tuple[int, int], int] = {}
   for s in range(pp):
-    lost = [d for d in range(dp) if (d, s) in dead]
+    lost = lost_by_stage.get(s)
     if not lost:
       continue
-    live = [d for d in range(dp) if (d, s) not in dead]
+    gone = set(lost)
+    live = [d for d in range(dp) if d not in gone]
     if not live:
       raise StageLostError(s, dp)
     q, r = divmod(dp * m, len(live))
     # Rotate which survivors get the one extra micro-batch, by stage.
     extra = {live[(s + i) % len(live)] for i in range(r)}
     room = [q - m + (1 if d in extra else 0) for d in live]
-    orphans = [mb for d in lost for mb in range(d * m, (d + 1) * m)]
     i = 0
-    for mb in orphans:
-      while room[i] == 0:
+    for d in lost:
+      for mb in range(d * m, (d + 1) * m):
+        while room[i] == 0:
+          i = (i + 1) % len(live)
+        moved[(mb, s)] = live[i]
+        room[i] -= 1
         i = (i + 1) % len(live)
-      route[mb][s] = live[i]
-      room[i] -= 1
-      i = (i + 1) % len(live)
-  return tuple(tuple(r) for r in route)
+  return moved
 
 
 def relative_throughput_bound(dp: int, pp: int, m: int, k: int) -> float:
@@ -170,10 +195,19 @@ def default_memory_cap(dp: int, pp: int, m: int, failed: Iterable[Worker], base:
   Returns:
     The cap, at least 1.
   """
-  route = reroute(dp, pp, m, failed)
-  max_load = max(_loads(route).values())
-  peak = validate(generate(base, 1, pp, m)).max_peak_inflight
-  return max(1, min(max_load, math.ceil(peak * max_load / m)))
+  return memory_cap_for_load(max(_loads(reroute(dp, pp, m, failed)).values()), pp, m, base)
+
+
+def memory_cap_for_load(max_load: int, pp: int, m: int, base: str) -> int:
+  """`default_memory_cap` for a grid whose busiest survivor carries `max_load` micro-batches."""
+  return max(1, min(max_load, math.ceil(_base_peak(base, pp, m) * max_load / m)))
+
+
+@functools.lru_cache(maxsize=64)
+def _base_peak(base: str, pp: int, m: int) -> int:
+  # One pipeline suffices (every pipeline runs the same lists); cached because the runtime asks
+  # on every failure and validating even one pipeline is O(pp * m).
+  return validate(generate(base, 1, pp, m)).max_peak_inflight
 
 
 def route_lower_bound(state: FailureState, costs: OpCosts, *, memory_cap: int | None = None
