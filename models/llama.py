@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.gpt import tokens
 from resilient_jax.model.config import ModelConfig, ModelCosts
 from resilient_jax.model.staging import whole
 
@@ -108,16 +109,16 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, t, _ = x.shape
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = rotary(self.q(x).reshape(b, t, h, hd), cfg.rope_theta)
-    k = rotary(self.k(x).reshape(b, t, kvh, hd), cfg.rope_theta)
-    v = self.v(x).reshape(b, t, kvh, hd)
+    q = rotary(tokens(self.q, x).reshape(b, t, h, hd), cfg.rope_theta)
+    k = rotary(tokens(self.k, x).reshape(b, t, kvh, hd), cfg.rope_theta)
+    v = tokens(self.v, x).reshape(b, t, kvh, hd)
     k, v = (jnp.repeat(a, h // kvh, axis=2) for a in (k, v))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(hd))
     mask = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    return self.o(out.reshape(b, t, h * hd))
+    return tokens(self.o, out.reshape(b, t, h * hd))
 
 
 class SwiGLU(nnx.Module):
@@ -127,7 +128,7 @@ class SwiGLU(nnx.Module):
     self.down = _linear(cfg, cfg.hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
 
   def __call__(self, x: Array) -> Array:
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    return tokens(self.down, jax.nn.silu(tokens(self.gate, x)) * tokens(self.up, x))
 
 
 class Block(nnx.Module):
@@ -150,7 +151,7 @@ class Head(nnx.Module):
 
   def __call__(self, h: Array) -> Array:
     h = self.norm(h)
-    return self.tied.attend(h) if self.tied is not None else self.out(h)
+    return tokens(self.tied.attend if self.tied is not None else self.out, h)
 
 
 class Llama(nnx.Module):
