@@ -1,8 +1,9 @@
 """Per-stage programs: F, B, W, BW and OPT, each its own jitted function.
 
-One `StagePrograms` serves every worker of a stage: the programs are traced once and run on
-whichever device holds their (committed) inputs, so a data-parallel peer that takes over a
-failed worker's micro-batches runs the very same programs on its own device.
+One `StagePrograms` serves every worker of a stage: the programs are traced and compiled once
+and loaded on whichever device holds their (committed) inputs (`compiled.OnEachDevice`), so a
+data-parallel peer that takes over a failed worker's micro-batches runs the very same programs
+on its own device, and the compile count does not grow with data parallelism.
 
 - `forward(params, x, targets, seeds) -> (out, residuals, saved)`: `out` is the stage output, or for
   the last stage the micro-batch's share of the global mean loss. `residuals` are what B reads,
@@ -37,6 +38,7 @@ import optax
 from flax import nnx
 from jax.extend import core as jcore
 
+from resilient_jax.compiled import OnEachDevice
 from resilient_jax.model.split import split_backward
 from resilient_jax.model.staging import (
   Binder,
@@ -170,7 +172,7 @@ class StagePrograms:
       outs = forward_all(*inputs)
       return [outs[k] for k in kept]
 
-    forward_program = jax.jit(stage_forward)
+    forward_program = OnEachDevice(stage_forward)
     out_def = jax.tree.structure(out_tree)
 
     def forward(params, x, targets, seeds=None):
@@ -208,14 +210,15 @@ class StagePrograms:
       return optax.apply_updates(params, updates), opt_state, sumsq
 
     self.forward: Callable = forward
-    self.backward_input: Callable = jax.jit(backward_input)
-    self.backward_weight: Callable = jax.jit(weight_grads, donate_argnums=(3,))
-    self.backward_fused: Callable = jax.jit(backward_fused, donate_argnums=(4,))
+    # Each program is compiled once for the stage and loaded on every replica's device.
+    self.backward_input: Callable = OnEachDevice(backward_input)
+    self.backward_weight: Callable = OnEachDevice(weight_grads, donate_argnums=(3,))
+    self.backward_fused: Callable = OnEachDevice(backward_fused, donate_argnums=(4,))
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
-    self.optimizer_step: Callable = jax.jit(optimizer_step)
-    self._init_opt = jax.jit(optimizer.init)
-    self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
+    self.optimizer_step: Callable = OnEachDevice(optimizer_step)
+    self._init_opt = OnEachDevice(optimizer.init)
+    self._zeros = OnEachDevice(lambda p: jax.tree.map(jnp.zeros_like, p))
 
   def bind(self, params: Params) -> nnx.Module:
     """The stage module with `params` as its parameters (usable inside a trace)."""

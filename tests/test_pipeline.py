@@ -2,10 +2,13 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from resilient_jax import data as data_lib
+from resilient_jax.compiled import Counts, OnEachDevice
 from resilient_jax.trainer import Trainer, train
 from tests.helpers import assert_matches_reference, tiny_config
 
@@ -44,7 +47,11 @@ def test_uneven_partition_matches(tmp_path):
 
 def test_data_parallel_replicas_stay_identical(tmp_path):
   cfg = tiny_config(mesh__dp=4, mesh__pp=2, pipeline__schedule="zb-h1")
+  before = (Counts.compiled + Counts.from_disk, Counts.loaded)
   result = train(cfg, tmp_path, log=lambda _: None)
+  # Compiled once per stage (or read from disk), loaded on the other three replicas' devices.
+  built, loaded = Counts.compiled + Counts.from_disk - before[0], Counts.loaded - before[1]
+  assert built > 0 and loaded == 3 * built, (built, loaded)
   ex = result.interpreter
   for stage in range(2):
     replicas = [ex.params[(d, stage)] for d in range(4)]
@@ -78,3 +85,30 @@ def test_workdir_outputs(tmp_path):
   assert all(t > 0 for t in profile.f) and all(t > 0 for t in profile.w)
   assert "d1 s1 |" in (tmp_path / "schedule.txt").read_text()
   assert len(lines) == 3 and all("loss" in line and "samples/s" in line for line in lines)
+
+
+def test_one_compile_serves_every_device():
+  def step(w, x, acc):
+    return {"w": acc["w"] + jnp.tanh(x @ w).T @ x}
+
+  program = OnEachDevice(step, donate_argnums=(2,))
+  before = (Counts.compiled + Counts.from_disk, Counts.loaded)
+  outs = []
+  for device in jax.devices()[:4]:
+    w, x = (jax.device_put(jnp.linspace(-1, 1, 64).reshape(s), device) for s in [(8, 8), (8, 8)])
+    acc = {"w": jax.device_put(jnp.ones((8, 8)), device)}
+    out = program(w, x, acc)["w"]
+    assert out.devices() == {device} and acc["w"].is_deleted()  # placed there, donation kept
+    outs.append(np.asarray(out))
+  assert (Counts.compiled + Counts.from_disk - before[0], Counts.loaded - before[1]) == (1, 3)
+  for out in outs[1:]:
+    np.testing.assert_array_equal(out, outs[0])
+  # A new process (here: a new program object) reads the executable from disk, whatever device.
+  again = OnEachDevice(step, donate_argnums=(2,))
+  device = jax.devices()[5]
+  put = lambda v: jax.device_put(v, device)  # noqa: E731
+  before = Counts.from_disk
+  w = put(jnp.linspace(-1, 1, 64).reshape(8, 8))
+  out = again(w, put(jnp.linspace(-1, 1, 64).reshape(8, 8)), {"w": put(jnp.ones((8, 8)))})["w"]
+  assert Counts.from_disk == before + 1
+  np.testing.assert_array_equal(np.asarray(out), outs[0])

@@ -6,12 +6,8 @@ agreed set of failed nodes; nodes are process ids) and executes only its own slo
 * an activation or activation gradient for a slot of another process is offered to it under
   an id derived from (step, attempt, micro-batch, stage, kind), so a stale attempt's data can
   never be mistaken for the current one's; the consumer pulls it asynchronously;
-* a reduction whose holders span processes is a gather over the same transfers: each member
-  offers its stage's gradients as one flat buffer to every other member and sums the buffers it
-  pulls, in process order (so every replica holds bitwise the same sum). Not a collective: a
-  collective with a frozen member cannot be abandoned (it holds the device's queue), while a
-  pull from a member declared dead is cut off (`Cluster.dead`), and a new live set compiles
-  nothing new;
+* a reduction whose holders span processes is `Transport.reduce`'s gather, its buffers pulled
+  from the other member processes over the same transfers (see `runtime.transport`);
 * the end of the attempt is agreed: every process installs its new state on a commit, or every
   survivor drops the attempt on a loss and the step is re-run on the new plan.
 
@@ -28,9 +24,6 @@ decision, never its own proposal:
   refuses connections, or its heartbeat stopped). A process that finds itself in `lost` (it was
   frozen, or a heartbeat verdict was false) exits with `EXIT_DECLARED_DEAD`.
 
-A gather moves (members - 1) buffers into each member where a ring all-reduce moves about two:
-the same at dp=2, more for wide data parallelism (a price paid for abandonable reductions).
-
 Each directory is read whole in one call, and a waiter blocks on its decision key between
 reads, so it follows a decision as soon as it is written. Every wait has the
 `distributed.wait_timeout_s` deadline of `Cluster.poll`.
@@ -38,8 +31,6 @@ reads, so it follows a decision as soon as it is written. Every wait has the
 
 from __future__ import annotations
 
-import functools
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -131,8 +122,8 @@ class ProcessTransport(Transport):
   def reduce(
     self, index: int, nodes: Sequence[int], devices: Devices, local: PerDevice
   ) -> PerDevice:
-    """Sums this process's gradients with the other members' (see the module docstring); if a
-    member is lost, keeps the local values and marks the attempt doomed."""
+    """`Transport.reduce` across processes (see `runtime.transport`'s docstring); if a member
+    is lost, keeps the local values and marks the attempt doomed."""
     what = f"all-reduce {index}"
     err = self.cluster.wait(local, f"this process's gradients for {what}", self.participants)
     if err is not None:  # computed from a lost peer's data: the attempt cannot commit
@@ -140,36 +131,39 @@ class ProcessTransport(Transport):
       # Fresh zeros, not `zeros_like(v)`: that dispatch would queue behind v's pending inputs.
       local = {d: {n: jnp.zeros(v.shape, v.dtype, device=d) for n, v in g.items()}
                for d, g in local.items()}
-    del devices  # one device per process: the members are the processes
-    procs = sorted(set(nodes))
-    (dev, grads), = local.items()
-    names = tuple(sorted(grads))
-    flat = _flatten(names)(grads)
-    me = self.cluster.process_id
-    for q in procs:
-      if q != me:
-        self.cluster.offer(self._reduce_id(index, me, q), [flat])
-    if self.pause is not None:
-      self.pause(self.step, "AR")
-    spec = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
-    parts = {me: flat}
-    for q in procs:
-      if q != me:
-        got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec])
-        if got is None:
-          self.doomed.append(f"{what}: process {q} unreachable")
-          return local
-        parts[q] = got[0]
-    # The same order on every member, so that every replica holds bitwise the same sum.
-    total = parts[procs[0]]
-    for q in procs[1:]:
-      total = _add(total, parts[q])
-    out = _unflatten(names, tuple((grads[n].shape, grads[n].dtype) for n in names))(total)
-    err = self.cluster.wait(out, what, procs)
+    out = super().reduce(index, nodes, devices, local)
+    if out is local:
+      return local
+    err = self.cluster.wait(out, what, sorted(set(nodes)))
     if err is not None:
       self._failed(what, err)
       return local
-    return {dev: out}
+    return out
+
+  def _gather(
+    self, index: int, nodes: Sequence[int], devices: Devices, flats: dict[jax.Device, jax.Array]
+  ) -> dict[jax.Device, jax.Array] | None:
+    """This process offers its buffers to every other member process and pulls theirs."""
+    me = self.cluster.process_id
+    procs = sorted(set(nodes))
+    mine = [flats[d] for d in sorted(flats, key=lambda d: d.id)]
+    for q in procs:
+      if q != me:
+        self.cluster.offer(self._reduce_id(index, me, q), mine)
+    if self.pause is not None:
+      self.pause(self.step, "AR")
+    spec = jax.ShapeDtypeStruct(mine[0].shape, mine[0].dtype)
+    parts = dict(flats)
+    for q in procs:
+      if q == me:
+        continue
+      theirs = sorted((d for d in devices if d.process_index == q), key=lambda d: d.id)
+      got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec] * len(theirs))
+      if got is None:
+        self.doomed.append(f"all-reduce {index}: process {q} unreachable")
+        return None
+      parts.update(zip(theirs, got, strict=True))
+    return parts
 
   def _reduce_id(self, index: int, sender: int, receiver: int) -> int:
     """The transfer id of `sender`'s gradients for `receiver` in reduction `index` of this
@@ -333,30 +327,6 @@ class ProcessTransport(Transport):
       params.update({n[2:]: v for n, v in values.items() if n.startswith("p/")})
       opt.append({n[2:]: v for n, v in values.items() if n.startswith("o/")})
     return params, universal.merge(opt)
-
-
-@functools.cache
-def _flatten(names: tuple[str, ...]) -> Callable[[Mapping[str, jax.Array]], jax.Array]:
-  """One program that lays a stage's gradients out as one float32 buffer (one transfer)."""
-  return jax.jit(lambda g: jnp.concatenate([g[n].astype(jnp.float32).ravel() for n in names]))
-
-
-@functools.cache
-def _unflatten(names: tuple[str, ...], layout: tuple) -> Callable:
-  """The inverse of `_flatten` for gradients of these shapes and dtypes."""
-
-  def split(flat: jax.Array) -> dict[str, jax.Array]:
-    out, at = {}, 0
-    for n, (shape, dtype) in zip(names, layout, strict=True):
-      size = math.prod(shape)
-      out[n] = flat[at:at + size].reshape(shape).astype(dtype)
-      at += size
-    return out
-
-  return jax.jit(split)
-
-
-_add = jax.jit(jnp.add)
 
 
 def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[int, Any]]:

@@ -1,21 +1,34 @@
 """How data crosses slot boundaries: the interpreter's one interface to devices and processes.
 
 `Transport` serves a single process that holds every node (device) of the plan: arrays
-move with `jax.device_put`, a reduction is one `psum` over a mesh of exactly the holders'
-devices (`GroupSum`), and every step commits. `runtime.multiprocess.ProcessTransport` extends it
-to a `jax.distributed` job, where some nodes live in other processes.
+move with `jax.device_put` and every step commits. `runtime.multiprocess.ProcessTransport`
+extends it to a `jax.distributed` job, where some nodes live in other processes.
+
+A reduction (the data-parallel gradient sum) is a gather, the same within a process and
+across processes: each member lays its stage's gradients out as one flat float32 buffer,
+receives the other members' buffers (a device copy here, a transfer-server pull across
+processes) and adds them in the members' order, so every replica holds bitwise the same sum.
+It is not an XLA collective over the group, for three reasons: a new group after a failure
+compiles nothing (the programs are per stage, `compiled.OnEachDevice`); a member frozen inside
+a collective could not be abandoned (it holds its device's queue), while a pull from a member
+declared dead is cut off like any other transfer; and one buffer per member keeps the host's
+work per reduction to a few dispatches instead of one global array per parameter. With D
+members each receives D-1 buffers: the bytes of a ring all-reduce at D=2, more beyond.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import jax.numpy as jnp
+
+from resilient_jax.compiled import OnEachDevice
 
 Params = dict[str, jax.Array]
 ACT, GRAD, STATE = 0, 1, 2
@@ -51,49 +64,6 @@ class Outcome:
   SIGTERM): every process that commits the step sees the same value."""
 
 
-class GroupSum:
-  """Sums dicts of arrays over a group of devices with one `psum` collective.
-
-  The group is a mesh of exactly those devices, so a smaller group after a failure is just
-  another mesh; one compiled program per group. Works within a process and across processes
-  (each process passes its own devices' dicts).
-  """
-
-  def __init__(self):
-    self._programs: dict[tuple[jax.Device, ...], tuple[Callable, NamedSharding]] = {}
-
-  def _program(self, devices: tuple[jax.Device, ...]) -> tuple[Callable, NamedSharding]:
-    if devices not in self._programs:
-      mesh = Mesh(np.array(devices), ("dp",))
-      spec = PartitionSpec("dp")
-      summed = jax.shard_map(
-        lambda tree: jax.tree.map(lambda x: jax.lax.psum(x, "dp"), tree),
-        mesh=mesh,
-        in_specs=spec,
-        out_specs=spec,
-      )
-      self._programs[devices] = (jax.jit(summed), NamedSharding(mesh, spec))
-    return self._programs[devices]
-
-  def __call__(
-    self, devices: tuple[jax.Device, ...], local: Mapping[jax.Device, Params]
-  ) -> dict[jax.Device, Params]:
-    """`local` holds the dicts of the group's devices this process owns; returns their sums."""
-    fn, sharding = self._program(devices)
-    names = sorted(next(iter(local.values())))
-    stacked = {}
-    for n in names:
-      shards = [local[d][n] for d in devices if d in local]
-      shape = (shards[0].shape[0] * len(devices), *shards[0].shape[1:])
-      stacked[n] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
-    out = fn(stacked)
-    result: dict[jax.Device, Params] = {d: {} for d in local}
-    for n in names:
-      for shard in out[n].addressable_shards:
-        result[shard.device][n] = shard.data
-    return result
-
-
 class Transport:
   """How data crosses slot boundaries; this base class serves a single process, in which every
   node is a local device (`runtime.multiprocess.ProcessTransport` extends it across processes).
@@ -111,7 +81,6 @@ class Transport:
   def __init__(self, devices: Mapping[int, jax.Device]):
     self.devices = dict(devices)
     self._box: dict[Key, jax.Array] = {}
-    self._group_sum = GroupSum()
 
   def is_local(self, node: int) -> bool:
     """Whether `node`'s device belongs to this process."""
@@ -138,9 +107,31 @@ class Transport:
   def reduce(
     self, index: int, nodes: Sequence[int], devices: Devices, local: PerDevice
   ) -> PerDevice:
-    """Sums `local` (one dict per device) over `devices`; `index` names the group."""
-    del index, nodes
-    return self._group_sum(devices, local)
+    """Sums `local` (one dict per device this process holds) over `devices` (every member, in
+    one order on every member); `index` names the group. Returns one sum per local device, or
+    `local` itself when a member's gradients cannot be had (the attempt is then doomed)."""
+    names = tuple(sorted(next(iter(local.values()))))
+    some = next(iter(local.values()))
+    layout = tuple((some[n].shape, some[n].dtype) for n in names)
+    flatten, unflatten = _flatten(names), _unflatten(names, layout)
+    parts = self._gather(index, nodes, devices, {d: flatten(g) for d, g in local.items()})
+    if parts is None:
+      return local
+    out = {}
+    for d in local:
+      total = None
+      for member in devices:  # the same order everywhere: bitwise the same sum
+        part = jax.device_put(parts[member], d)
+        total = part if total is None else _add(total, part)
+      out[d] = unflatten(total)
+    return out
+
+  def _gather(
+    self, index: int, nodes: Sequence[int], devices: Devices, flats: dict[jax.Device, jax.Array]
+  ) -> dict[jax.Device, jax.Array] | None:
+    """Every member's flat gradient buffer (`flats` are this process's); None if one is lost."""
+    del index, nodes, devices
+    return flats
 
   def conclude(
     self, losses: Mapping[int, jax.Array], new_params: Sequence[Any], grad_sumsq: Sequence[Any]
@@ -167,3 +158,28 @@ class Transport:
     if any(not (self.is_local(a) and self.is_local(b)) for a, b, _ in transfers):
       raise ValueError("a single-process run has no other process to exchange state with")
     return {}  # every node is local: `Interpreter.place` copies between devices itself
+
+
+@functools.cache
+def _flatten(names: tuple[str, ...]) -> Callable[[Mapping[str, jax.Array]], jax.Array]:
+  """One program that lays a stage's gradients out as one float32 buffer."""
+  return OnEachDevice(
+    lambda g: jnp.concatenate([g[n].astype(jnp.float32).ravel() for n in names]))
+
+
+@functools.cache
+def _unflatten(names: tuple[str, ...], layout: tuple) -> Callable:
+  """The inverse of `_flatten` for gradients of these shapes and dtypes."""
+
+  def split(flat: jax.Array) -> dict[str, jax.Array]:
+    out, at = {}, 0
+    for n, (shape, dtype) in zip(names, layout, strict=True):
+      size = math.prod(shape)
+      out[n] = flat[at:at + size].reshape(shape).astype(dtype)
+      at += size
+    return out
+
+  return OnEachDevice(split)
+
+
+_add = OnEachDevice(jnp.add)

@@ -1,0 +1,194 @@
+"""One compiled program per stage, loaded on every device that runs it.
+
+`jax.jit` keys its executables on the devices of the arguments, so a stage's programs running on
+D data-parallel replicas are compiled D times, and on CPU JAX's persistent compilation cache
+does not help: its key holds the device assignment (JAX drops it only for GPU). The program is
+the same; only the device differs. `OnEachDevice` compiles once, serializes the executable and
+loads it on each device with that device's assignment: loading costs a few milliseconds where
+compiling costs up to seconds, so a job's compile count no longer grows with its data
+parallelism.
+
+The serialized programs are also kept on disk, next to JAX's cache (a `programs/` folder in
+`jax_compilation_cache_dir`, keyed by the lowered module, the JAX version, the platform and
+`XLA_FLAGS`, not by device), so a restarted or relaunched job loads instead of compiling.
+The one compile goes around JAX's own persistent cache: an executable JAX read back from that
+cache serializes without its kernels on CPU (it then fails with "Function ... not found").
+
+If loading fails (a backend or JAX version without executable serialization), that device gets
+an executable compiled for it: slower to start, never wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import config as jax_config  # the thread-local `enable_compilation_cache` switch
+from jax._src.lib import xla_client  # CompileOptions, DeviceAssignment: no public home
+from jax.experimental import serialize_executable
+
+log = logging.getLogger(__name__)
+
+_Signature = tuple[Any, ...]
+_Blob = tuple[bytes, Any, Any]  # serialized executable, in_tree, out_tree
+
+
+class Counts:
+  """Programs compiled, loaded from another device's compile, and read from disk (all
+  `OnEachDevice`s of this process)."""
+
+  compiled = 0
+  loaded = 0
+  from_disk = 0
+
+
+class OnEachDevice:
+  """`jax.jit(fn)`, compiled once and loaded on each device its (committed) arguments live on.
+
+  Args:
+    fn: the function to jit.
+    donate_argnums: as for `jax.jit`.
+  """
+
+  def __init__(self, fn: Callable, donate_argnums: int | Sequence[int] = ()):
+    self._jit = jax.jit(fn, donate_argnums=donate_argnums)
+    self._programs: dict[tuple[jax.Device, _Signature], Callable] = {}
+    self._blobs: dict[_Signature, _Blob | None] = {}
+    self._lock = threading.Lock()
+    self.__name__ = getattr(fn, "__name__", "program")
+
+  def __call__(self, *args: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(args)
+    device = _device(leaves)
+    if device is None:  # nothing committed: jit places it
+      return self._jit(*args)
+    sig = (treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves))
+    program = self._programs.get((device, sig))
+    if program is None:
+      with self._lock:
+        program = self._programs.get((device, sig)) or self._build(device, sig, args)
+    return program(*args)
+
+  def _build(self, device: jax.Device, sig: _Signature, args: tuple) -> Callable:
+    """The program of `sig` on `device`: loaded when compiled before (here or on disk), else
+    compiled for `device`."""
+    program = None
+    if sig not in self._blobs:
+      lowered = self._jit.lower(*args)
+      path = _disk_path(lowered)
+      data = _read(path)
+      if data is not None:
+        self._blobs[sig] = (data, lowered.in_tree, lowered.out_tree)
+        program = _load(self._blobs[sig], device)
+        Counts.from_disk += program is not None
+      if program is None:
+        with jax_config.enable_compilation_cache(False):
+          program = lowered.compile()
+        Counts.compiled += 1
+        self._blobs[sig] = _serialize(program, path)
+    else:
+      blob = self._blobs[sig]
+      program = None if blob is None else _load(blob, device)
+      if program is None:
+        program = self._jit.lower(*args).compile()
+        Counts.compiled += 1
+      else:
+        Counts.loaded += 1
+    self._programs[(device, sig)] = program
+    return program
+
+
+def _device(leaves: list[Any]) -> jax.Device | None:
+  """The device of the first committed single-device array among `leaves`."""
+  for x in leaves:
+    if isinstance(x, jax.Array) and getattr(x, "committed", False):
+      devices = x.sharding.device_set
+      return next(iter(devices)) if len(devices) == 1 else None
+  return None
+
+
+def _disk_path(lowered: jax.stages.Lowered) -> str | None:
+  """Where the program's serialized executable is kept, or None without a cache folder."""
+  folder = jax.config.jax_compilation_cache_dir
+  if not folder:
+    return None
+  device = jax.devices()[0]
+  key = hashlib.sha256()
+  for part in (lowered.as_text(), jax.__version__, device.platform, device.device_kind,
+               device.client.platform_version, os.environ.get("XLA_FLAGS", "")):
+    key.update(part.encode())
+    key.update(b"\0")
+  return os.path.join(folder, "programs", key.hexdigest())
+
+
+def _read(path: str | None) -> bytes | None:
+  if path is None:
+    return None
+  try:
+    with open(path, "rb") as f:
+      return f.read()
+  except OSError:
+    return None
+
+
+def _serialize(program: jax.stages.Compiled, path: str | None) -> _Blob | None:
+  """The program's loadable bytes (also written to `path`), or None if it has none."""
+  try:
+    data, in_tree, out_tree = serialize_executable.serialize(program)
+  except Exception as err:  # noqa: BLE001 - any backend limit: compile per device instead
+    log.debug("cannot serialize a program: %s", err)
+    return None
+  if path is not None:
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+      with open(tmp, "wb") as f:
+        f.write(data)
+      os.replace(tmp, path)  # readers see a whole file or none
+    except OSError as err:
+      log.debug("cannot keep a compiled program in %s: %s", path, err)
+  return data, in_tree, out_tree
+
+
+class _Retarget(pickle.Unpickler):
+  """Reads `serialize_executable.serialize`'s output with every device reference (and the
+  executable's device assignment) moved to `device`."""
+
+  def __init__(self, data: bytes, device: jax.Device):
+    super().__init__(io.BytesIO(data))
+    self.device = device
+    self.client = device.client
+
+  def persistent_load(self, pid: Any) -> Any:
+    kind = pid[0]
+    if kind == "exec":
+      options = xla_client.CompileOptions()
+      options.device_assignment = xla_client.DeviceAssignment.create(np.array([[self.device.id]]))
+      return self.client.deserialize_executable(
+        pid[1], executable_devices=xla_client.DeviceList((self.device,)), compile_options=options)
+    if kind == "device":
+      return self.device
+    if kind == "client":
+      return self.client
+    raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+
+
+def _load(blob: _Blob, device: jax.Device) -> Callable | None:
+  """The serialized program, loaded on `device`; None if this JAX cannot."""
+  data, in_tree, out_tree = blob
+  try:
+    unloaded, args_info_flat, no_kwargs = _Retarget(data, device).load()
+    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree,
+                               no_kwargs=no_kwargs)
+  except Exception as err:  # noqa: BLE001 - fall back to compiling for this device
+    log.warning("could not load a compiled program on %s (%s); compiling it there", device,
+                str(err).splitlines()[0][:200])
+    return None
