@@ -125,6 +125,53 @@ def test_half_written_checkpoint_is_never_latest(saved, tmp_path):
   assert ckpt.load_latest(root, log=quiet).step == 4
 
 
+def _damage(folder, how, name, data):
+  state = folder / "state"
+  if how == "flip":  # one bit, in the middle of the entry's stored bytes
+    needle = data[len(data) // 2: len(data) // 2 + 64]
+    for f in sorted(p for p in state.rglob("*") if p.is_file()):
+      raw = bytearray(f.read_bytes())
+      at = raw.find(needle)
+      if at >= 0:
+        raw[at] ^= 0x01
+        f.write_bytes(bytes(raw))
+        return
+    raise AssertionError(f"the bytes of {name} are not stored as such")
+  if how == "no_state_metadata":
+    (state / "_METADATA").unlink()
+  elif how == "no_manifest":
+    for f in state.rglob("manifest.ocdbt"):
+      f.unlink()
+  elif how == "meta_without_checksums":
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["entries"]["opt_state"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+  elif how == "truncated":  # the largest data file loses its second half
+    files = sorted((p for p in state.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
+    files[0].write_bytes(files[0].read_bytes()[: files[0].stat().st_size // 2])
+
+
+@pytest.mark.parametrize("how", ["flip", "no_state_metadata", "no_manifest", "truncated",
+                                 "meta_without_checksums"])
+def test_damage_is_caught_by_the_one_pass_read(saved, tmp_path, how):
+  """The parallel read checksums each array as its bytes arrive; every kind of damage is still
+  a CheckpointError (so `load_latest` falls back), a flipped bit names its entry."""
+  base, _, _ = saved
+  folder = tmp_path / "ck"
+  shutil.copytree(ckpt.step_dir(base / "stopped" / "checkpoints", 4), folder)
+  good = ckpt.load(folder, workers=3)
+  assert good.timings["direct"] == good.timings["entries"] > 0  # all took the one-pass read
+  name = "blocks.1.mlp.fc.kernel"
+  _damage(folder, how, name, good.params[name].tobytes())
+  expected = {"flip": f"params entry '{name}' fails its checksum",
+              "no_state_metadata": "state metadata unreadable",
+              "no_manifest": "entry '.*' is missing",
+              "truncated": "entry '.*' is unreadable",
+              "meta_without_checksums": "lacks the opt_state entries"}[how]
+  with pytest.raises(ckpt.CheckpointError, match=expected):
+    ckpt.load(folder)
+
+
 def test_retention_and_async_commit(tmp_path, monkeypatch):
   gate = threading.Event()
   original = ckpt.CheckpointWriter._write
