@@ -147,21 +147,30 @@ def _list_schedule(
   supply = [0] * n_w
   last_end = [0.0] * n_w
   out: list[list[tuple[int, int]]] = [[] for _ in range(n_w)]
-  events: list[tuple[float, int, int, int, int]] = []  # (time, seq, is_finish, kind, node)
+  # (time, seq, code): code = (node * 3 + kind) * 2 + is_finish; seq makes ties deterministic
+  # (and is unique, so the comparison never reaches the code).
+  events: list[tuple[float, int, int]] = []
   seq = 0
+  push, pop = heapq.heappush, heapq.heappop
 
-  def key(kind: int, node: int) -> tuple[int, int]:
-    mb = node // pp
-    if kind != _F or f_key == "mb":
-      return (mb, 0)
-    if f_key in ("local", "feed"):
-      return (mb % m, mb)
-    return (crit[node], mb)  # "crit"
+  # Queue entries are ints ordered as (key, node) tuples would be, node = entry % n_nodes:
+  # planning is on the recovery path, and int keys halve its time. B and W go lowest id first,
+  # and on one worker (one stage) node order is id order, so their entry is the node. F's key:
+  # "mb": the id; "local"/"feed": (mb % m, mb); "crit": (crit, mb).
+  n_nodes = n_mb * pp
+  if f_key == "mb":
+    f_entry = list(range(n_nodes))
+  elif f_key in ("local", "feed"):
+    f_entry = [(node // pp % m) * n_nodes + node for node in range(n_nodes)]
+  else:
+    low = min(crit, default=0)
+    f_entry = [(crit[node] - low) * n_nodes + node for node in range(n_nodes)]
 
   for mb in range(n_mb):
-    heapq.heappush(queues[node_w[mb * pp]][_F], (key(_F, mb * pp), mb * pp))
+    push(queues[node_w[mb * pp]][_F], f_entry[mb * pp])
     supply[node_w[mb * pp]] += 1
-  rank = [(-s, w) for w, (_, s) in enumerate(live)]
+  # Downstream stages first, then by worker: `(-stage, w)` as one int.
+  rank = [(pp - 1 - s) * n_w + w for w, (_, s) in enumerate(live)]
   peak = 0
   dirty = set(range(n_w))
   t = 0.0
@@ -186,14 +195,16 @@ def _list_schedule(
         fq = q[_F]
         best_i = min(
           range(len(fq)),
-          key=lambda i: (supply[node_w[fq[i][1] + 1]] if fq[i][1] % pp < pp - 1 else 0, fq[i][0]),
+          key=lambda i: (
+            supply[node_w[fq[i] % n_nodes + 1]] if fq[i] % n_nodes % pp < pp - 1 else 0, fq[i]
+          ),
         )
-        node = fq[best_i][1]
+        node = fq[best_i] % n_nodes
         fq[best_i] = fq[-1]
         fq.pop()
         heapq.heapify(fq)
       else:
-        node = heapq.heappop(q[pick])[1]
+        node = pop(q[pick]) % n_nodes
       if pick == _F:
         inflight[w] += 1
         peak = max(peak, inflight[w])
@@ -207,40 +218,43 @@ def _list_schedule(
       out[w].append((pick, node // pp))
       scheduled += 1
       seq += 1
-      heapq.heappush(events, (t + dur[w][pick], seq, 1, pick, node))
+      push(events, (t + dur[w][pick], seq, (node * 3 + pick) * 2 + 1))
     dirty.clear()
     if not events:
       break
     t = events[0][0]
     # Every event at time t lands before any worker picks, so choices see all that is ready.
     while events and events[0][0] <= t:
-      _, _, is_finish, kind, node = heapq.heappop(events)
+      code = pop(events)[2]
+      node, kind = divmod(code >> 1, 3)
       w = node_w[node]
       dirty.add(w)
-      if not is_finish:
-        heapq.heappush(queues[w][kind], (key(kind, node), node))
+      if not code & 1:
+        push(queues[w][kind], f_entry[node] if kind == _F else node)
         continue
       busy[w] = False
       last_end[w] = t
       s = node % pp
-      ready: list[tuple[int, float]] = []
       if kind == _F:
         if s < pp - 1:
           seq += 1
-          heapq.heappush(events, (t + comm, seq, 0, _F, node + 1))
-        ready.append((node, t))
+          push(events, (t + comm, seq, ((node + 1) * 3 + _F) * 2))
+        up, at = node, t
       elif kind == _B:
-        heapq.heappush(queues[w][_W], (key(_W, node), node))
-        if s > 0:
-          ready.append((node - 1, t + comm))
+        push(queues[w][_W], node)
+        if s == 0:
+          continue
+        up, at = node - 1, t + comm
       else:
         inflight[w] -= 1
-      for up, at in ready:
-        b_ready[up] = max(b_ready[up], at)
-        b_need[up] -= 1
-        if b_need[up] == 0:
-          seq += 1
-          heapq.heappush(events, (b_ready[up], seq, 0, _B, up))
+        continue
+      # B of `up` is ready once its own F and the B of the stage above are done.
+      if at > b_ready[up]:
+        b_ready[up] = at
+      b_need[up] -= 1
+      if b_need[up] == 0:
+        seq += 1
+        push(events, (b_ready[up], seq, (up * 3 + _B) * 2))
   total = 3 * n_mb * pp
   if scheduled != total:
     # Cannot happen with limits >= 1 (the last stage always drains), but never return half a plan.
