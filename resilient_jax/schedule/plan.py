@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
 from resilient_jax.schedule.pipelines import LayerRange, PipelineSet
@@ -61,14 +61,15 @@ class SlotProgram:
     node: where it runs.
     split: the layer split of its pipeline (which stage programs it uses).
     stage: its stage index in that split.
-    ops: its ops in order, micro-batch ids global.
+    ops: its ops in order, micro-batch ids global (for a grid plan, a `_WorkerOps` that reads
+      the schedule's list on first use).
     replica: the stage of its split whose replica it keeps and runs `FR` on, or None.
   """
 
   node: int
   split: tuple[LayerRange, ...]
   stage: int
-  ops: tuple[Op, ...]
+  ops: Sequence[Op]
   replica: int | None = None
 
   @property
@@ -89,7 +90,7 @@ class StepProgram:
 
   name: str
   slots: Mapping[Slot, SlotProgram]
-  route: tuple[tuple[Slot, ...], ...]
+  route: Sequence[tuple[Slot, ...]]
 
   @property
   def num_microbatches(self) -> int:
@@ -99,14 +100,21 @@ class StepProgram:
   def nodes(self) -> list[int]:
     return sorted({p.node for p in self.slots.values()})
 
-  @functools.cached_property
-  def _backward(self) -> dict[tuple[Slot, int], Op]:
-    index: dict[tuple[Slot, int], Op] = {}
-    for slot, prog in self.slots.items():
-      for op in prog.ops:
+  def _backward_of(self, slot: Slot, mb: int) -> Op:
+    """The B or BW of `mb` on `slot` (the first, as a list scan would find it)."""
+    index = self._backward.get(slot)
+    if index is None:
+      # Per slot, on demand: a process asks about its own slots and their neighbours, and
+      # indexing every slot would read every op list of a 16k-worker plan.
+      index = self._backward[slot] = {}
+      for op in self.slots[slot].ops:
         if op.kind in (B, BW):
-          index.setdefault((slot, op.mb), op)
-    return index
+          index.setdefault(op.mb, op)
+    return index[mb]
+
+  @functools.cached_property
+  def _backward(self) -> dict[Slot, dict[int, Op]]:
+    return {}
 
   @functools.cached_property
   def holders(self) -> dict[tuple[LayerRange, ...], dict[int, list[Slot]]]:
@@ -133,7 +141,7 @@ class StepProgram:
       yield slot, Op(F, op.mb)
       if not prog.last:
         nxt = self.route[op.mb][s + 1]
-        yield nxt, self._backward[(nxt, op.mb)]
+        yield nxt, self._backward_of(nxt, op.mb)
     elif op.kind == W:
       yield slot, Op(B, op.mb)
     elif op.kind == AR:
@@ -146,16 +154,70 @@ class StepProgram:
       yield slot, Op(F, op.mb)
 
 
+class _WorkerOps(Sequence[Op]):
+  """A worker's op list, read from its schedule on first use.
+
+  A grid plan of 16k workers is expanded lazily (`expand.ExpandedOps`); the runtime builds every
+  slot's program (node, split, stage) to find its own, and this keeps that from building every
+  op list as well.
+  """
+
+  def __init__(self, ops: Mapping[Worker, tuple[Op, ...]], worker: Worker):
+    self._ops = ops
+    self._worker = worker
+
+  @functools.cached_property
+  def _list(self) -> tuple[Op, ...]:
+    return tuple(self._ops[self._worker])
+
+  def __getitem__(self, i):  # int -> Op; slice -> tuple[Op, ...]
+    return self._list[i]
+
+  def __len__(self) -> int:
+    return len(self._list)
+
+  def __iter__(self) -> Iterator[Op]:
+    return iter(self._list)
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, Sequence):
+      return NotImplemented
+    return self._list == tuple(other)
+
+  __hash__ = None  # type: ignore[assignment]  # equal to tuples, which hash differently
+
+  def __repr__(self) -> str:
+    return repr(self._list)
+
+
+class _SlotRoute(Sequence[tuple[Slot, ...]]):
+  """A grid schedule's routes as slots, each built on use (the route may be lazy too)."""
+
+  def __init__(self, route: Sequence[tuple[int, ...]]):
+    self._route = route
+
+  def __getitem__(self, mb):  # int -> tuple[Slot, ...]; slice -> tuple of those
+    if isinstance(mb, slice):
+      return tuple(self[i] for i in range(*mb.indices(len(self))))
+    return tuple((d, s) for s, d in enumerate(self._route[mb]))
+
+  def __len__(self) -> int:
+    return len(self._route)
+
+
 def step_program(plan: Plan) -> StepProgram:
-  """The slots of `plan` (see the module docstring)."""
+  """The slots of `plan` (see the module docstring).
+
+  For a grid plan the op lists and routes are read from its schedule on use, so a process of a
+  large job reads only what its own slots run and receive.
+  """
   if isinstance(plan, GridPlan):
     sched = plan.schedule
     split = tuple(plan.partition)
     slots = {
-      w: SlotProgram(plan.nodes[w], split, w[1], tuple(ops)) for w, ops in sched.ops.items()
+      w: SlotProgram(plan.nodes[w], split, w[1], _WorkerOps(sched.ops, w)) for w in sched.ops
     }
-    route = tuple(tuple((d, s) for s, d in enumerate(r)) for r in sched.route)
-    return StepProgram(sched.name, slots, route)
+    return StepProgram(sched.name, slots, _SlotRoute(sched.route))
   slots = {}
   route: list[tuple[Slot, ...] | None] = [None] * plan.num_microbatches
   for p, pipe in enumerate(plan.pipelines):
