@@ -45,8 +45,9 @@ from resilient_jax.schedule.validate import validate
 
 PIPELINE_SET_POLICIES = ("oobleck", "bamboo")
 VALIDATE_MAX_OPS = 20_000
-"""Plans with more compute ops than this skip `validate` on the recovery path (tests and small
-grids validate every plan)."""
+"""Grids with more compute ops than this skip `validate` on the recovery path, and their step
+time comes from the planner instead of a replay of every worker (tests and small grids validate
+and replay every plan; the planners' output on large grids is validated in tests)."""
 
 
 class StageLost(RuntimeError):
@@ -113,11 +114,14 @@ class RunCoordinator(PhaseLog):
       else even_partition(cfg.model.num_layers, pp)
     )
     self.grid_nodes = list(nodes)
+    self._positions: dict[Worker, int] | None = None
     self.grid = Grid(dp, pp, cfg.step_microbatches, self.base,
                      cfg.resilience.memory_cap or None, cfg.step_batch)
     self.costs = analytic_costs(self.layout, self.partition)
     self.dead: frozenset[Worker] = frozenset()
-    fault_free = simulate(generate(self.base, dp, pp, self.grid.m), self.costs.op).makespan
+    # One pipeline has the grid's fault-free makespan (the pipelines only meet in each stage's
+    # all-reduce, which costs the same whatever their number) at 1/dp of the replay's cost.
+    fault_free = simulate(generate(self.base, 1, pp, self.grid.m), self.costs.op).makespan
     self.policies = build_policies(
       params=recovery_params(cfg, fault_free),
       tolerate=cfg.resilience.tolerate,
@@ -158,7 +162,8 @@ class RunCoordinator(PhaseLog):
                        costs=self.costs.op, base=self.base)
       self.pipeline_set = _renumber(raw, self.grid_nodes)
     else:
-      if sum(len(ops) for ops in planned.ops.values()) <= VALIDATE_MAX_OPS:
+      # Counting the plan's ops would build every worker's list of an expanded plan.
+      if self.grid.compute_ops <= VALIDATE_MAX_OPS:
         validate(planned)
       self.schedule = planned
 
@@ -176,8 +181,12 @@ class RunCoordinator(PhaseLog):
     return GridPlan(self.schedule, self.partition, self._node_of())
 
   def _node_of(self) -> dict[Worker, int]:
-    pp = self.grid.pp
-    return {divmod(i, pp): n for i, n in enumerate(self.grid_nodes)}
+    # Built once per layout (read-only for its callers): rebuilding it on every call costs
+    # O(workers), several times per failure.
+    if self._positions is None:
+      pp = self.grid.pp
+      self._positions = {divmod(i, pp): n for i, n in enumerate(self.grid_nodes)}
+    return self._positions
 
   @property
   def plan_name(self) -> str:
@@ -187,7 +196,7 @@ class RunCoordinator(PhaseLog):
   def live_count(self) -> int:
     if self.policy in PIPELINE_SET_POLICIES:
       return len(self.pipeline_set.nodes)
-    return len(self.schedule.workers)
+    return len(self.schedule.ops)
 
   def plan_text(self) -> str:
     return self.plan.to_text()
@@ -198,7 +207,10 @@ class RunCoordinator(PhaseLog):
       return self.active.instance_step_time(self.grid, self.costs, self.instance)
     if self.policy == "bamboo":
       return self.active.step_time(self.grid, self.dead, self.costs)
-    return simulate(self.schedule, self.costs.op).makespan
+    # The planner's makespan of this very schedule, cached: a replay of every worker on a
+    # small grid, the touched pipelines' plan's on a large one (the same number).
+    planner = self.policies["recycle"] if self.policy == "restart" else self.active
+    return planner.plan_step_time(self.grid, self.dead, self.costs)
 
   # ---------------------------------------------------------------- failures
 
@@ -250,8 +262,9 @@ class RunCoordinator(PhaseLog):
     Raises:
       StageLost: when so and `resilience.restore_on_stage_loss` is false.
     """
+    live = self.grid.live_per_stage(self.dead)
     for _, s in sorted(workers):
-      if not any(w[1] == s for w in set(self._node_of()) - self.dead):
+      if not live[s]:
         if not self.cfg.resilience.restore_on_stage_loss:
           raise StageLost(s, step)
         return str(StageLost(s, step))

@@ -3,11 +3,19 @@ pipelines, and the step is replanned so the extra work fills bubbles; the global
 changes.
 
 `recycle` plans with `adaptive.plan`'s bubble-filling planner, `naive` with the same re-routing
-and no bubble filling. At cluster scale the simulator plans on the reduced grid of
-`schedule/reduce.py` (same per-survivor load), cached by failure pattern; the runtime plans the
-full grid (`reduce=False`), cached by failed set. When every worker of a stage has failed no
-re-routing can go on: the policy then runs as checkpoint-restart until the stage has a live
-worker again.
+and no bubble filling. Small grids (at most `exact_ops` compute ops) are planned whole, cached by
+failed set. Past that, planning every op of the grid is too slow for the recovery path (minutes
+at 16k workers), and two cheaper forms stand in:
+
+* the simulator's step times (`step_time`) plan the reduced grid of `schedule/reduce.py` (same
+  per-survivor load), cached by failure pattern;
+* the runtime's schedule (`plan`) plans the pipelines the failure touches and expands that plan
+  to the grid (`schedule/expand.py`): the same lists as the full grid's plan, built per worker on
+  use, cached by the failure's footprint (placement-free, like the pattern), and never
+  validated or simulated on the way (tests do that on grids small enough to plan whole).
+
+When every worker of a stage has failed no re-routing can go on: the policy then runs as
+checkpoint-restart until the stage has a live worker again.
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ from collections.abc import Hashable
 
 from resilient_jax.policy.base import Grid, InPlacePolicy, PlanCosts, RecoveryParams, stage_lost
 from resilient_jax.policy.restart import RestartPolicy
-from resilient_jax.schedule import adaptive
+from resilient_jax.schedule import adaptive, expand
 from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.schedule.cost import OpCosts, simulate
+from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.reduce import failure_pattern, reduce_pattern
 from resilient_jax.schedule.routing import FailureState
 
@@ -60,6 +69,7 @@ class PlannerPolicy(InPlacePolicy):
     self.keep_sources = keep_sources
     self._cache: dict[Hashable, float] = {}
     self._plans: dict[Hashable, Schedule] = {}
+    self._footprints: dict[Hashable, tuple[Schedule | None, float]] = {}
     self.plans = 0
 
   def check(self, grid: Grid, costs: PlanCosts) -> None:
@@ -115,10 +125,59 @@ class PlannerPolicy(InPlacePolicy):
     return self._plans[key], op
 
   def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> Schedule | None:
-    """The full grid's re-routed schedule; None when a stage has no live worker."""
+    """The full grid's re-routed schedule; None when a stage has no live worker.
+
+    Planned whole on a grid of at most `exact_ops` compute ops, else on the pipelines the
+    failure touches and expanded (`schedule/expand.py`): the same lists, built per worker on use.
+    """
     if stage_lost(grid, failed):
       return None
-    return self.schedule(grid, failed, costs, reduce=False)[0]
+    if grid.compute_ops <= self.exact_ops:
+      return self.schedule(grid, failed, costs, reduce=False)[0]
+    return self._expanded(grid, failed, costs)[0]
+
+  def plan_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> float:
+    """The cost model's step time of the very schedule `plan` returns (no reduction); the
+    restart policy's while a stage has no live worker.
+
+    On a large grid this is the touched sub-grid's makespan, which is the full schedule's: the
+    runtime predicts its step time without simulating 16k workers.
+    """
+    if stage_lost(grid, failed):
+      return self.restart.step_time(grid, failed, costs)
+    if grid.compute_ops <= self.exact_ops:
+      return self.step_time(grid, failed, costs, reduce=False)
+    return self._expanded(grid, failed, costs)[1]
+
+  def _expanded(
+    self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts
+  ) -> tuple[Schedule, float]:
+    """`plan`'s expanded schedule of a large grid and its makespan.
+
+    The sub-grid's plan is cached by the footprint's key: a failure that touches the grid in the
+    same way elsewhere (one worker of the same stage in another pipeline behind the takers) is
+    only expanded again. Without failures: the base schedule, built per worker on use.
+    """
+    op = costs.op_costs(grid.live_per_stage(failed))
+    fp = expand.footprint(grid.dp, grid.pp, grid.m, failed)
+    if not failed:
+      key = ("fault-free", grid.pp, grid.m, grid.base, op)
+      if key not in self._footprints:
+        fault_free = simulate(generate(grid.base, 1, grid.pp, grid.m), op).makespan
+        self._footprints[key] = (None, fault_free)
+      return expand.expand(None, fp, grid.base), self._footprints[key][1]
+    key = (fp.key, grid.base, grid.memory_cap, op)
+    if key not in self._footprints:
+      self.plans += 1
+      sub, makespan = adaptive.plan_on_route(
+        self.planner, len(fp.pipelines), grid.pp, grid.m, fp.failed, fp.route, op,
+        memory_cap=grid.memory_cap, base=grid.base,
+      )
+      if makespan is None:  # the naive planner does not time its lists
+        makespan = simulate(sub, op).makespan
+      self._footprints[key] = (sub, makespan)
+    sub, makespan = self._footprints[key]
+    return expand.expand(sub, fp, grid.base), makespan
 
   def step_time(
     self,
