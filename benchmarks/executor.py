@@ -15,6 +15,10 @@ Prints per schedule:
   - the replayed makespan: the schedule replayed with those measured op times
     (`profiling.replay_records`), i.e. the step as it would run with one core per worker;
   - the sum of all op durations / cores: what the measured work needs on this host's cores.
+
+The model's dense layers run on 2-D `[tokens, features]` (`models.gpt.tokens`), the fast form
+on XLA:CPU, so the op durations are not inflated by the 3-D product's slow backward. The
+library's step against the plain `jax.jit` step of the same work is `benchmarks/overhead.py`.
 """
 
 from __future__ import annotations
