@@ -10,8 +10,12 @@ failovers and step times, the same restore layouts and the same `auto` choices.
 import pytest
 
 from resilient_jax.policy import Grid, RunCoordinator, Transition, build_policies
+from resilient_jax.policy import coordinator as coordinator_module
+from resilient_jax.policy import rerouting as rerouting_module
 from resilient_jax.policy.costs import recovery_params
+from resilient_jax.schedule import adaptive as adaptive_module
 from resilient_jax.schedule.cost import simulate
+from resilient_jax.schedule.validate import validate
 from tests.helpers import tiny_config
 
 # Failure sequences as nodes of the initial grid (worker (d, s) is node d * pp + s).
@@ -164,3 +168,70 @@ def test_a_host_loss_fails_all_its_workers_at_once():
   decision = restart.fail({2, 3}, 4)
   assert decision.restore and (decision.plan.schedule.dp, decision.plan.schedule.pp) == (2, 2)
   assert sorted(decision.plan.nodes.values()) == [0, 1, 4, 5]
+
+
+# --- replanning at scale (the touched pipelines, expanded) ----------------------------------------
+
+
+def _coordinator(dp, pp, m, policy="recycle"):
+  cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, model__num_layers=pp, pipeline__microbatches=m,
+                    pipeline__schedule="zb-h1", train__global_batch=dp * m,
+                    resilience__policy=policy)
+  return RunCoordinator(cfg, range(dp * pp), log=lambda _: None)
+
+
+def test_large_grid_recovery_neither_validates_nor_replays_the_grid(monkeypatch):
+  """64 x 8 x 16 (24.6k compute ops): past the exact planner's and the validator's thresholds.
+  Recovering from a failure plans the pipelines it touches; nothing validates or replays the
+  full grid, and no worker's op list is built until someone reads it."""
+  dp, pp, m = 64, 8, 16
+  calls = []
+
+  def spy(real):
+    def wrapped(schedule, *args, **kwargs):
+      calls.append((real.__name__, schedule.dp))
+      return real(schedule, *args, **kwargs)
+    return wrapped
+
+  for module in (coordinator_module, rerouting_module, adaptive_module):
+    for name in ("validate", "simulate"):
+      if hasattr(module, name):
+        monkeypatch.setattr(module, name, spy(getattr(module, name)))
+  coord = _coordinator(dp, pp, m)
+  recycle = coord.policies["recycle"]
+  for step, node in enumerate([50 * pp + 3, 35 * pp + 5], start=1):
+    decision = coord.fail({node}, step)
+    assert not decision.restore
+  sched = decision.plan.schedule
+  assert not [c for c in calls if c[1] == dp], calls
+  assert not sched.ops._lists
+  assert recycle.plans == 2
+  # What the runtime reads is there: the failed workers' micro-batches at their stage elsewhere.
+  assert {sched.route[50 * m + j][3] for j in range(m)}.isdisjoint({50})
+  assert len(sched.ops[(40, 5)]) == 3 * m + 2 and (50, 3) not in sched.ops
+  # The same failures elsewhere (one stage-3 failure, then one of stage 5, behind the takers)
+  # touch the grid the same way: planned from the cache.
+  again = _coordinator(dp, pp, m)
+  again.policies = coord.policies
+  again.active = recycle
+  again.fail({45 * pp + 3}, 1)
+  again.fail({30 * pp + 5}, 2)
+  assert recycle.plans == 2
+  assert again.predicted_makespan() == coord.predicted_makespan()
+
+
+@pytest.mark.parametrize("policy", ["recycle", "naive"])
+def test_expanded_plans_are_the_exact_ones(policy, monkeypatch):
+  """With the thresholds at 0 a 12 x 4 grid goes the large-grid way: the same schedules as the
+  whole grid's planner (the simulator's side, below its threshold), valid, with the predicted
+  step time a replay of the schedule gives."""
+  monkeypatch.setattr(coordinator_module, "VALIDATE_MAX_OPS", 0)
+  coord = _coordinator(12, 4, 8, policy)
+  coord.policies[policy].exact_ops = 0
+  sim = build_policies(params=recovery_params(coord.cfg, coord.fault_free_makespan))
+  for step, node in enumerate([41, 6, 45], start=1):  # (10, 1), (1, 2), (11, 1)
+    decision = coord.fail({node}, step)
+    want = sim[policy].plan(coord.grid, coord.dead, coord.costs)
+    assert decision.plan.schedule == want
+    validate(decision.plan.schedule)
+    assert coord.predicted_makespan() == pytest.approx(simulate(want, coord.costs.op).makespan)

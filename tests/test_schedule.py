@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 from collections import Counter
 
 import pytest
@@ -324,18 +322,12 @@ def test_lower_bound_is_below_makespan(name):
   assert lower_bound(s, costs) == pytest.approx(simulate(s, costs).makespan)
 
 
-def test_simulate_large_grid_is_fast():
-  s = zb_h1(64, 16, 32)
+def test_pipelines_only_meet_in_the_all_reduce():
+  # What the coordinator's fault-free step time (one pipeline) and the expanded plans' makespans
+  # (the touched pipelines' plan) rest on: more healthy pipelines never change the makespan.
   costs = OpCosts(f=1.0, b=1.0, w=1.0, ar=2.0, opt=0.5, comm=0.05)
-  t0 = time.perf_counter()
-  tl = simulate(s, costs)
-  t1 = time.perf_counter()
-  bound = lower_bound(s, costs)
-  t2 = time.perf_counter()
-  print(
-    f"simulate {len(tl.spans)} ops: {t1 - t0:.3f}s, lower_bound: {t2 - t1:.3f}s",
-    file=sys.stderr,
-  )
-  assert len(tl.spans) == 64 * 16 * (3 * 32 + 2)
-  assert bound <= tl.makespan
-  assert t1 - t0 < 10.0  # ~0.5 s on a laptop; the bound only catches accidental O(n^2)
+  for name in ("1f1b", "zb-h1"):
+    tl = simulate(generate(name, 16, 8, 16), costs)
+    assert len(tl.spans) == 16 * 8 * (3 * 16 + 2) - (16 * 8 * 16 if name == "1f1b" else 0)
+    assert tl.makespan == simulate(generate(name, 1, 8, 16), costs).makespan
+    assert lower_bound(generate(name, 16, 8, 16), costs) <= tl.makespan
