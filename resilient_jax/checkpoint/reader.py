@@ -22,7 +22,7 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -240,11 +240,12 @@ def _read_tensorstore(e: Entry, info: Mapping[str, Any], driver: str, kvstore: d
 
 
 def read_verified(path: Path, meta: Mapping[str, Any], workers: int | None = None
-                  ) -> tuple[list[Entry], float]:
+                  ) -> tuple[list[Entry], dict[str, float]]:
   """Reads and verifies every entry of meta.json from `path/state`, `workers` arrays at once.
 
   Returns:
-    every entry (its array, or its error) in meta.json's order, and the wall time.
+    every entry (its array, or its error) in meta.json's order, and seconds: `wall_s` in all,
+    `locate_s` of it finding where the arrays lie.
 
   Raises:
     StateUnreadable: the state folder's metadata is missing or of another layout.
@@ -266,6 +267,7 @@ def read_verified(path: Path, meta: Mapping[str, Any], workers: int | None = Non
 
   t0 = time.perf_counter()
   where = _chunk_locations(state, meta) if driver == "zarr" else {}
+  locate_s = time.perf_counter() - t0
 
   def restore(e: Entry) -> None:
     info = meta["entries"][e.group][e.name]
@@ -278,8 +280,35 @@ def read_verified(path: Path, meta: Mapping[str, Any], workers: int | None = Non
     _read_tensorstore(e, info, driver, kvstore, ctx)
 
   todo = [Entry(g, k) for g in GROUPS for k in meta["entries"][g]]
-  # Largest first, so that no big array starts last and runs alone.
-  order = sorted(todo, key=lambda e: -int(np.prod(meta["entries"][e.group][e.name]["shape"])))
-  with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-load") as pool:
+  # In file order, so that the workers together read each data file front to back (the disk
+  # streams, as it does for a plain read of the files); the rest (tensorstore's path) after.
+  def file_order(e: Entry) -> tuple[int, str, int]:
+    w = where.get((e.group, e.name))
+    return (0, str(w.file or ""), w.offset) if w else (1, "", 0)
+
+  order = sorted(todo, key=file_order)
+  with ThreadPoolExecutor(max_workers=workers + 1, thread_name_prefix="ckpt-load") as pool:
+    pool.submit(_read_ahead, where.values())
     list(pool.map(restore, order))
-  return todo, time.perf_counter() - t0
+  return todo, {"wall_s": time.perf_counter() - t0, "locate_s": locate_s}
+
+
+def _read_ahead(chunks: Iterable[_Where]) -> None:
+  """Asks the kernel to read every data file's span of arrays now: from a cold cache the disk
+  then runs at its own pace ahead of the workers, which checksum what has arrived."""
+  if not hasattr(os, "posix_fadvise"):  # not on macOS
+    return
+  spans: dict[Path, tuple[int, int]] = {}
+  for w in chunks:
+    if w.file is not None:
+      lo, hi = spans.get(w.file, (w.offset, w.offset + w.length))
+      spans[w.file] = (min(lo, w.offset), max(hi, w.offset + w.length))
+  for file, (lo, hi) in sorted(spans.items()):
+    try:
+      fd = os.open(file, os.O_RDONLY)
+    except OSError:
+      continue  # the worker reading from it reports the error
+    try:
+      os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+    finally:
+      os.close(fd)

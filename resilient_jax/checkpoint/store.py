@@ -102,8 +102,9 @@ class Loaded:
   meta: dict[str, Any]
   path: Path
   timings: dict[str, float] = dataclasses.field(default_factory=dict)
-  """`wall_s` of the parallel read; `read_s` (waiting for bytes) and `verify_s` (CRC32 and
-  finiteness) summed over the workers; `direct` of `entries` read by the fast path."""
+  """`wall_s` of the parallel read (`locate_s` of it finding the arrays); `read_s` (waiting for
+  bytes) and `verify_s` (CRC32 and finiteness) summed over the workers; `direct` of `entries`
+  read by the fast path."""
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -139,7 +140,7 @@ def load(path: str | Path, workers: int | None = None) -> Loaded:
   path = Path(path)
   meta = read_meta(path)
   try:
-    entries, wall = reader.read_verified(path, meta, workers)
+    entries, timings = reader.read_verified(path, meta, workers)
   except reader.StateUnreadable as e:
     raise CheckpointError(f"{path}: {e}") from None
   for group in reader.GROUPS:
@@ -150,7 +151,7 @@ def load(path: str | Path, workers: int | None = None) -> Loaded:
       more = len(bad) - 1 if first.error == reader.NON_FINITE else 0
       raise CheckpointError(f"{path}: {group} entry {first.name!r} {first.error}"
                             + (f" (and {more} more)" if more else ""))
-  timings = {"wall_s": wall, "read_s": sum(e.read_s for e in entries),
+  timings |= {"read_s": sum(e.read_s for e in entries),
              "verify_s": sum(e.verify_s for e in entries),
              "direct": float(sum(e.direct for e in entries)), "entries": float(len(entries))}
   tree = {g: {e.name: e.array for e in entries if e.group == g} for g in reader.GROUPS}
