@@ -3,10 +3,14 @@
 Prints:
   1. time training is blocked per asynchronous save (host copy + waiting for the previous
      save), as a fraction of a training step of the same model (target < 10%);
-  2. load-with-reshard time (read + verify every entry + place each stage's parameters and
+  2. reshard-load time (read + verify every entry + place each stage's parameters and
      optimizer state on a *different* layout's devices) over the time to read the same bytes
-     raw from disk (target <= 2x). Both are measured from a cold page cache when this process
-     may drop it (root on Linux), else both warm (said in the output).
+     raw (target <= 1.5x), and where the load's time goes (waiting for bytes, CRC32 +
+     finiteness, placement), next to the load as it was before (orbax restore, then a separate
+     CRC pass). Raw reads and loads are interleaved, `--repeats` times, and medians reported,
+     all from the same page-cache state: warm (each read follows a full read of the same
+     files), or with `--cold` dropped before each (root on Linux; it evicts every process's
+     cache, so not the default on a shared machine). The machine's load average is printed.
 
 Saves happen every `--every` steps (default 2) so that a background write fits in the
 interval; the output shows both, since a save interval shorter than the write time makes
@@ -15,6 +19,7 @@ the next save wait.
 Run:
   python benchmarks/checkpoint.py            # ~110M-parameter GPT, saved on 1x2, loaded on 2x1
   python benchmarks/checkpoint.py --small    # a quick check of the script itself
+  python benchmarks/checkpoint.py --cold     # page cache dropped before every read (root)
 """
 
 from __future__ import annotations
@@ -42,14 +47,52 @@ def _drop_caches() -> bool:
     return False
 
 
+_RAW_BUFFER = bytearray(1 << 24)
+
+
 def _read_raw(path: Path) -> int:
+  """Reads every file of the checkpoint once, through one reused buffer: the disk's share."""
   total = 0
+  buf = _RAW_BUFFER
   for f in sorted(path.rglob("*")):
     if f.is_file():
-      with f.open("rb") as fh:
-        while chunk := fh.read(1 << 24):
-          total += len(chunk)
+      with f.open("rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+          total += n
   return total
+
+
+def _crc_alone(arrays: list) -> float:
+  """Seconds to CRC32 the given in-memory arrays on one thread: a floor under any verified load
+  (no read, no allocation), to set against the raw read."""
+  import zlib
+
+  t0 = time.perf_counter()
+  for a in arrays:
+    zlib.crc32(a.reshape(-1).view("uint8"))
+  return time.perf_counter() - t0
+
+
+def _load_before(path: Path) -> None:
+  """The load as it was before the one-pass reader: orbax's restore, then a CRC pass."""
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  from resilient_jax.checkpoint import reader, store
+
+  meta = store.read_meta(path)
+  as_numpy = {g: {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in meta["entries"][g]}
+              for g in reader.GROUPS}
+  tree = store._checkpointer().restore((path / "state").absolute(),
+                                       args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+  for g in reader.GROUPS:
+    crcs = store._crcs(tree[g])
+    assert all(crcs[k] == meta["entries"][g][k]["crc32"] for k in crcs)
+    assert not store.non_finite(tree[g])
+
+
+def _load_average() -> str:
+  return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -57,6 +100,12 @@ def main() -> None:
   parser.add_argument("--small", action="store_true", help="a tiny model, to test the script")
   parser.add_argument("--saves", type=int, default=3)
   parser.add_argument("--every", type=int, default=2, help="steps between saves")
+  parser.add_argument("--repeats", type=int, default=5, help="interleaved load measurements")
+  parser.add_argument("--before_repeats", type=int, default=2,
+                      help="how many of them also time the load as it was before (slow)")
+  parser.add_argument("--workers", type=int, default=None, help="load workers (default: auto)")
+  parser.add_argument("--cold", action="store_true",
+                      help="drop the page cache before every read (root; evicts everyone's)")
   args = parser.parse_args()
   runtime_setup.configure_jax(num_cpu_devices=2)
 
@@ -65,6 +114,7 @@ def main() -> None:
 
   from configs.gpt_tiny import get_config
   from resilient_jax import checkpoint as ckpt
+  from resilient_jax.checkpoint import reader
   from resilient_jax.config import from_config_dict
   from resilient_jax.trainer import Trainer
 
@@ -108,25 +158,78 @@ def main() -> None:
     root = tmp / "a" / "checkpoints"
     path = ckpt.step_dir(root, ckpt.committed_steps(root)[-1])
     other = build(2, 1, tmp / "b")  # another layout: 2 pipelines of 1 stage
-    cold = _drop_caches()
-    if not cold:
-      _read_raw(path)  # then both measurements read from a warm page cache
-    t0 = time.perf_counter()
-    nbytes = _read_raw(path)
-    raw = time.perf_counter() - t0
-    if cold:
-      _drop_caches()
-    t0 = time.perf_counter()
-    loaded = ckpt.load(path)
-    other.interpreter.import_state(loaded.params, loaded.opt_state)
-    jax.block_until_ready(list(other.interpreter.params.values()))
-    reshard = time.perf_counter() - t0
-    cache = "cold page cache" if cold else "warm page cache (could not drop it)"
-    print(f"checkpoint {nbytes / 2**30:.2f} GiB, {cache}: raw read {raw:.3f} s, load + verify + "
-          f"reshard onto 2x1 {reshard:.3f} s -> ratio {reshard / raw:.2f} (target <= 2)")
-    for name in list(loaded.params)[:3]:
-      np.testing.assert_array_equal(np.asarray(other.interpreter.params[(1, 0)][name]),
-                                    loaded.params[name])
+    del trainer  # its state is not needed any more; the loads get the memory
+
+    if args.cold and not _drop_caches():
+      print("--cold: cannot drop the page cache here (needs root on Linux); measuring warm")
+      args.cold = False
+
+    def fresh_cache() -> None:
+      # Same state before every timed read: dropped, or warm (every file read just before).
+      if args.cold:
+        _drop_caches()
+      else:
+        _read_raw(path)
+
+    cpu: dict[str, list[float]] = {"raw": [], "load": []}
+
+    def timed(fn, what=None):
+      fresh_cache()
+      c0, t0 = time.process_time(), time.perf_counter()
+      out = fn()
+      if what:
+        cpu[what].append(time.process_time() - c0)  # CPU seconds, all threads
+      return time.perf_counter() - t0, out
+
+    print(f"load average before the loads: {_load_average()}")
+    runs: dict[str, list[float]] = {k: [] for k in (
+      "raw", "crc_alone", "load", "place", "reshard", "read_s", "verify_s", "locate_s", "before")}
+    for rep in range(args.repeats):
+      t, nbytes = timed(lambda: _read_raw(path), "raw")
+      runs["raw"].append(t)
+      t_load, loaded = timed(lambda: ckpt.load(path, workers=args.workers), "load")
+      t0 = time.perf_counter()
+      other.interpreter.import_state(loaded.params, loaded.opt_state)
+      jax.block_until_ready(list(other.interpreter.params.values()))
+      t_place = time.perf_counter() - t0
+      runs["load"].append(t_load)
+      runs["place"].append(t_place)
+      runs["reshard"].append(t_load + t_place)
+      runs["read_s"].append(loaded.timings["read_s"])
+      runs["verify_s"].append(loaded.timings["verify_s"])
+      runs["locate_s"].append(loaded.timings["locate_s"])
+      runs["crc_alone"].append(_crc_alone([*loaded.params.values(), *loaded.opt_state.values()]))
+      if rep == 0:
+        for name in list(loaded.params)[:3]:
+          np.testing.assert_array_equal(np.asarray(other.interpreter.params[(1, 0)][name]),
+                                        loaded.params[name])
+        direct = f"{loaded.timings['direct']:.0f} of {loaded.timings['entries']:.0f}"
+      del loaded
+      if rep < args.before_repeats:
+        runs["before"].append(timed(lambda: _load_before(path))[0])
+    med = {k: float(np.median(v)) for k, v in runs.items() if v}
+    cache = "cold page cache (dropped before each read)" if args.cold else \
+        "warm page cache (each read follows a full read of the same files)"
+    workers = args.workers or reader.default_workers()
+    print(f"checkpoint {nbytes / 2**30:.2f} GiB, {cache}; medians of {args.repeats} interleaved "
+          f"repeats; load average after: {_load_average()} on {os.cpu_count()} cores")
+    print(f"  raw read (one reused 16 MiB buffer):          {med['raw']:.3f} s "
+          f"({np.median(cpu['raw']):.3f} CPU-s)")
+    print(f"  CRC32 alone of the same bytes in memory, 1 thread: {med['crc_alone']:.3f} s = "
+        f"{med['crc_alone'] / med['raw']:.2f}x the raw read (a floor under any verified load)")
+    print(f"  load + verify, {workers} workers ({direct} entries one-pass): {med['load']:.3f} s "
+          f"wall (finding the arrays {med['locate_s']:.3f} s); summed over workers: waiting for "
+          f"bytes {med['read_s']:.3f} s, CRC32 + finiteness {med['verify_s']:.3f} s; "
+          f"{np.median(cpu['load']):.3f} CPU-s")
+    print(f"  place onto 2x1 (import_state):                {med['place']:.3f} s")
+    cpu = med["verify_s"] / max(1e-9, med["read_s"] + med["verify_s"])
+    print(f"  CPU-bound share of the load: CRC32 + finiteness {cpu:.0%} of the workers' time; "
+          f"placement {med['place'] / med['reshard']:.0%} of the reshard-load")
+    if "before" in med:
+      print(f"  before (orbax restore, then a CRC pass; median of {len(runs['before'])}): "
+            f"{med['before']:.3f} s = {med['before'] / med['raw']:.2f}x the raw read")
+    print(f"reshard-load (load + verify + place onto 2x1) {med['reshard']:.3f} s -> ratio "
+          f"{med['reshard'] / med['raw']:.2f} to the raw read (target <= 1.5)")
 
 
 if __name__ == "__main__":
