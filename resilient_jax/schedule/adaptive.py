@@ -17,9 +17,11 @@ Nothing here imports JAX.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from resilient_jax.schedule.core import (
   AR,
@@ -267,6 +269,24 @@ def _list_schedule(
   return out, makespan, peak
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+  """Pauses Python's cyclic garbage collector while a plan is made.
+
+  The list scheduler allocates a few tuples per op and the plan an `Op` per op, none of them in
+  reference cycles, but every 700 allocations trigger a collection, and in a runtime holding a
+  large heap those passes added a third to the planning time on the recovery path (measured at
+  16k workers).
+  """
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()
+
+
 def _to_ops(live: Sequence[Worker], raw: list[list[tuple[int, int]]]) -> dict[Worker, list[Op]]:
   return {w: [Op(_KIND[k], mb) for k, mb in ops] for w, ops in zip(live, raw, strict=True)}
 
@@ -348,6 +368,7 @@ def plan_adaptive(
   return schedule
 
 
+@_collector_paused()
 def _adaptive_on_route(
   dp: int, pp: int, m: int, dead: frozenset[Worker], route: Route, costs: OpCosts, cap: int,
   base: str,
