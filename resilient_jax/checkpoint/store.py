@@ -76,7 +76,7 @@ def _checkpointer():
 def non_finite(arrays: Mapping[str, np.ndarray]) -> list[str]:
   """Names of the floating-point arrays holding an inf or NaN."""
   return sorted(k for k, a in arrays.items()
-                if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all())
+                if reader.is_floating(a.dtype) and not np.isfinite(a).all())
 
 
 def committed_steps(root: str | Path) -> list[int]:
