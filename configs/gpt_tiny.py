@@ -53,7 +53,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     decay_embeddings=True,
     clip_global_norm=0.0,
   )
-  c.faults = dict(schedule="")
+  c.faults = dict(schedule="", nonfinite="")
   c.resilience = dict(
     policy="recycle",
     memory_cap=0,
@@ -73,6 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     process_id=-1,
     heartbeat_timeout_s=10,
     wait_timeout_s=120,
+    kv_keep_steps=8,
   )
   c = ml_collections.ConfigDict(c)
   if arg == "text":

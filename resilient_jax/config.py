@@ -174,6 +174,10 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
 @dataclasses.dataclass(frozen=True)
 class FaultsConfig:
   schedule: tuple[Fault, ...] = ()
+  """Workers to fail in-process (`STEP:DP.STAGE,...`); in a job, kill processes instead."""
+  nonfinite: tuple[tuple[int, int], ...] = ()
+  """`STEP:STAGE,...`: that stage's gradients turn NaN at that step on every replica, in-process
+  or in a job, to rehearse a diverging step (skipped, see `train.max_nonfinite_steps`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +257,9 @@ class DistributedConfig:
   wait_timeout_s: int = 120
   """Upper bound on any single blocking wait (device results, transfers, agreements); a
   survivor that waits longer exits with code 6 instead of hanging."""
+  kv_keep_steps: int = 8
+  """The coordination service keeps the agreements of this many recent steps; older ones are
+  deleted (a process the plan leaves idle follows decisions a step or two late)."""
 
   def __post_init__(self):
     if self.coordinator and not re.match(r"^[^:\s]+:\d+$", self.coordinator):
@@ -270,6 +277,7 @@ class DistributedConfig:
       )
     keys = ("heartbeat_timeout_s", "wait_timeout_s")
     require_ints("distributed.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
+    require_ints("distributed.", {"kv_keep_steps": self.kv_keep_steps}, 2, ConfigError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +315,10 @@ class RunConfig:
     if policy == "bamboo" and mesh.pp < 2:
       raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "
                         "on its predecessor")
+    for step, stage in self.faults.nonfinite:
+      if not (1 <= step <= train.steps and stage < mesh.pp):
+        raise ConfigError(f"faults.nonfinite entry {step}:{stage} is outside steps "
+                          f"1..{train.steps} or stages 0..{mesh.pp - 1}")
     for f in self.faults.schedule:
       if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
         raise ConfigError(
@@ -367,6 +379,16 @@ def _pipeline(raw: dict) -> dict:
 def _faults(raw: dict) -> dict:
   spec = raw.get("schedule", "")
   raw["schedule"] = parse_faults(spec) if isinstance(spec, str) else tuple(spec)
+  spec = raw.get("nonfinite", "")
+  if isinstance(spec, str):
+    pairs = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+      m = re.match(r"^(\d+):(\d+)$", part)
+      if not m:
+        raise ConfigError(f"faults.nonfinite entry {part!r} is not STEP:STAGE (e.g. 3:1)")
+      pairs.append((int(m.group(1)), int(m.group(2))))
+    spec = pairs
+  raw["nonfinite"] = tuple(tuple(p) for p in spec)
   return raw
 
 

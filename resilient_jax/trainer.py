@@ -69,8 +69,6 @@ Logger = Callable[[str], None]
 
 PAUSE_ENV = "RESILIENT_JAX_PAUSE"
 PAUSE_FILE_ENV = "RESILIENT_JAX_PAUSE_FILE"
-KV_KEEP_STEPS = 8
-"""A multi-process job keeps the key-value store's agreements of this many recent steps."""
 SAVE_WAIT_S = 600.0
 """How long an ending run waits for its checkpoint save in flight."""
 KILLS_FILE = "kills.jsonl"
@@ -238,7 +236,8 @@ class Trainer:
   def _interpreter(self, plan: Plan) -> Interpreter:
     self.microbatch_size = self.cfg.step_batch // num_microbatches(plan)
     return Interpreter(self._programs_for, self.transport, plan,
-                       clip_global_norm=self.cfg.optimizer.clip_global_norm)
+                       clip_global_norm=self.cfg.optimizer.clip_global_norm,
+                       nonfinite=self.cfg.faults.nonfinite)
 
   @property
   def programs(self) -> list[StagePrograms]:
@@ -555,12 +554,14 @@ class Trainer:
       if self.chief:
         with metrics_path.open("a") as f:
           f.write(json.dumps(row) + "\n")
-        if self.cluster is not None and step > KV_KEEP_STEPS:
+        keep = cfg.distributed.kv_keep_steps
+        if self.cluster is not None and step > keep:
           # Every participant is past the earlier steps (they all reported on this one), and a
           # process the plan left idle only follows decisions, so it is at most a step or two
           # behind: old agreements are read by nobody again. Without this the store grows by
           # about a dozen keys a step.
-          self.cluster.kv_delete(f"step/{step - KV_KEEP_STEPS}")
+          self.cluster.kv_delete(f"step/{step - keep}")
+          self.cluster.kv_delete(f"checkpoint/{step - keep}")  # a hand-over's "saved" mark
       coord.record_step_time(step, result.step_time_s, profiled=bool(result.records))
       self.log(
         f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
@@ -597,6 +598,11 @@ class Trainer:
       write_text_atomic(self.workdir / "schedule.txt", "\n\n".join(schedules_seen) + "\n")
       if result is not None:
         self._write_timeline(end, result, stem="timeline")
+      if self.cluster is not None:
+        kept = sorted({int(k.strip("/").split("/")[1])
+                       for d in ("step", "checkpoint") for k in self.cluster.kv_keys(d)})
+        self.log(f"coordination service: keys of step(s) {', '.join(map(str, kept))} kept "
+                 f"(distributed.kv_keep_steps={cfg.distributed.kv_keep_steps})")
     if self.cluster is not None:
       self.leave_together("finished")
     return TrainResult(metrics, self.interpreter, self.coordinator, result)

@@ -9,6 +9,7 @@ samples, so digests must be equal and losses equal up to float summation order.
 
 import functools
 import json
+import math
 import os
 import re
 import subprocess
@@ -19,6 +20,7 @@ import time
 import pytest
 
 from launch.local import parse_kills
+from resilient_jax.checkpoint import store
 from resilient_jax.schedule.core import AR, F, Op
 from resilient_jax.trainer import FaultEvent, train
 from tests.helpers import ROOT, tiny_config
@@ -150,16 +152,33 @@ def test_every_policy_survives_a_sigkill(tmp_path, policy):
   assert multi[-1]["live_workers"] < 4
 
 
-def test_tied_head_sums_gradients_across_processes(tmp_path):
+def test_tied_head_and_a_nan_step_across_processes(tmp_path):
   """The tied embedding lives on stage 0 and the last stage (different processes): its
-  gradient is summed over the workers of both, before and after a failure."""
+  gradient is summed over the workers of both, before and after a failure. Stage 1's gradients
+  turn NaN in step 2 (`faults.nonfinite`): every stage of every process skips that step, the
+  other steps train what the in-process run with the same NaN does, and every checkpoint
+  written (each step) is finite. The coordination service is left with the last two steps'
+  keys (`distributed.kv_keep_steps=2`)."""
   workdir = tmp_path / "multi"
-  proc = run_local(workdir, "--kill=3:3", extra=["--config.model.tied_head=true"])
+  proc = run_local(workdir, "--kill=3:3", extra=[
+    "--config.model.tied_head=true", "--config.faults.nonfinite=2:1",
+    "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=0",
+    "--config.distributed.kv_keep_steps=2"])
   assert proc.returncode == 0, tail(proc)
-  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS, model__tied_head=True)
+  # Agreements and hand-over marks of older steps were deleted as the run went.
+  assert "coordination service: keys of step(s) 4, 5 kept" in proc.stdout, tail(proc)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS, model__tied_head=True,
+                    faults__nonfinite="2:1")
   single = train(cfg, tmp_path / "in_process", faults=[FaultEvent(3, (1, 1))],
                  log=lambda _: None).metrics
-  assert_same_run(read_rows(workdir / "metrics.jsonl"), single)
+  multi = read_rows(workdir / "metrics.jsonl")
+  assert_same_run(multi, single)
+  assert [bool(r.get("skipped")) for r in multi] == [False, True, False, False, False]
+  assert not math.isfinite(multi[1]["grad_norm"]) and math.isfinite(multi[2]["grad_norm"])
+  steps = sorted((workdir / "checkpoints").iterdir())
+  assert [p.name for p in steps] == [f"step_{s:08d}" for s in range(1, STEPS + 1)]
+  for path in steps:  # `load` rejects a checkpoint holding a non-finite value
+    assert store.load(path).params
 
 
 def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path):

@@ -457,6 +457,10 @@ class Cluster:
     """Deletes `key` and every key under `key/`."""
     self._service(self.client.key_value_delete, key)
 
+  def kv_keys(self, directory: str) -> list[str]:
+    """Every key under `directory/`, at any depth."""
+    return [k for k, _ in self._service(self.client.key_value_dir_get, directory)]
+
   def kv_dir(self, directory: str) -> dict[str, Any]:
     """Every key directly under `directory/`, by its last component."""
     rows = self._service(self.client.key_value_dir_get, directory)

@@ -29,13 +29,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resilient_jax.compiled import OnEachDevice
 from resilient_jax.runtime.handover import Source, StateHandover
 from resilient_jax.runtime.transport import ACT, GRAD, Outcome, Transport
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
@@ -114,6 +115,8 @@ class Interpreter(StateHandover):
     plan: the plan to start with.
     state: where the state comes from (`place`); default the model's initial parameters.
     clip_global_norm: clip the gradients to this global norm (0: off).
+    nonfinite: (step, stage) pairs whose gradients are made NaN on every replica before the
+      optimizer step (`faults.nonfinite`: rehearses a diverging step, which the step skips).
   """
 
   def __init__(
@@ -123,10 +126,12 @@ class Interpreter(StateHandover):
     plan: Plan,
     state: Sequence[Source] | None = None,
     clip_global_norm: float = 0.0,
+    nonfinite: Collection[tuple[int, int]] = (),
   ):
     self._programs_for = programs_for
     self.transport = transport
     self.clip_global_norm = clip_global_norm
+    self.nonfinite = frozenset(nonfinite)
     self.params: dict[Slot, Params] = {}
     self.opt_state: dict[Slot, Any] = {}
     self.replicas: dict[Slot, tuple[Params, Any]] = {}
@@ -542,8 +547,11 @@ class Interpreter(StateHandover):
           start = time.perf_counter() - t0
           if op.kind == OPT:
             # Optimistic: unclipped, checked against the global norm when the step concludes.
+            grads = grads_of(slot)
+            if (step, sp.slots[slot].stage) in self.nonfinite:
+              grads = _make_nan(grads)
             stepped, opt_state, share = self.program(slot).optimizer_step(
-              self.params[slot], self.opt_state[slot], grads_of(slot), self._owned[slot])
+              self.params[slot], self.opt_state[slot], grads, self._owned[slot])
             new_state[slot] = (stepped, opt_state)
             sumsq.append(share)
             finish(slot, op, start, (stepped, share))
@@ -591,3 +599,7 @@ class Interpreter(StateHandover):
       clipped=clipped,
       stop=outcome.stop,
     )
+
+
+_make_nan = OnEachDevice(lambda grads: jax.tree.map(lambda g: g * jnp.nan, grads))
+"""`faults.nonfinite`'s injection: a stage's gradients, all NaN."""
