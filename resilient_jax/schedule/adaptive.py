@@ -22,6 +22,7 @@ import gc
 import heapq
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 from resilient_jax.schedule.core import (
   AR,
@@ -80,6 +81,15 @@ _VARIANTS: tuple[tuple[tuple[int, ...], str, str | None], ...] = (
 )
 
 
+class _Listed(NamedTuple):
+  """What `_list_schedule` returns (see there)."""
+
+  out: list[list[tuple[int, int]]]
+  makespan: float
+  peak: int
+  feed_was_local: bool
+
+
 def _list_schedule(
   pp: int,
   m: int,
@@ -90,7 +100,7 @@ def _list_schedule(
   order: tuple[int, ...],
   f_key: str,
   act_cap: Sequence[int] | None = None,
-) -> tuple[list[list[tuple[int, int]]], float, int]:
+) -> _Listed:
   """Event-driven list scheduling of F, B and W over the cost model.
 
   Whenever a worker is idle it starts the best ready op: the first kind in `order` that has a
@@ -114,7 +124,9 @@ def _list_schedule(
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
     `_F`, `_B`, `_W` (see `_to_ops`), the makespan of the step once each worker's AR and OPT are
-    appended, and the most micro-batches any worker holds in flight.
+    appended, the most micro-batches any worker holds in flight, and (for "feed") whether every
+    F it picked was the one "local" picks, i.e. "local" with the same order and limits would make
+    this very plan.
 
   Raises:
     ScheduleError: if the ops cannot all be placed (a limit below 1).
@@ -177,6 +189,7 @@ def _list_schedule(
   dirty = set(range(n_w))
   t = 0.0
   scheduled = 0
+  feed_was_local = f_key == "feed"
   while True:
     # Deterministic, and downstream first: a worker that starts consuming its queued forwards
     # now no longer counts them as supply when its upstream peers pick at the same instant.
@@ -201,6 +214,8 @@ def _list_schedule(
             supply[node_w[fq[i] % n_nodes + 1]] if fq[i] % n_nodes % pp < pp - 1 else 0, fq[i]
           ),
         )
+        if fq[best_i] != fq[0]:  # fq is a heap: fq[0] is "local"'s pick
+          feed_was_local = False
         node = fq[best_i] % n_nodes
         fq[best_i] = fq[-1]
         fq.pop()
@@ -266,7 +281,7 @@ def _list_schedule(
   for w, (_, s) in enumerate(live):
     stage_end[s] = max(stage_end.get(s, 0.0), last_end[w])
   makespan = max(end + costs.ar_at(s) + costs.opt_at(s) for s, end in stage_end.items())
-  return out, makespan, peak
+  return _Listed(out, makespan, peak, feed_was_local)
 
 
 @contextlib.contextmanager
@@ -382,10 +397,15 @@ def _adaptive_on_route(
   variants = _VARIANTS if 3 * len(route) * pp <= 50_000 else _VARIANTS[:3]
   best: tuple[float, int] | None = None
   raw: list[list[tuple[int, int]]] = []
+  same_as_local: set[tuple[tuple[int, ...], str | None]] = set()
   for order, f_key, limit in variants:
-    out, span, peak = _list_schedule(
+    if f_key == "local" and (order, limit) in same_as_local:
+      continue  # "feed" with the same order and limits picked as this would: the same plan
+    out, span, peak, feed_was_local = _list_schedule(
       pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None
     )
+    if feed_was_local:
+      same_as_local.add((order, limit))
     score = (round(span, 9), peak)
     if best is None or score < best:
       best, raw, makespan = score, out, span
