@@ -337,9 +337,12 @@ def test_expanded_text_shows_what_the_failure_changed():
   text = expanded.to_text()
   assert text is expanded.to_text()  # built once
   shown = {int(line.split()[0][1:]) for line in text.splitlines() if line.startswith("  d")}
-  assert shown == set(fp.pipelines) - {fp.pipelines[-1]}  # the touched ones, not the spare
-  assert f"the other {48 - len(shown)} pipelines run zb-h1's fault-free lists" in text
+  assert shown == set(fp.pipelines)  # the touched ones and the spare, its template
+  spare = fp.pipelines[-1]
+  assert f"the other {48 - len(shown)} pipelines run pipeline {spare}'s lists on their" in text
   assert text.count("  mb") == 8  # pipeline 30's micro-batches leave it at stage 1
+  healthy = expand(None, footprint(48, 4, 8, set()), "zb-h1")
+  assert healthy.to_text().endswith("the other 48 pipelines run zb-h1's fault-free lists")
 
 
 # --- bounds and the benchmark rows ---------------------------------------------------------------

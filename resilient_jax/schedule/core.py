@@ -129,22 +129,22 @@ class Schedule:
   def to_text(self) -> str:
     """A printable form: one line per worker, plus the routes that leave their pipeline.
 
-    Pipelines that an expanded plan runs on the fault-free lists (`ExpandedOps.fault_free`)
-    are summed up in one line, so the text of a 16k-worker plan is as long as what the failure
-    changed. Built once per schedule: the trainer compares it after every step.
+    The healthy pipelines that an expanded plan runs on one shared template of lists
+    (`ExpandedOps.folded`) are summed up in one line, so the text of a 16k-worker plan is as long
+    as what the failure changed. Built once per schedule: the trainer compares it every step.
     """
     if "_text" not in self.__dict__:
       self.__dict__["_text"] = self._render()
     return self.__dict__["_text"]
 
   def _render(self) -> str:
-    folded = getattr(self.ops, "fault_free", frozenset())
+    folded = getattr(self.ops, "folded", frozenset())
     lines = [f"schedule {self.name}: dp={self.dp} pp={self.pp} m={self.microbatches}"]
     for w in self.workers:
       if w[0] not in folded:
         lines.append(f"  d{w[0]} s{w[1]} | " + " ".join(str(op) for op in self.ops[w]))
     if folded:
-      lines.append(f"  the other {len(folded)} pipelines run {self.ops.base}'s fault-free lists")
+      lines.append(f"  the other {len(folded)} pipelines {self.ops.folded_note}")
     m = self.microbatches
     shown = (mb for d in range(self.dp) if d not in folded for mb in range(d * m, (d + 1) * m))
     moved = [
