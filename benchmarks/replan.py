@@ -1,0 +1,159 @@
+"""Replanning time on the runtime's recovery path, from 64 to 16k devices (issue 17).
+
+  python benchmarks/replan.py [--devices=16384] [--full_max=512] [--repeats=3]
+
+Per grid (dp pipelines x pp stages x m micro-batches each, zb-h1 base, recycle policy) and
+failure pattern, on a fresh `RunCoordinator` (empty plan caches), the time of:
+
+  fail      `RunCoordinator.fail`: what the coordinator does on a failure (plan the touched
+            pipelines, expand to the grid, predict the step time, log); every process of a job
+            runs it.
+  runtime   what a process then does before running (its part of `Interpreter.place`): the step
+            program of the new plan, the old (already built) and new plan's slots walked as the
+            hand-over does (node, split, stage of every slot), one host's 8 workers' op lists
+            and the dependencies of every op on them.
+  replan    fail + runtime: the recovery path's planning cost (wall time).
+  cpu       the same in CPU time of this process: on a shared machine (load above its cores)
+            wall time also counts waiting for a core.
+  cached    `fail` of the same failure on a fresh coordinator that shares the first one's
+            policies (their plan cache): the expansion and bookkeeping without the planning.
+  full      the old path for comparison (grids up to --full_max devices): `plan_adaptive` on the
+            whole grid, `validate`, and the two `simulate` calls `fail` made.
+
+Patterns: one worker; 4 workers spread over different pipelines and stages; a host of 8
+consecutive devices (a whole pipeline when pp = 8, half of one when pp = 16). The last line is
+`replan_s: X`, the worst pattern's replan time at --devices. Targets: < 1 s at 16k devices,
+< 100 ms at 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs.gpt_tiny import get_config  # noqa: E402
+from resilient_jax.config import RunConfig, from_config_dict  # noqa: E402
+from resilient_jax.policy import RunCoordinator  # noqa: E402
+from resilient_jax.schedule import adaptive, expand  # noqa: E402
+from resilient_jax.schedule.cost import simulate  # noqa: E402
+from resilient_jax.schedule.plan import StepProgram, step_program  # noqa: E402
+from resilient_jax.schedule.routing import FailureState  # noqa: E402
+from resilient_jax.schedule.validate import validate  # noqa: E402
+
+GRIDS = [(8, 8, 16), (64, 8, 16), (512, 8, 16), (2048, 8, 16), (1024, 16, 32)]
+HOST = 8  # devices per host
+
+
+def _config(dp: int, pp: int, m: int) -> RunConfig:
+  cd = get_config("runlocal")
+  cd.mesh.dp, cd.mesh.pp = dp, pp
+  cd.model.num_layers = pp
+  cd.pipeline.schedule, cd.pipeline.microbatches = "zb-h1", m
+  cd.train.global_batch = dp * m
+  cd.resilience.policy = "recycle"
+  return from_config_dict(cd)
+
+
+def _patterns(dp: int, pp: int) -> dict[str, list[int]]:
+  """Failed nodes (worker (d, s) is node d * pp + s) of each pattern, away from the front of
+  the grid where the takers of re-routed micro-batches are."""
+  single = [(dp * 2 // 3) * pp + pp // 2]
+  spread = [((dp * i) // 5 + 1) * pp + (i * pp // 4 + 1) % pp for i in range(1, 5)]
+  host = (dp * pp * 2 // 3) // HOST * HOST
+  return {"single": single, "spread 4": spread, "host": list(range(host, host + HOST))}
+
+
+def _runtime_part(coord: RunCoordinator, before: StepProgram) -> None:
+  """What one process does with the new plan before it runs (see the module docstring)."""
+  new = step_program(coord.plan)
+  for sp in (before, new):
+    for p in sp.slots.values():
+      _ = (p.node, p.split, p.stage)
+  host = sorted(new.slots)[:HOST]
+  for slot in host:
+    for op in new.slots[slot].ops:
+      for _ in new.dependencies(slot, op):
+        pass
+
+
+def _full(dp: int, pp: int, m: int, coord: RunCoordinator) -> float:
+  gc.collect()
+  t0 = time.perf_counter()
+  sched = adaptive.plan_adaptive(FailureState(dp, pp, m, coord.dead), coord.costs.op)
+  validate(sched)
+  simulate(sched, coord.costs.op)
+  simulate(sched, coord.costs.op)
+  return time.perf_counter() - t0
+
+
+def _uptime() -> str:
+  try:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+  except OSError:
+    return "uptime unavailable"
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--devices", type=int, default=16384,
+                  help="largest grid to run (devices = dp * pp); its worst time is replan_s")
+  ap.add_argument("--full_max", type=int, default=512,
+                  help="run the old whole-grid planning for grids up to this many devices")
+  ap.add_argument("--repeats", type=int, default=3,
+                  help="best of this many runs per cell (the machine may be shared)")
+  args = ap.parse_args()
+  print(f"machine load at start: {_uptime()}")
+  head = (f"{'grid':>11} {'devices':>7} {'pattern':>9} {'touched':>7} {'sub ops':>7} "
+          f"{'fail s':>7} {'runtime s':>9} {'replan s':>8} {'cpu s':>6} {'cached s':>8} "
+          f"{'full s':>7}")
+  print(head)
+  print("-" * len(head))
+  worst: dict[int, float] = {}
+  for dp, pp, m in GRIDS:
+    devices = dp * pp
+    if devices > args.devices:
+      continue
+    cfg = _config(dp, pp, m)
+    for name, nodes in _patterns(dp, pp).items():
+      best = None
+      for _ in range(args.repeats):
+        coord = RunCoordinator(cfg, range(devices), log=lambda _: None)
+        old = step_program(coord.plan)  # the runtime holds it already
+        # No garbage left from the cells before (the collector stays on while timing).
+        gc.collect()
+        c0, t0 = time.process_time(), time.perf_counter()
+        coord.fail(nodes, step=1)
+        t1 = time.perf_counter()
+        _runtime_part(coord, old)
+        c2, t2 = time.process_time(), time.perf_counter()
+        again = RunCoordinator(cfg, range(devices), log=lambda _: None)
+        again.policies = coord.policies  # the plan cache of the first job
+        again.active = coord.policies["recycle"]
+        gc.collect()
+        t3 = time.perf_counter()
+        again.fail(nodes, step=1)
+        t4 = time.perf_counter()
+        row = (t1 - t0, t2 - t1, t2 - t0, c2 - c0, t4 - t3)
+        best = row if best is None or row[2] < best[2] else best
+      fp = expand.footprint(dp, pp, m, coord.dead)
+      full = f"{_full(dp, pp, m, coord):7.2f}" if devices <= args.full_max else f"{'-':>7}"
+      fail_s, runtime_s, replan_s, cpu_s, cached_s = best
+      worst[devices] = max(worst.get(devices, 0.0), replan_s)
+      print(f"{dp:>4}x{pp:>2}x{m:>2} {devices:>7} {name:>9} {len(fp.pipelines):>7} "
+            f"{fp.compute_ops:>7} {fail_s:>7.3f} {runtime_s:>9.3f} {replan_s:>8.3f} "
+            f"{cpu_s:>6.3f} {cached_s:>8.3f} {full}", flush=True)
+  print(f"machine load at end: {_uptime()}")
+  for devices, t in sorted(worst.items()):
+    print(f"worst replan at {devices} devices: {t:.3f} s")
+  largest = max(worst)
+  print(f"replan_s: {worst[largest]:.3f}")
+
+
+if __name__ == "__main__":
+  main()
