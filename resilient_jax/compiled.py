@@ -43,11 +43,22 @@ _Blob = tuple[bytes, Any, Any]  # serialized executable, in_tree, out_tree
 
 class Counts:
   """Programs compiled, loaded from another device's compile, and read from disk (all
-  `OnEachDevice`s of this process)."""
+  `OnEachDevice`s of this process); `xla`: every XLA compilation of the process, JAX's
+  persistent cache reads included (any jitted or eager program)."""
 
   compiled = 0
   loaded = 0
   from_disk = 0
+  xla = 0
+
+
+def _count_xla(event: str, duration_s: float, **_: Any) -> None:
+  del duration_s
+  if event == "/jax/core/compile/backend_compile_duration":  # `jax._src.dispatch`'s name
+    Counts.xla += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_xla)
 
 
 class OnEachDevice:

@@ -46,6 +46,7 @@ from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter, load_latest
 from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
+from resilient_jax.compiled import Counts
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
@@ -409,7 +410,8 @@ class Trainer:
         break
       kills = self._kill_times()
       for p in sorted(result.lost):
-        event = {"node": p, "step": step, "attempt": attempt, "detected_at": result.detected_at}
+        event = {"node": p, "step": step, "attempt": attempt, "detected_at": result.detected_at,
+                 "xla_compiles": Counts.xla}
         if self.cluster is not None:
           event["process"] = p
         if p in kills:
@@ -426,6 +428,9 @@ class Trainer:
       if "killed_at" in event:
         event["kill_to_next_step_s"] = round(done_at - event["killed_at"], 3)
       event["detect_to_next_step_s"] = round(done_at - event["detected_at"], 3)
+      # Programs compiled (or read from JAX's cache) between detection and the step's commit:
+      # a recovery should find every program it needs already built.
+      event["xla_compiles"] = Counts.xla - event["xla_compiles"]
       self.recovery.append(event)
       if "kill_to_next_step_s" in event:
         self.log(f"  recovered from the loss of process {event['node']}: detected "

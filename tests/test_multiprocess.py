@@ -1,8 +1,8 @@
 """Real processes, real SIGKILL: multi-process runs against in-process runs of the same failures.
 
-Each test starts 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 10 s,
-so that a detection which waited for it would fail the timing checks) and kills some from
-outside at a chosen point. The in-process run injects the same failure at
+Each test starts 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 10 s:
+a killed process must be found dead by its refused port, not by a silent heartbeat) and kills
+some from outside at a chosen point. The in-process run injects the same failure at
 the same point (`FaultEvent`); both re-run the interrupted step on the survivors with the same
 samples, so digests must be equal and losses equal up to float summation order.
 """
@@ -104,11 +104,13 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
   assert sorted(e["process"] for e in recovery) == sorted(killed)
   for e in recovery:
     assert e["step"] == killed[e["process"]][0]
-    # A SIGKILLed process's ports refuse connections at once: detection does not wait for
-    # the heartbeat timeout (it takes ~0.1 s; the bound leaves room for a loaded machine).
-    # The re-run of the step itself must not add compilation or connection set-up.
-    assert 0 < e["kill_to_detect_s"] < HEARTBEAT_S / 2, e
-    assert e["detect_to_next_step_s"] < 1.0, e
+    # A SIGKILLed process's ports refuse connections at once: it is found dead that way, not
+    # by the heartbeat timeout, and the re-run of the step compiles nothing (the times it took
+    # are in recovery.json, measured by benchmarks/recovery.py, not asserted here).
+    p = e["process"]
+    assert f"process {p} refuses connections: dead" in proc.stdout, tail(proc)
+    assert f"no heartbeat from process {p}" not in proc.stdout, tail(proc)
+    assert e["kill_to_detect_s"] > 0 and e["xla_compiles"] == 0, e
 
 
 def test_frozen_processes_then_preemption(tmp_path):
