@@ -238,7 +238,7 @@ def test_list_scheduler_makespan_is_the_replays():
     live = _live_workers(dp, pp, failed)
     for order, f_key, limit in _VARIANTS:
       act = [pp - s + 1 for _, s in live] if limit else None
-      raw, span, peak, _ = _list_schedule(pp, m, route, live, costs, 4, order, f_key, act)
+      raw, span, peak, *_ = _list_schedule(pp, m, route, live, costs, 4, order, f_key, act)
       compute = _to_ops(live, raw)
       ops = {w: [*lst, Op(AR), Op(OPT)] for w, lst in compute.items()}
       sched = make_schedule("x", dp, pp, m, ops, route=route)

@@ -88,6 +88,7 @@ class _Listed(NamedTuple):
   makespan: float
   peak: int
   feed_was_local: bool
+  crit_is_mb: bool
 
 
 def _list_schedule(
@@ -124,9 +125,11 @@ def _list_schedule(
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
     `_F`, `_B`, `_W` (see `_to_ops`), the makespan of the step once each worker's AR and OPT are
-    appended, the most micro-batches any worker holds in flight, and (for "feed") whether every
-    F it picked was the one "local" picks, i.e. "local" with the same order and limits would make
-    this very plan.
+    appended, the most micro-batches any worker holds in flight, (for "feed") whether every F
+    it picked was the one "local" picks, i.e. "local" with the same order and limits would make
+    this very plan, and whether "crit" orders every worker's forwards as "mb" does (all of a
+    worker's micro-batches meet the same most loaded worker downstream), i.e. would make the
+    same plan as "mb".
 
   Raises:
     ScheduleError: if the ops cannot all be placed (a limit below 1).
@@ -148,6 +151,14 @@ def _list_schedule(
       node = mb * pp + s
       worst = max(worst, load[node_w[node]])
       crit[node] = -worst
+  crit_of: list[int | None] = [None] * n_w
+  crit_is_mb = True
+  for node, w in enumerate(node_w):
+    if crit_of[w] is None:
+      crit_of[w] = crit[node]
+    elif crit_of[w] != crit[node]:
+      crit_is_mb = False
+      break
   # B of a node waits for its own F and, below the last stage, for the B of the stage above.
   b_need = [1 if i % pp == pp - 1 else 2 for i in range(n_mb * pp)]
   b_ready = [0.0] * (n_mb * pp)
@@ -281,7 +292,7 @@ def _list_schedule(
   for w, (_, s) in enumerate(live):
     stage_end[s] = max(stage_end.get(s, 0.0), last_end[w])
   makespan = max(end + costs.ar_at(s) + costs.opt_at(s) for s, end in stage_end.items())
-  return _Listed(out, makespan, peak, feed_was_local)
+  return _Listed(out, makespan, peak, feed_was_local, crit_is_mb)
 
 
 @contextlib.contextmanager
@@ -397,11 +408,16 @@ def _adaptive_on_route(
   variants = _VARIANTS if 3 * len(route) * pp <= 50_000 else _VARIANTS[:3]
   best: tuple[float, int] | None = None
   raw: list[list[tuple[int, int]]] = []
+  # Variants that would repeat a plan already made are skipped (planning is on the recovery
+  # path): "local" after a "feed" that picked as it would, "crit" when it orders as "mb".
   same_as_local: set[tuple[tuple[int, ...], str | None]] = set()
+  crit_is_mb = False
   for order, f_key, limit in variants:
     if f_key == "local" and (order, limit) in same_as_local:
-      continue  # "feed" with the same order and limits picked as this would: the same plan
-    out, span, peak, feed_was_local = _list_schedule(
+      continue
+    if f_key == "crit" and crit_is_mb and (order, "mb", limit) in variants:
+      continue
+    out, span, peak, feed_was_local, crit_is_mb = _list_schedule(
       pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None
     )
     if feed_was_local:
