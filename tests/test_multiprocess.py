@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -187,11 +186,13 @@ def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path)
   workdir = tmp_path / "multi"
   ckpt = ["--config.checkpoint.every_steps=1"]
   proc = run_local(workdir, "--kill=3:0", extra=ckpt)
-  ended = time.time()
   assert proc.returncode == 5, tail(proc)
   assert "p0=killed, p1=5, p2=5, p3=5" in proc.stdout, tail(proc)
-  kill = read_rows(workdir / "kills.jsonl")[0]
-  assert ended - kill["time"] < 7  # the coordinator watchdog, not a heartbeat timeout
+  # Each survivor saw the coordination service go (its watchdog, or JAX's own abort of the
+  # process), not a heartbeat timeout.
+  for p in (1, 2, 3):
+    assert re.search(rf"\[p{p}\] .*the coordination service .*is gone", proc.stdout), tail(proc)
+  assert "no heartbeat from process 0" not in proc.stdout, tail(proc)
   # The launcher returned only after every process exited; none is left.
   out = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
   assert out.stdout.strip() == ""
