@@ -263,10 +263,16 @@ def _list_schedule(
       busy[w] = False
       last_end[w] = t
       s = node % pp
+      # What becomes ready now (free transfers) joins its queue at once: an event at time t
+      # would only be popped in this same batch, before any worker picks.
       if kind == _F:
         if s < pp - 1:
-          seq += 1
-          push(events, (t + comm, seq, ((node + 1) * 3 + _F) * 2))
+          if comm:
+            seq += 1
+            push(events, (t + comm, seq, ((node + 1) * 3 + _F) * 2))
+          else:
+            push(queues[node_w[node + 1]][_F], f_entry[node + 1])
+            dirty.add(node_w[node + 1])
         up, at = node, t
       elif kind == _B:
         push(queues[w][_W], node)
@@ -281,8 +287,12 @@ def _list_schedule(
         b_ready[up] = at
       b_need[up] -= 1
       if b_need[up] == 0:
-        seq += 1
-        push(events, (b_ready[up], seq, (up * 3 + _B) * 2))
+        if b_ready[up] > t:
+          seq += 1
+          push(events, (b_ready[up], seq, (up * 3 + _B) * 2))
+        else:
+          push(queues[node_w[up]][_B], up)
+          dirty.add(node_w[up])
   total = 3 * n_mb * pp
   if scheduled != total:
     # Cannot happen with limits >= 1 (the last stage always drains), but never return half a plan.
