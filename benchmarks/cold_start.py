@@ -1,0 +1,96 @@
+"""Cold start: time to the first finished step, and XLA compilations, library against plain JAX.
+
+  python benchmarks/cold_start.py [--repeats=3] [--grids=1x1,2x1,1x2,2x2,4x2]
+
+Each measurement is a fresh Python process with an empty compilation cache (JAX's and the
+library's `programs/` folder), simulated CPU devices, the tiny GPT config. It times from
+building the step (model, programs, state) to the first step's updated parameters being ready,
+and counts XLA compilations (`compiled.Counts.xla`: every backend compile of the process). The
+variants of `benchmarks/overhead.py` run the same work:
+
+  - library: `Trainer` + `run_step` on dp x pp devices (1F1B);
+  - plain-dp: one `jax.jit` of value_and_grad + optax, micro-batches accumulated in the jit
+    (`unrolled`), the batch sharded over dp x pp devices: the plain form of the same training
+    when the model fits one device;
+  - plain-pipeline (pp = 2 only): a plain two-device GPipe, jitted per stage.
+
+Compilation runs on the machine's cores, so the absolute times move with its load; the
+repeats of each variant are interleaved (variant order rotates per repeat), medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, {root!r})
+from resilient_jax import runtime_setup
+runtime_setup.configure_jax(num_cpu_devices=8, cache_dir={cache!r})
+import jax
+from benchmarks import overhead
+from resilient_jax.compiled import Counts
+dp, pp, variant = {dp}, {pp}, {variant!r}
+args = overhead.parse_args(["--steps=1", "--warmup=0"])
+t0 = time.perf_counter()
+if variant == "library":
+  step = overhead.LibraryStep(overhead.make_cfg(args, dp, pp), jax.devices())
+elif variant == "plain-dp":
+  step = overhead.PlainStep(overhead.make_cfg(args, dp * pp, 1), jax.devices(), form="unrolled")
+else:
+  step = overhead.PlainPipeline(overhead.make_cfg(args, dp, pp), jax.devices())
+step(1)
+print(json.dumps(dict(seconds=time.perf_counter() - t0, xla=Counts.xla,
+                      compiled=Counts.compiled, loaded=Counts.loaded)))
+"""
+
+
+def measure(dp: int, pp: int, variant: str) -> dict:
+  with tempfile.TemporaryDirectory(prefix="cold_") as cache:
+    code = _CHILD.format(root=ROOT, cache=cache, dp=dp, pp=pp, variant=variant)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+  if out.returncode:
+    raise RuntimeError(f"{variant} {dp}x{pp} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--grids", default="1x1,2x1,1x2,2x2,4x2")
+  args = p.parse_args(argv)
+  grids = [tuple(int(x) for x in g.split("x")) for g in args.grids.split(",")]
+  cases = []
+  for dp, pp in grids:
+    cases += [(dp, pp, "library"), (dp, pp, "plain-dp")]
+    if pp == 2 and dp == 1:
+      cases.append((dp, pp, "plain-pipeline"))
+  print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+  runs: dict[tuple, list[dict]] = {c: [] for c in cases}
+  for r in range(args.repeats):
+    for c in cases[r % len(cases):] + cases[:r % len(cases)]:
+      runs[c].append(measure(*c))
+  print(f"load average at end: {os.getloadavg()[0]:.2f}")
+  print("| grid | variant | first step (median s) | XLA compilations | stage programs compiled "
+        "/ loaded | library / plain-dp |")
+  print("|---|---|---|---|---|---|")
+  for dp, pp, variant in cases:
+    rs = runs[(dp, pp, variant)]
+    t = statistics.median(x["seconds"] for x in rs)
+    plain = statistics.median(x["seconds"] for x in runs[(dp, pp, "plain-dp")])
+    ratio = f"{t / plain:.2f}" if variant == "library" else ""
+    own = f"{rs[0]['compiled']} / {rs[0]['loaded']}" if variant == "library" else ""
+    print(f"| {dp}x{pp} | {variant} | {t:.2f} | {rs[0]['xla']} | {own} | {ratio} |")
+
+
+if __name__ == "__main__":
+  main()
