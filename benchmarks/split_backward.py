@@ -100,10 +100,8 @@ def time_interleaved(
 
 
 def lower(program, *args):
-  """`program.lower(*args)`. Stage programs are `compiled.OnEachDevice` (one compile loaded on
-  every replica's device), which has no `lower` of its own: lower the `jax.jit` it wraps."""
-  jitted = program if hasattr(program, "lower") else program._jit
-  return jitted.lower(*args)
+  """`program.lower(*args)` (a `jax.jit` or a stage's `compiled.OnEachDevice`)."""
+  return program.lower(*args)
 
 
 def fused_3d_backward(prog, params, x, g):

@@ -6,7 +6,7 @@ does not help: its key holds the device assignment (JAX drops it only for GPU). 
 the same; only the device differs. `OnEachDevice` compiles once, serializes the executable and
 loads it on each device with that device's assignment: loading costs a few milliseconds where
 compiling costs up to seconds, so a job's compile count no longer grows with its data
-parallelism.
+parallelism (`benchmarks/cold_start.py` counts them).
 
 The serialized programs are also kept on disk, next to JAX's cache (a `programs/` folder in
 `jax_compilation_cache_dir`, keyed by the lowered module, the JAX version, the platform and
@@ -75,6 +75,10 @@ class OnEachDevice:
     self._blobs: dict[_Signature, _Blob | None] = {}
     self._lock = threading.Lock()
     self.__name__ = getattr(fn, "__name__", "program")
+
+  def lower(self, *args: Any) -> jax.stages.Lowered:
+    """`jax.jit(fn).lower(*args)` (for cost and memory analyses)."""
+    return self._jit.lower(*args)
 
   def __call__(self, *args: Any) -> Any:
     leaves, treedef = jax.tree.flatten(args)
