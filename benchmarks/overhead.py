@@ -95,13 +95,35 @@ class LibraryStep:
 
     self.workdir = tempfile.TemporaryDirectory(prefix="overhead_")
     self.trainer = Trainer(cfg, self.workdir.name, devices=devices, log=lambda _: None)
+    # Host time: of each gradient reduction's call (the interpreter's data-parallel sum, all
+    # dispatch: it returns before the sum is computed), and of the step's whole dispatch loop.
+    self.reduce_s: list[float] = []
+    self.dispatch_s: list[float] = []
+    self.ops = sum(len(slot.ops) for slot in self.trainer.interpreter.step_program.slots.values())
+    transport = self.trainer.transport
+    reduce = transport.reduce
+
+    def timed_reduce(*a, **kw):
+      t0 = time.perf_counter()
+      out = reduce(*a, **kw)
+      self.reduce_s.append(time.perf_counter() - t0)
+      return out
+
+    transport.reduce = timed_reduce
 
   def __call__(self, t: int) -> float:
     import jax
 
     result, _ = self.trainer.run_step(t)
+    self.dispatch_s.append(result.dispatch_time_s)
     jax.block_until_ready(list(self.trainer.interpreter.params.values()))
     return result.loss
+
+  def host_line(self) -> str:
+    ar = f"{statistics.median(self.reduce_s) * 1e3:.2f} ms per reduction " \
+      f"({len(self.reduce_s)} timed)" if self.reduce_s else "no cross-device reduction"
+    per_op = statistics.median(self.dispatch_s) / self.ops * 1e3
+    return f"host time: {ar}; dispatch loop {per_op:.3f} ms per op ({self.ops} ops a step)"
 
 
 PLAIN_FORMS = ("unrolled", "scan", "1batch")
@@ -331,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     g = f"{dp}x{pp}"
     lib = times[f"{g} library"]
     lib_med = statistics.median(lib)
-    print(f"{g:5} {'library':24} {lib_med * 1e3:10.2f}")
+    print(f"{g:5} {'library':24} {lib_med * 1e3:10.2f}  {variants[f'{g} library'].host_line()}")
     for n in baselines[g]:
       med = statistics.median(times[n])
       rounds = statistics.median(a / b for a, b in zip(lib, times[n], strict=True))

@@ -82,7 +82,8 @@ class OnEachDevice:
 
   def __call__(self, *args: Any) -> Any:
     leaves, treedef = jax.tree.flatten(args)
-    device = _device(leaves)
+    # No arguments (an initializer): the default device, as jit would place it.
+    device = _device(leaves) if leaves else jax.local_devices()[0]
     if device is None:  # nothing committed: jit places it
       return self._jit(*args)
     sig = (treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves))

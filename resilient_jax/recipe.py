@@ -4,11 +4,16 @@ step's micro-batches. Shared by the training loop and the single-device referenc
 
 from __future__ import annotations
 
+import functools
+import logging
+
+import jax
 import numpy as np
 import optax
 from flax import nnx
 
 from resilient_jax import data as data_lib
+from resilient_jax.compiled import OnEachDevice
 from resilient_jax.config import ConfigError, RunConfig
 from resilient_jax.runtime.interpreter import StepResult
 from resilient_jax.schedule.plan import GridPlan, Plan
@@ -64,8 +69,21 @@ def reference_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 
 
 def make_model(cfg: RunConfig) -> nnx.Module:
-  """The configured model family's model, initialised from `train.seed`."""
-  return cfg.model.build(cfg.train.seed)
+  """The configured model family's model, initialised from `train.seed`.
+
+  Initialised by one compiled program rather than op by op: eagerly, every initializer is a
+  program of its own (a few dozen), compiled in every process of a job, since JAX's persistent
+  cache is written by process 0 only and keyed by device; `compiled.OnEachDevice` keeps the one
+  program on disk by module, so every process loads it. A family whose `build` cannot be traced
+  is built eagerly."""
+  build = functools.partial(cfg.model.build, cfg.train.seed)
+  try:
+    graphdef, _ = nnx.split(nnx.eval_shape(build))
+    state = OnEachDevice(lambda: nnx.state(build()))()
+  except (jax.errors.JAXTypeError, jax.errors.JAXIndexError, TypeError) as err:
+    logging.getLogger(__name__).info("building the model eagerly: %s", err)
+    return build()
+  return nnx.merge(graphdef, state)
 
 
 def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:

@@ -9,6 +9,7 @@ import pytest
 
 from resilient_jax import data as data_lib
 from resilient_jax.compiled import Counts, OnEachDevice
+from resilient_jax.recipe import make_model
 from resilient_jax.trainer import Trainer, train
 from tests.helpers import assert_matches_reference, tiny_config
 
@@ -47,8 +48,9 @@ def test_uneven_partition_matches(tmp_path):
 
 def test_data_parallel_replicas_stay_identical(tmp_path):
   cfg = tiny_config(mesh__dp=4, mesh__pp=2, pipeline__schedule="zb-h1")
+  model = make_model(cfg)  # its initializer program runs once, on one device
   before = (Counts.compiled + Counts.from_disk, Counts.loaded)
-  result = train(cfg, tmp_path, log=lambda _: None)
+  result = train(cfg, tmp_path, model=model, log=lambda _: None)
   # Compiled once per stage (or read from disk), loaded on the other three replicas' devices.
   built, loaded = Counts.compiled + Counts.from_disk - before[0], Counts.loaded - before[1]
   assert built > 0 and loaded == 3 * built, (built, loaded)
