@@ -117,13 +117,17 @@ class Transport:
     parts = self._gather(index, nodes, devices, {d: flatten(g) for d, g in local.items()})
     if parts is None:
       return local
-    out = {}
-    for d in local:
-      total = None
-      for member in devices:  # the same order everywhere: bitwise the same sum
-        part = jax.device_put(parts[member], d)
-        total = part if total is None else _add(total, part)
-      out[d] = unflatten(total)
+    # One local device sums, in the members' order (every process uses the same order, so all
+    # replicas hold bitwise the same sum); this process's other devices get copies of it: 2D
+    # dispatches for D local members rather than D^2.
+    first, *others = local
+    total = None
+    for member in devices:
+      part = jax.device_put(parts[member], first)
+      total = part if total is None else _add(total, part)
+    out = {first: unflatten(total)}
+    for d in others:
+      out[d] = unflatten(jax.device_put(total, d))
     return out
 
   def _gather(
