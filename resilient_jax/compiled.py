@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 from jax._src import config as jax_config  # the thread-local `enable_compilation_cache` switch
 from jax._src.lib import xla_client  # CompileOptions, DeviceAssignment: no public home
@@ -82,8 +83,8 @@ class OnEachDevice:
 
   def __call__(self, *args: Any) -> Any:
     leaves, treedef = jax.tree.flatten(args)
-    # No arguments (an initializer): the default device, as jit would place it.
-    device = _device(leaves) if leaves else jax.local_devices()[0]
+    # No arguments (an initializer): the default device, where jit would place it.
+    device = _device(leaves) if leaves else _default_device()
     if device is None:  # nothing committed: jit places it
       return self._jit(*args)
     sig = (treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves))
@@ -122,6 +123,11 @@ class OnEachDevice:
     return program
 
 
+def _default_device() -> jax.Device:
+  chosen = jax.config.jax_default_device
+  return chosen if isinstance(chosen, jax.Device) else jax.local_devices()[0]
+
+
 def _device(leaves: list[Any]) -> jax.Device | None:
   """The device of the first committed single-device array among `leaves`."""
   for x in leaves:
@@ -138,8 +144,8 @@ def _disk_path(lowered: jax.stages.Lowered) -> str | None:
     return None
   device = jax.devices()[0]
   key = hashlib.sha256()
-  for part in (lowered.as_text(), jax.__version__, device.platform, device.device_kind,
-               device.client.platform_version, os.environ.get("XLA_FLAGS", "")):
+  for part in (lowered.as_text(), jax.__version__, jaxlib.__version__, device.platform,
+               device.device_kind, device.client.platform_version, os.environ.get("XLA_FLAGS", "")):
     key.update(part.encode())
     key.update(b"\0")
   return os.path.join(folder, "programs", key.hexdigest())

@@ -51,9 +51,10 @@ def test_data_parallel_replicas_stay_identical(tmp_path):
   model = make_model(cfg)  # its initializer program runs once, on one device
   before = (Counts.compiled + Counts.from_disk, Counts.loaded)
   result = train(cfg, tmp_path, model=model, log=lambda _: None)
-  # Compiled once per stage (or read from disk), loaded on the other three replicas' devices.
+  # Compiled once per stage (or read from disk), loaded on the other three replicas' devices;
+  # but for the reduction's sum, which one device of the process runs per stage.
   built, loaded = Counts.compiled + Counts.from_disk - before[0], Counts.loaded - before[1]
-  assert built > 0 and loaded == 3 * built, (built, loaded)
+  assert built > 2 and loaded == 3 * (built - 2), (built, loaded)
   ex = result.interpreter
   for stage in range(2):
     replicas = [ex.params[(d, stage)] for d in range(4)]

@@ -5,15 +5,16 @@ move with `jax.device_put` and every step commits. `runtime.multiprocess.Process
 extends it to a `jax.distributed` job, where some nodes live in other processes.
 
 A reduction (the data-parallel gradient sum) is a gather, the same within a process and
-across processes: each member lays its stage's gradients out as one flat float32 buffer,
-receives the other members' buffers (a device copy here, a transfer-server pull across
-processes) and adds them in the members' order, so every replica holds bitwise the same sum.
+across processes: each member lays its stage's gradients out as one flat float32 buffer; one
+device per process receives the other members' buffers (a device copy here, a transfer-server
+pull across processes) and adds them in the members' order, and the process's other members get
+copies of that sum, so every replica holds bitwise the same sum.
 It is not an XLA collective over the group, for three reasons: a new group after a failure
 compiles nothing (the programs are per stage, `compiled.OnEachDevice`); a member frozen inside
 a collective could not be abandoned (it holds its device's queue), while a pull from a member
 declared dead is cut off like any other transfer; and one buffer per member keeps the host's
-work per reduction to a few dispatches instead of one global array per parameter. With D
-members each receives D-1 buffers: the bytes of a ring all-reduce at D=2, more beyond.
+work per reduction to a few dispatches instead of one global array per parameter. Across D
+processes each receives D-1 buffers: the bytes of a ring all-reduce at D=2, more beyond.
 """
 
 from __future__ import annotations
