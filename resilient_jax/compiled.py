@@ -76,6 +76,13 @@ class OnEachDevice:
     self._blobs: dict[_Signature, _Blob | None] = {}
     self._lock = threading.Lock()
     self.__name__ = getattr(fn, "__name__", "program")
+    self.built = 0
+    """Executables this program compiled or read from disk (the rest were loaded from them)."""
+
+  @property
+  def devices(self) -> int:
+    """Devices it has run on (each signature counted apart)."""
+    return len(self._programs)
 
   def lower(self, *args: Any) -> jax.stages.Lowered:
     """`jax.jit(fn).lower(*args)` (for cost and memory analyses)."""
@@ -111,12 +118,14 @@ class OnEachDevice:
           program = lowered.compile()
         Counts.compiled += 1
         self._blobs[sig] = _serialize(program, path)
+      self.built += 1
     else:
       blob = self._blobs[sig]
       program = None if blob is None else _load(blob, device)
       if program is None:
         program = self._jit.lower(*args).compile()
         Counts.compiled += 1
+        self.built += 1
       else:
         Counts.loaded += 1
     self._programs[(device, sig)] = program

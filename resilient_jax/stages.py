@@ -210,6 +210,7 @@ class StagePrograms:
       return optax.apply_updates(params, updates), opt_state, sumsq
 
     self.forward: Callable = forward
+    self._forward_program = forward_program
     # Each program is compiled once for the stage and loaded on every replica's device.
     self.backward_input: Callable = OnEachDevice(backward_input)
     self.backward_weight: Callable = OnEachDevice(weight_grads, donate_argnums=(3,))
@@ -219,6 +220,11 @@ class StagePrograms:
     self.optimizer_step: Callable = OnEachDevice(optimizer_step)
     self._init_opt = OnEachDevice(optimizer.init)
     self._zeros = OnEachDevice(lambda p: jax.tree.map(jnp.zeros_like, p))
+
+  def compiled_programs(self) -> list[OnEachDevice]:
+    """The stage's jitted programs (each compiled once, loaded on every other device)."""
+    return [self._forward_program, self.backward_input, self.backward_weight,
+            self.backward_fused, self.optimizer_step, self._init_opt, self._zeros]
 
   def bind(self, params: Params) -> nnx.Module:
     """The stage module with `params` as its parameters (usable inside a trace)."""
