@@ -46,12 +46,13 @@ def step_dir(root: Path, step: int) -> Path:
   return root / f"{PREFIX}{step:08d}"
 
 
-def _crcs(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
-  """CRC32 of every array, in parallel: zlib releases the GIL on large buffers."""
+def _scan(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[str, bool]]:
+  """(CRC32, finite) of every array in one pass over its bytes (`reader.checksum_and_finite`),
+  arrays in parallel: zlib and numpy release the GIL on large buffers."""
   names = sorted(arrays, key=lambda k: -arrays[k].nbytes)
   with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-    sums = pool.map(lambda k: reader.checksum_and_finite(arrays[k], check_finite=False)[0], names)
-    return dict(zip(names, sums, strict=True))
+    return dict(zip(names, pool.map(lambda k: reader.checksum_and_finite(arrays[k]), names),
+                    strict=True))
 
 
 def _checkpointer():
@@ -73,10 +74,9 @@ def _checkpointer():
   )
 
 
-def non_finite(arrays: Mapping[str, np.ndarray]) -> list[str]:
-  """Names of the floating-point arrays holding an inf or NaN."""
-  return sorted(k for k, a in arrays.items()
-                if reader.is_floating(a.dtype) and not np.isfinite(a).all())
+def non_finite(scanned: Mapping[str, tuple[str, bool]]) -> list[str]:
+  """Names of the arrays holding an inf or NaN, from `_scan`'s results."""
+  return sorted(k for k, (_, finite) in scanned.items() if not finite)
 
 
 def committed_steps(root: str | Path) -> list[int]:
@@ -240,7 +240,8 @@ class CheckpointWriter:
     tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
     try:
       tree = {g: {k: np.asarray(v) for k, v in host[g].items()} for g in ("params", "opt_state")}
-      bad = non_finite(tree["params"]) + non_finite(tree["opt_state"])
+      scanned = {g: _scan(arrays) for g, arrays in tree.items()}
+      bad = non_finite(scanned["params"]) + non_finite(scanned["opt_state"])
       if bad:
         raise CheckpointError(f"the state of step {step} is not finite ({', '.join(bad[:3])}"
                               f"{', ...' if len(bad) > 3 else ''}): not written")
@@ -248,9 +249,8 @@ class CheckpointWriter:
       _checkpointer().save((tmp / "state").absolute(), tree)
       entries = {}
       for g, arrays in tree.items():
-        crcs = _crcs(arrays)
-        entries[g] = {k: {"shape": list(a.shape), "dtype": str(a.dtype), "crc32": crcs[k]}
-                      for k, a in arrays.items()}
+        entries[g] = {k: {"shape": list(a.shape), "dtype": str(a.dtype),
+                          "crc32": scanned[g][k][0]} for k, a in arrays.items()}
       meta = {"format": FORMAT, "step": step, **meta, "entries": entries,
               "bytes": int(sum(a.nbytes for g in tree.values() for a in g.values()))}
       (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
