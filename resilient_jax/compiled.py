@@ -8,11 +8,16 @@ loads it on each device with that device's assignment: loading costs a few milli
 compiling costs up to seconds, so a job's compile count no longer grows with its data
 parallelism (`benchmarks/cold_start.py` counts them).
 
-The serialized programs are also kept on disk, next to JAX's cache (a `programs/` folder in
-`jax_compilation_cache_dir`, keyed by the lowered module, the JAX version, the platform and
-`XLA_FLAGS`, not by device), so a restarted or relaunched job loads instead of compiling.
-The one compile goes around JAX's own persistent cache: an executable JAX read back from that
-cache serializes without its kernels on CPU (it then fails with "Function ... not found").
+The serialized programs are also kept on disk (`set_cache_dir`, which `runtime_setup` points at
+`programs/` of the library's cache folder), keyed by the lowered module, the JAX and jaxlib
+versions, the platform and `XLA_FLAGS`, not by device, so a restarted or relaunched job loads
+instead of compiling.
+
+Platform fact (jax 0.10, CPU): an executable that JAX read back from its own persistent
+compilation cache serializes without its kernels, and the copy fails at run time ("Function ...
+not found"). JAX's cache cannot be bypassed for one compile (whether it is used is decided once
+per process), so where it is on, `OnEachDevice` does not serialize at all and compiles per
+device like `jax.jit`; the library's launchers leave it off and use this cache instead.
 
 If loading fails (a backend or JAX version without executable serialization), that device gets
 an executable compiled for it: slower to start, never wrong.
@@ -32,13 +37,24 @@ from typing import Any
 import jax
 import jaxlib
 import numpy as np
-from jax._src import config as jax_config  # the thread-local `enable_compilation_cache` switch
 from jax._src.lib import xla_client  # CompileOptions, DeviceAssignment: no public home
 from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
 _Signature = tuple[Any, ...]
+_cache_dir: str | None = None
+
+
+def set_cache_dir(path: str | None) -> None:
+  """Where compiled programs are kept on disk (None: in memory only)."""
+  global _cache_dir
+  _cache_dir = path or None
+
+
+def _jax_cache_on() -> bool:
+  """Whether JAX's own persistent compilation cache may serve compiles in this process."""
+  return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_enable_compilation_cache
 _Blob = tuple[bytes, Any, Any]  # serialized executable, in_tree, out_tree
 
 
@@ -107,6 +123,13 @@ class OnEachDevice:
     program = None
     if sig not in self._blobs:
       lowered = self._jit.lower(*args)
+      if _jax_cache_on():  # its executables may not re-serialize whole: compile per device
+        self._blobs[sig] = None
+        program = lowered.compile()
+        Counts.compiled += 1
+        self.built += 1
+        self._programs[(device, sig)] = program
+        return program
       path = _disk_path(lowered)
       data = _read(path)
       if data is not None:
@@ -114,8 +137,7 @@ class OnEachDevice:
         program = _load(self._blobs[sig], device)
         Counts.from_disk += program is not None
       if program is None:
-        with jax_config.enable_compilation_cache(False):
-          program = lowered.compile()
+        program = lowered.compile()
         Counts.compiled += 1
         self._blobs[sig] = _serialize(program, path)
       self.built += 1
@@ -148,8 +170,7 @@ def _device(leaves: list[Any]) -> jax.Device | None:
 
 def _disk_path(lowered: jax.stages.Lowered) -> str | None:
   """Where the program's serialized executable is kept, or None without a cache folder."""
-  folder = jax.config.jax_compilation_cache_dir
-  if not folder:
+  if not _cache_dir:
     return None
   device = jax.devices()[0]
   key = hashlib.sha256()
@@ -157,7 +178,7 @@ def _disk_path(lowered: jax.stages.Lowered) -> str | None:
                device.device_kind, device.client.platform_version, os.environ.get("XLA_FLAGS", "")):
     key.update(part.encode())
     key.update(b"\0")
-  return os.path.join(folder, "programs", key.hexdigest())
+  return os.path.join(_cache_dir, key.hexdigest())
 
 
 def _read(path: str | None) -> bytes | None:

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from resilient_jax.compiled import OnEachDevice
 from resilient_jax.config import RunConfig
 from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names, whole
 from resilient_jax.recipe import (
@@ -46,11 +47,15 @@ def train_reference(
   def mean_loss(p, x, y, seeds):
     return per_token(bind.apply(p, x, seeds), y).mean()
 
-  @jax.jit
-  def step(p, o, x, y, seeds):
+  def train_step(p, o, x, y, seeds):
     loss, grads = jax.value_and_grad(mean_loss)(p, x, y, seeds)
     updates, o = optimizer.update(grads, o, p)
     return jax.tree.map(lambda a, u: a + u, p, updates), o, loss
+
+  # On one device, committed, so the compiled step is the library's cached program.
+  device = jax.local_devices()[0]
+  step = OnEachDevice(train_step)
+  params, opt_state = jax.device_put((params, opt_state), device)
 
   losses = []
   for t in range(1, (steps or cfg.train.steps) + 1):
@@ -58,6 +63,6 @@ def train_reference(
     seeds = sample_seeds(t, ids).reshape(-1, 2)
     x = inputs.reshape(-1, inputs.shape[-1])
     y = targets.reshape(-1, targets.shape[-1])
-    params, opt_state, loss = step(params, opt_state, x, y, seeds)
+    params, opt_state, loss = step(params, opt_state, *jax.device_put((x, y, seeds), device))
     losses.append(float(loss))
   return losses, {k: np.asarray(v) for k, v in params.items()}

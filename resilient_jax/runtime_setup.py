@@ -1,4 +1,4 @@
-"""Process-level JAX set-up: simulated CPU devices and the persistent compilation cache.
+"""Process-level JAX set-up: simulated CPU devices and the cache of compiled programs.
 
 Must run before JAX initialises its backends (the first device query); later changes to the
 device count have no effect.
@@ -10,11 +10,13 @@ import os
 
 import jax
 
+from resilient_jax import compiled
+
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "resilient_jax", "xla")
 
 
 def configure_jax(num_cpu_devices: int, cache_dir: str | None = None) -> None:
-  """Simulates `num_cpu_devices` CPU devices and turns on the compilation cache.
+  """Simulates `num_cpu_devices` CPU devices and turns on the cache of compiled programs.
 
   The CPU device count only matters where the CPU is the backend; on GPU/TPU hosts the real
   devices are used. Compilation dominates small runs, so programs are cached on disk
@@ -30,7 +32,7 @@ def configure_jax(num_cpu_devices: int, cache_dir: str | None = None) -> None:
           f"configure_jax({num_cpu_devices}) before any JAX operation"
         ) from None
   cache = os.environ.get("RESILIENT_JAX_CACHE", DEFAULT_CACHE) if cache_dir is None else cache_dir
-  if cache:
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  # The library's own cache of compiled programs (`compiled.OnEachDevice`), not JAX's: JAX's
+  # is keyed by device, written by process 0 only, and its executables cannot be re-targeted
+  # to another device (see `resilient_jax/compiled.py`).
+  compiled.set_cache_dir(os.path.join(cache, "programs") if cache else None)
