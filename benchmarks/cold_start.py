@@ -1,9 +1,12 @@
 """Cold start: time to the first finished step, and XLA compilations, library against plain JAX.
 
-  python benchmarks/cold_start.py [--repeats=3] [--grids=1x1,2x1,1x2,2x2,4x2]
+  python benchmarks/cold_start.py [--repeats=3] [--grids=1x1,2x1,1x2,2x2,4x2] [--warm]
 
 Each measurement is a fresh Python process with an empty compilation cache (JAX's and the
-library's `programs/` folder), simulated CPU devices, the tiny GPT config. It times from
+library's `programs/` folder), simulated CPU devices, the tiny GPT config. With `--warm`, a
+second process then runs the same variant on the cache the first one filled: the library on its
+`programs/` folder, the plain variants on JAX's persistent compilation cache (with its
+thresholds at zero, so every program is kept): a second identical run's start. It times from
 building the step (model, programs, state) to the first step's updated parameters being ready,
 and counts XLA compilations (`compiled.Counts.xla`: every backend compile of the process). The
 variants of `benchmarks/overhead.py` run the same work:
@@ -36,6 +39,10 @@ sys.path.insert(0, {root!r})
 from resilient_jax import runtime_setup
 runtime_setup.configure_jax(num_cpu_devices=8, cache_dir={cache!r})
 import jax
+if {variant!r} != "library":  # plain JAX at its best: its own persistent cache, every program
+  jax.config.update("jax_compilation_cache_dir", os.path.join({cache!r}, "jax"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from benchmarks import overhead
 from resilient_jax.compiled import Counts
 dp, pp, variant = {dp}, {pp}, {variant!r}
@@ -53,20 +60,25 @@ print(json.dumps(dict(seconds=time.perf_counter() - t0, xla=Counts.xla,
 """
 
 
-def measure(dp: int, pp: int, variant: str) -> dict:
+def measure(dp: int, pp: int, variant: str, warm: bool) -> dict:
+  """The cold start of `variant` (and with `warm`, the second start on its cache)."""
   with tempfile.TemporaryDirectory(prefix="cold_") as cache:
     code = _CHILD.format(root=ROOT, cache=cache, dp=dp, pp=pp, variant=variant)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
-  if out.returncode:
-    raise RuntimeError(f"{variant} {dp}x{pp} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
+    result = {}
+    for run in ("cold", "warm") if warm else ("cold",):
+      out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                           text=True, timeout=900)
+      if out.returncode:
+        raise RuntimeError(f"{variant} {dp}x{pp} ({run}) failed:\n{out.stderr[-3000:]}")
+      result[run] = json.loads(out.stdout.strip().splitlines()[-1])
+  return result
 
 
 def main(argv: list[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--grids", default="1x1,2x1,1x2,2x2,4x2")
+  p.add_argument("--warm", action="store_true", help="also time a second start on the cache")
   args = p.parse_args(argv)
   grids = [tuple(int(x) for x in g.split("x")) for g in args.grids.split(",")]
   cases = []
@@ -78,18 +90,26 @@ def main(argv: list[str] | None = None) -> None:
   runs: dict[tuple, list[dict]] = {c: [] for c in cases}
   for r in range(args.repeats):
     for c in cases[r % len(cases):] + cases[:r % len(cases)]:
-      runs[c].append(measure(*c))
+      runs[c].append(measure(*c, warm=args.warm))
   print(f"load average at end: {os.getloadavg()[0]:.2f}")
-  print("| grid | variant | first step (median s) | XLA compilations | stage programs compiled "
-        "/ loaded | library / plain-dp |")
-  print("|---|---|---|---|---|---|")
-  for dp, pp, variant in cases:
-    rs = runs[(dp, pp, variant)]
-    t = statistics.median(x["seconds"] for x in rs)
-    plain = statistics.median(x["seconds"] for x in runs[(dp, pp, "plain-dp")])
-    ratio = f"{t / plain:.2f}" if variant == "library" else ""
-    own = f"{rs[0]['compiled']} / {rs[0]['loaded']}" if variant == "library" else ""
-    print(f"| {dp}x{pp} | {variant} | {t:.2f} | {rs[0]['xla']} | {own} | {ratio} |")
+  for run in ("cold", "warm") if args.warm else ("cold",):
+    print(f"\n{run} start (a fresh process{' on the cache the cold one filled' * (run == 'warm')})")
+    print("| grid | variant | first step (median s) | XLA compilations | stage programs compiled "
+          "/ loaded | library / plain-dp |")
+    print("|---|---|---|---|---|---|")
+    for dp, pp, variant in cases:
+      rs = [x[run] for x in runs[(dp, pp, variant)]]
+      t = statistics.median(x["seconds"] for x in rs)
+      plain = statistics.median(x[run]["seconds"] for x in runs[(dp, pp, "plain-dp")])
+      ratio = f"{t / plain:.2f}" if variant == "library" else ""
+      own = f"{rs[0]['compiled']} / {rs[0]['loaded']}" if variant == "library" else ""
+      print(f"| {dp}x{pp} | {variant} | {t:.2f} | {rs[0]['xla']} | {own} | {ratio} |")
+  if args.warm:
+    print("\nwarm / cold first step (medians):")
+    for c in cases:
+      cold = statistics.median(x["cold"]["seconds"] for x in runs[c])
+      warm = statistics.median(x["warm"]["seconds"] for x in runs[c])
+      print(f"  {c[0]}x{c[1]} {c[2]}: {warm:.2f}s / {cold:.2f}s = {warm / cold:.2f}")
 
 
 if __name__ == "__main__":

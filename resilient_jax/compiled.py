@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,18 +62,34 @@ _Blob = tuple[bytes, Any, Any]  # serialized executable, in_tree, out_tree
 class Counts:
   """Programs compiled, loaded from another device's compile, and read from disk (all
   `OnEachDevice`s of this process); `xla`: every XLA compilation of the process, JAX's
-  persistent cache reads included (any jitted or eager program)."""
+  persistent cache reads included (any jitted or eager program).
+
+  `build_s`: seconds spent building `OnEachDevice` programs (lowering, compiling, loading);
+  `other_xla_s`: seconds of XLA compilation outside them (eager ops, plain `jax.jit`s).
+  """
 
   compiled = 0
   loaded = 0
   from_disk = 0
   xla = 0
+  build_s = 0.0
+  other_xla_s = 0.0
+
+
+def compile_seconds() -> float:
+  """Seconds this process has spent building programs so far: the time a step spends on them
+  is the difference across it (`Trainer` reports it as `compile_s`, apart from step time)."""
+  return Counts.build_s + Counts.other_xla_s
+
+
+_building = threading.local()  # set while this thread builds an OnEachDevice program
 
 
 def _count_xla(event: str, duration_s: float, **_: Any) -> None:
-  del duration_s
   if event == "/jax/core/compile/backend_compile_duration":  # `jax._src.dispatch`'s name
     Counts.xla += 1
+    if not getattr(_building, "active", False):  # a build times itself whole
+      Counts.other_xla_s += duration_s
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_xla)
@@ -114,7 +131,15 @@ class OnEachDevice:
     program = self._programs.get((device, sig))
     if program is None:
       with self._lock:
-        program = self._programs.get((device, sig)) or self._build(device, sig, args)
+        program = self._programs.get((device, sig))
+        if program is None:
+          t0 = time.perf_counter()
+          _building.active = True
+          try:
+            program = self._build(device, sig, args)
+          finally:
+            _building.active = False
+            Counts.build_s += time.perf_counter() - t0
     return program(*args)
 
   def _build(self, device: jax.Device, sig: _Signature, args: tuple) -> Callable:

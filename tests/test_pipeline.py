@@ -1,6 +1,7 @@
 """The pipelined trainer against a single-device run of the same model and data."""
 
 import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,14 @@ def test_workdir_outputs(tmp_path):
   assert all(t > 0 for t in profile.f) and all(t > 0 for t in profile.w)
   assert "d1 s1 |" in (tmp_path / "schedule.txt").read_text()
   assert len(lines) == 3 and all("loss" in line and "samples/s" in line for line in lines)
+  # Building the programs is reported apart from the step that built them: step 1 of a new
+  # trainer builds (compiles, or reads from the cache folder) and says so, later steps do not,
+  # and samples/s counts step time only.
+  assert rows[0]["compile_s"] > 0 and "building programs:" in lines[0]
+  assert [r["compile_s"] for r in rows[1:]] == [0, 0]
+  assert not any("building" in line for line in lines[1:])
+  for r in rows:
+    assert r["samples_per_s"] == pytest.approx(r["samples"] / r["step_time_s"], rel=1e-3)
 
 
 def test_one_compile_serves_every_device():
@@ -115,3 +124,19 @@ def test_one_compile_serves_every_device():
   out = again(w, put(jnp.linspace(-1, 1, 64).reshape(8, 8)), {"w": put(jnp.ones((8, 8)))})["w"]
   assert Counts.from_disk == before + 1
   np.testing.assert_array_equal(np.asarray(out), outs[0])
+
+
+def test_progress_lines_only_while_work_runs_long():
+  from resilient_jax.progress import reporting
+
+  lines = []
+  with reporting(lines.append, lambda t: f"{t:.2f}s so far", every_s=60):
+    pass  # ends before the first line is due: a quick step's output stays as it was
+  assert lines == []
+  done = threading.Event()
+  with reporting(lines.append, lambda t: (done.set(), "still running")[1], every_s=0.01):
+    assert done.wait(30)  # the block outlives a few periods: a line comes
+  n = len(lines)
+  assert n >= 1 and set(lines) == {"still running"}
+  done.clear()
+  assert not done.wait(0.1) and len(lines) == n  # and none once it has ended

@@ -87,6 +87,11 @@ class StepResult:
   """Attempts the step took (set by the training loop)."""
   stop: bool = False
   """A process asked to stop after this step (`Outcome.stop`)."""
+  compile_s: float = 0.0
+  """Seconds of the attempt spent building programs, not counted in `step_time_s` (set by the
+  training loop)."""
+  programs_built: tuple[int, int, int] = (0, 0, 0)
+  """Programs compiled, read from the cache folder and loaded on other devices in the attempt."""
 
 
 class WorkerLost(Exception):

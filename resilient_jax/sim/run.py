@@ -15,6 +15,7 @@ from typing import Any
 
 from resilient_jax.policy.base import Grid, PolicyUnavailableError, usable_policies
 from resilient_jax.policy.registry import build_policies
+from resilient_jax.progress import reporting
 from resilient_jax.sim.config import SimConfig
 from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.engine import TraceResult, run_trace, sweep
@@ -121,21 +122,26 @@ def run_simulation(
     # Asked for by name: a one-line error rather than a table without it.
     raise PolicyUnavailableError(next(iter(unavailable.values())))
   log(f"simulating {_title(cfg)}; policies: {', '.join(policies)}")
-  rows = sweep(
-    grid,
-    costs,
-    policies,
-    cfg.sweep.failures,
-    samples_per_step=lay.global_batch,
-    placement=cfg.sweep.placement,
-    stage=cfg.sweep.stage,
-    seed=cfg.sweep.seed,
-  )
+  counts = len(cfg.sweep.failures)
+  with reporting(log, lambda t: f"  sweeping {counts} failure counts x {len(policies)} policies: "
+                 f"{t:.0f}s so far"):
+    rows = sweep(
+      grid,
+      costs,
+      policies,
+      cfg.sweep.failures,
+      samples_per_step=lay.global_batch,
+      placement=cfg.sweep.placement,
+      stage=cfg.sweep.stage,
+      seed=cfg.sweep.seed,
+    )
   t_sweep = time.perf_counter() - t_start
   trace = build_trace(cfg)
-  result = run_trace(
-    lay, costs, policies, trace, checkpoint_interval_s=cfg.recovery.checkpoint_interval_s
-  )
+  with reporting(log, lambda t: f"  replaying the failure trace ({len(trace.events)} events) "
+                 f"under every policy: {t:.0f}s so far"):
+    result = run_trace(
+      lay, costs, policies, trace, checkpoint_interval_s=cfg.recovery.checkpoint_interval_s
+    )
   t_total = time.perf_counter() - t_start
   op = costs.op_costs((lay.dp,) * lay.pp)
   results = {
