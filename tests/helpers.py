@@ -76,3 +76,15 @@ def run_launcher(*args: str, env: dict | None = None, timeout: int = 300):
     text=True,
     timeout=timeout,
   )
+
+
+def quick_only(cases, quick):
+  """`cases` for `pytest.mark.parametrize`, those not in `quick` marked `slow`.
+
+  A matrix of end-to-end runs (grids x schedules x policies) keeps one run of each kind in the
+  quick subset (`pytest -m "not slow"`); the full suite runs them all.
+  """
+  import pytest
+
+  quick = set(quick)
+  return [c if c in quick else pytest.param(*c, marks=pytest.mark.slow) for c in cases]

@@ -11,14 +11,15 @@ import pytest
 from resilient_jax import data as data_lib
 from resilient_jax.compiled import Counts, OnEachDevice
 from resilient_jax.trainer import Trainer, train
-from tests.helpers import assert_matches_reference, tiny_config
+from tests.helpers import assert_matches_reference, quick_only, tiny_config
 
 GRIDS = [(1, 1), (2, 1), (1, 4), (2, 4), (4, 2)]
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("dp,pp", GRIDS)
+@pytest.mark.parametrize("dp,pp,schedule", quick_only(
+  [(dp, pp, s) for dp, pp in GRIDS for s in SCHEDULES],
+  [(1, 1, "gpipe"), (2, 1, "1f1b"), (1, 4, "zb-h1"), (2, 4, "1f1b"), (4, 2, "zb-h1")]))
 def test_matches_single_device(tmp_path, dp, pp, schedule):
   cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, pipeline__schedule=schedule)
   result = train(cfg, tmp_path, log=lambda _: None)
