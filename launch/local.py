@@ -301,8 +301,8 @@ def launch(
     not_reached = sorted(set(events) - killed - set(frozen) - termed)
     if not_reached:
       with lock:
-        logging.info("[launch] processes %s never reached their --kill/--stop point",
-                     not_reached)
+        logging.warning("[launch] processes %s never reached their --kill/--stop point",
+                        not_reached)
     # A frozen process that was let go ends as the others left it (7: declared dead; 5: the
     # job had ended); and any process the others declared dead leaving with 7 is the job
     # working as designed, once process 0 finished.
@@ -310,7 +310,7 @@ def launch(
     expected = {EXIT_OK} | ({EXIT_DECLARED_DEAD} if codes.get(0) == EXIT_OK else set())
     failed = {i: c for i, c in survivors.items() if c not in expected}
     summary = ", ".join(f"p{i}={'killed' if i in killed else c}" for i, c in codes.items())
-    logging.info("[launch] exit codes: %s", summary)
+    print(f"[launch] exit codes: {summary}", flush=True)  # the job's result: on stdout, always
     return next(iter(failed.values())) if failed else 0
   finally:
     for p in procs:
