@@ -1,4 +1,12 @@
-"""What every entry point in `launch/` shares: bad input is one line on stderr and exit 2.
+"""What every entry point in `launch/` shares: absl's app, bad input as one line and exit 2.
+
+Every launcher (and `python -m resilient_jax.checkpoint`) runs through `run`, an `absl.app.run`
+entry point: `--help`/`--helpshort` (the launcher's own flags), `--helpfull` (every flag) and
+absl's logging flags work as in any absl program, and help exits 0. Progress lines are
+`absl.logging` lines (`resilient_jax.logs`); `route_logs` sends them to stdout by default, so
+stderr holds only the one-line error of a failed run, to `--log_dir`'s file when that is given
+(plus stderr with `--alsologtostderr`), or to stderr alone with `--logtostderr`. Other
+libraries' INFO lines are held back unless `--verbosity` is given.
 
 A launcher's inputs are checked before JAX starts: flags, the config file and its
 `--config.KEY=VALUE` overrides (`load_config`), and the output directory (`writable_dir`).
@@ -25,7 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import ml_collections
-from absl import flags
+from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 # Not re-exported by the package: the parser that loads a config file, and the test for a
@@ -52,16 +61,87 @@ def fail(message: str, code: int = EXIT_BAD_CONFIG) -> NoReturn:
   sys.exit(code)
 
 
-def run(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
-  """Parses flags (a bad flag or config is a one-line error, exit 2), then calls `main`.
+def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> None:
+  """Runs `main` under `absl.app.run`, with this module's flag parsing.
+
+  A bad flag or config is a one-line error and exit 2 (absl's own parser would print the
+  usage and exit 1); `--help`, `--helpshort` and `--helpfull` print help and exit 0.
 
   Args:
-    main: the launcher, called with the arguments left after the flags (the program first).
+    main: the launcher, called with the arguments left after the flags (the program first);
+      what it returns is the exit code.
     argv: the command line; default `sys.argv`.
   """
   argv = list(sys.argv if argv is None else argv)
   sys.argv = argv  # config_flags reads the --config.KEY overrides from sys.argv
-  main(parse_flags(flags.FLAGS, argv))
+  _describe_program(sys.modules.get(main.__module__), argv[0])
+  app.run(main, argv, flags_parser=_parse_app_flags)
+
+
+_HELP_RE = re.compile(r"^--?(\?|help|helpshort|helpfull|helpxml)(=.*)?$")
+
+
+def _parse_app_flags(argv: Sequence[str]) -> list[str]:
+  """`absl.app.run`'s flags_parser: `parse_flags` on the global flags, then `route_logs`."""
+  try:
+    remaining = parse_flags(flags.FLAGS, argv)
+  except SystemExit as e:
+    # absl's help flags print the help, then exit 1; asking for help is no failure.
+    if e.code == 1 and any(_HELP_RE.match(a) for a in _flags_part(argv)):
+      sys.exit(0)
+    raise
+  route_logs()
+  return remaining
+
+
+def _flags_part(argv: Sequence[str]) -> list[str]:
+  """The arguments before `--` (after it they are arguments, not flags)."""
+  argv = list(argv)
+  return argv[: argv.index("--")] if "--" in argv else argv
+
+
+def _describe_program(module: Any, program: str) -> None:
+  """Makes `--help` describe the launcher under any program name.
+
+  absl's `--help` prints `__main__`'s docstring and the key flags of the module named
+  `sys.argv[0]`. Under `python -m launch.train` that is the launcher; under a console script
+  (`resilient-jax-train`) `__main__` is a generated wrapper, so the launcher's docstring and
+  flags (and the training flags it defines through this module) are lent to it.
+  """
+  if module is None:
+    return
+  main_module = sys.modules.get("__main__")
+  if main_module is not None and main_module is not module and not main_module.__doc__:
+    main_module.__doc__ = module.__doc__
+  names = {module.__name__, __name__}
+  for name in names:
+    for flag in flags.FLAGS.get_key_flags_for_module(name):
+      flags.FLAGS.register_key_flag_for_module(program, flag)
+
+
+def route_logs() -> None:
+  """Sends absl's log lines where the parsed logging flags say.
+
+  `--logtostderr`: stderr only (absl does that itself). `--log_dir=D`: absl's log file in D
+  (created if needed), and stderr too with `--alsologtostderr`. Neither: the console, on
+  stdout, so that progress lines and a failed run's one-line error (stderr) stay apart;
+  `--alsologtostderr` alone moves them to stderr. `--verbosity`/`-v` sets the level (INFO by
+  default: absl.app raises it there); without `--verbosity`, other libraries' INFO lines (orbax
+  logs each save's internals) are held back and only this project's progress lines are INFO.
+  """
+  from resilient_jax.logs import LibraryInfoFilter
+
+  values = flags.FLAGS
+  handler = absl_logging.get_absl_handler()
+  if values["verbosity"].using_default_value:
+    handler.addFilter(LibraryInfoFilter())
+  if values.logtostderr:
+    return
+  if values.log_dir:
+    writable_dir("--log_dir", values.log_dir)
+    handler.use_absl_log_file()
+  elif not values.alsologtostderr:
+    handler.python_handler.stream = sys.stdout
 
 
 def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
@@ -73,6 +153,15 @@ def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]
     return flag_values(list(argv))
   except Exception as e:  # noqa: BLE001 - loading the config file runs the user's code
     fail(describe(e, flag_values, argv))
+
+
+def log_file() -> str | None:
+  """The absl log file this process writes (with `--log_dir`), or None."""
+  stream = absl_logging.get_absl_handler().python_handler.stream
+  name = getattr(stream, "name", None)
+  if stream in (sys.stdout, sys.stderr) or not isinstance(name, str):
+    return None
+  return name if os.path.isfile(name) else None
 
 
 # ---------------------------------------------------------------- the training flags
@@ -139,7 +228,25 @@ def parse_train_args(argv: Sequence[str]) -> tuple[RunConfig, str]:
   """
   flag_values = flags.FlagValues()
   train_flags = define_train_flags(flag_values, sys_argv=argv)
+  _define_absl_flags(flag_values)
   return train_inputs(parse_flags(flag_values, argv), train_flags)
+
+
+def _define_absl_flags(flag_values: flags.FlagValues) -> None:
+  """Defines on `flag_values` the flags `absl.app` and `absl.logging` give every launcher
+  (`--log_dir`, `-v`, ...), except help, so they are checked as the launcher will check them.
+
+  Copies with the same parsers but plain `Flag`s: absl's verbosity and logger-level flags
+  change this process's logging when set, and checking a worker's flags must not.
+  """
+  for module in ("absl.app", "absl.logging"):
+    for flag in flags.FLAGS.get_flags_for_module(module):
+      if flag.name in flag_values or _HELP_RE.match(f"--{flag.name}"):
+        continue
+      flags.DEFINE_flag(flags.Flag(
+        flag.parser, flag.serializer, flag.name, None, flag.help, flag.short_name,
+        boolean=isinstance(flag, flags.BooleanFlag),
+      ), flag_values=flag_values, module_name=module)
 
 
 # ---------------------------------------------------------------- config and directories

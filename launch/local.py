@@ -20,8 +20,10 @@ after S seconds, when it finds itself declared dead and exits 7 if the others we
 it; with 0 it stays frozen and is killed once the others are done. `--term` takes one such
 point: when that process reaches it, every running process gets SIGTERM (a preemption).
 
-The arguments after `--` are checked as `launch.train` reads them (`launch/cli.py`) before any
-process starts: a bad flag, config, workdir or process count is one line on stderr and exit 2.
+The arguments after `--` are `launch.train`'s (`python -m launch.train --help` lists them; absl's
+logging flags there apply to every worker, e.g. `--log_dir=D`: one log file per process). They
+are checked as `launch.train` reads them (`launch/cli.py`) before any process starts: a bad
+flag, config, workdir or process count is one line on stderr and exit 2.
 
 Exit code: 0 if every process that was not killed finished with 0 (or 7, declared dead, while
 process 0 finished with 0), else the first other code among them (`launch/train.py` documents
@@ -43,7 +45,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from absl import flags
+from absl import flags, logging
 
 from launch import cli
 from resilient_jax.exit_codes import EXIT_DECLARED_DEAD, EXIT_OK
@@ -180,6 +182,8 @@ def worker_args(train_args: list[str], num_processes: int, process: int, port: i
 
 
 def _stream(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
+  """Relays a process's output, each line prefixed: its own absl lines (and errors), as they
+  are; the launcher's own lines are absl lines of its own."""
   for raw in iter(proc.stdout.readline, b""):
     line = raw.decode(errors="replace").rstrip("\n")
     with lock:
@@ -257,8 +261,8 @@ def launch(
               q.send_signal(signal.SIGTERM)
           marker.unlink()
           with lock:
-            print(f"[launch] SIGTERM to every running process (process {i} at step "
-                  f"{events[i][0]}, {events[i][1]})", flush=True)
+            logging.info("[launch] SIGTERM to every running process (process %d at step %d, %s)",
+                         i, events[i][0], events[i][1])
         elif marker.exists() and procs[i].poll() is None:
           step, where, action = events[i]
           procs[i].send_signal(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
@@ -273,17 +277,17 @@ def launch(
             f.write(json.dumps({"process": i, "step": step, "at": where, "time": now,
                                 "signal": "SIGKILL" if action == "kill" else "SIGSTOP"}) + "\n")
           with lock:
-            print(f"[launch] {'SIGKILLed' if action == 'kill' else 'SIGSTOPped'} process {i} "
-                  f"at step {step} ({where})", flush=True)
+            logging.info("[launch] %s process %d at step %d (%s)",
+                         "SIGKILLed" if action == "kill" else "SIGSTOPped", i, step, where)
       for i, when in sorted(frozen.items()):
         if time.monotonic() >= when:
           frozen[i] = float("nan")  # let go once
           procs[i].send_signal(signal.SIGCONT)
           with lock:
-            print(f"[launch] SIGCONT to process {i}", flush=True)
+            logging.info("[launch] SIGCONT to process %d", i)
       if time.monotonic() > deadline:
         with lock:
-          print(f"[launch] timed out after {timeout_s:.0f}s; killing every process", flush=True)
+          logging.info("[launch] timed out after %.0fs; killing every process", timeout_s)
         return 124
       time.sleep(0.02)
     still_frozen = [i for i, when in frozen.items() if when == float("inf")]
@@ -297,8 +301,8 @@ def launch(
     not_reached = sorted(set(events) - killed - set(frozen) - termed)
     if not_reached:
       with lock:
-        print(f"[launch] processes {not_reached} never reached their --kill/--stop point",
-              flush=True)
+        logging.warning("[launch] processes %s never reached their --kill/--stop point",
+                        not_reached)
     # A frozen process that was let go ends as the others left it (7: declared dead; 5: the
     # job had ended); and any process the others declared dead leaving with 7 is the job
     # working as designed, once process 0 finished.
@@ -306,7 +310,7 @@ def launch(
     expected = {EXIT_OK} | ({EXIT_DECLARED_DEAD} if codes.get(0) == EXIT_OK else set())
     failed = {i: c for i, c in survivors.items() if c not in expected}
     summary = ", ".join(f"p{i}={'killed' if i in killed else c}" for i, c in codes.items())
-    print(f"[launch] exit codes: {summary}", flush=True)
+    print(f"[launch] exit codes: {summary}", flush=True)  # the job's result: on stdout, always
     return next(iter(failed.values())) if failed else 0
   finally:
     for p in procs:
@@ -368,5 +372,10 @@ def main(argv: list[str]) -> None:
                   port=port, timeout_s=_TIMEOUT.value))
 
 
-if __name__ == "__main__":
+def run() -> None:
+  """The `resilient-jax-local` console script (`python -m launch.local`)."""
   cli.run(main)
+
+
+if __name__ == "__main__":
+  run()

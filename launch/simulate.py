@@ -1,7 +1,8 @@
 """Simulate resilient training at cluster scale: `python -m launch.simulate --config=... --out=DIR`.
 
 Prints a table (relative throughput against concurrent failures per policy, then each policy
-through a failure trace) and writes results.json, sim_trace.png and sim_failures.png to --out.
+through a failure trace) and writes results.json, sim_trace.png and sim_failures.png to --out;
+progress lines are absl log lines (`--log_dir`, `--verbosity`, see `--helpfull`).
 Exit codes: 0 done, 2 bad configuration, flags or input files (one line on stderr).
 """
 
@@ -32,7 +33,7 @@ def main(argv: list[str]) -> None:
   cfg = cli.load_config(_CONFIG, from_config_dict, "configs/sim/gpt3_6_7b.py")
   out = cli.writable_dir("--out", _OUT.value)
   try:
-    results = run_simulation(cfg, out, log=lambda line: print(line, flush=True))
+    results = run_simulation(cfg, out)  # progress: absl logging at INFO
   except (PolicyUnavailableError, ValueError) as e:
     # Bad input files (profile, trace CSV) and unavailable policies: one line, exit 2.
     cli.fail(cli.last_line(e))
@@ -41,7 +42,15 @@ def main(argv: list[str]) -> None:
   print(format_table(results))
   for name in ("results.json", "sim_trace.png", "sim_failures.png"):
     print(f"  {_OUT.value.rstrip('/')}/{name}")
+  log = cli.log_file()
+  if log:
+    print(f"log: {log}")
+
+
+def run() -> None:
+  """The `resilient-jax-simulate` console script (`python -m launch.simulate`)."""
+  cli.run(main)
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  run()

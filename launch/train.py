@@ -11,12 +11,17 @@ SIGINT: stopped after the step in flight with a checkpoint of it); multi-process
 the coordination service (process 0) was lost, requeue the job; 6 a survivor waited past
 distributed.wait_timeout_s; 7 the other processes declared this one dead (its heartbeat stopped
 for distributed.heartbeat_timeout_s) and went on without it.
+
+Progress lines are absl log lines at INFO (stdout by default; `--log_dir`, `--alsologtostderr`,
+`--verbosity`: see `--helpfull`); the final loss and the list of outputs are printed to stdout.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from absl import logging
 
 from launch import cli
 
@@ -44,18 +49,17 @@ def main(argv: list[str]) -> None:
   chief = cluster is None or cluster.process_id == 0
   if chief:
     where = f" on {cluster.num_processes} processes" if cluster else ""
-    print(
-      f"training {cfg.mesh.dp}x{cfg.mesh.pp} (dp x pp){where}, schedule "
-      f"{cfg.pipeline.schedule}, policy {cfg.resilience.policy}, {cfg.train.steps} steps; "
-      f"outputs in {workdir}",
-      flush=True,
+    logging.info(
+      "training %dx%d (dp x pp)%s, schedule %s, policy %s, %d steps; outputs in %s",
+      cfg.mesh.dp, cfg.mesh.pp, where, cfg.pipeline.schedule, cfg.resilience.policy,
+      cfg.train.steps, workdir,
     )
 
   from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, exit_code_for
   from resilient_jax.trainer import train
 
   try:
-    result = train(cfg, workdir, log=lambda line: print(line, flush=True), cluster=cluster)
+    result = train(cfg, workdir, cluster=cluster)  # progress: absl logging at INFO
   except Exception as e:
     code = exit_code_for(e)
     if code == EXIT_PREEMPTED:  # not an error: the run stopped as asked, with a checkpoint
@@ -81,6 +85,7 @@ def main(argv: list[str]) -> None:
 
 
 def _report(metrics: list[dict], workdir: str) -> None:
+  """The run's result on stdout, whatever the logging flags: its final loss and its files."""
   if metrics:
     print(f"done: {len(metrics)} steps, final loss {metrics[-1]['loss']:.4f}")
   order = ["metrics.jsonl", "recovery.json", "timeline.png", "timeline.json", "schedule.txt"]
@@ -90,7 +95,15 @@ def _report(metrics: list[dict], workdir: str) -> None:
       continue
     path = os.path.join(workdir, name)
     print(f"  {path}{'/' if os.path.isdir(path) else ''}")
+  log = cli.log_file()
+  if log:
+    print(f"log: {log}")
+
+
+def run() -> None:
+  """The `resilient-jax-train` console script (the same program as `python -m launch.train`)."""
+  cli.run(main)
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  run()

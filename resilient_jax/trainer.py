@@ -49,6 +49,7 @@ from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_d
 from resilient_jax.compiled import Counts, compile_seconds
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
+from resilient_jax.logs import info
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
 from resilient_jax.progress import reporting
 from resilient_jax.recipe import (
@@ -135,7 +136,8 @@ class Trainer:
     cfg: the validated run configuration.
     workdir: where outputs go (created). A workdir holding checkpoints is resumed from.
     devices: devices to use in a single-process run (default: all local devices).
-    log: where progress lines go (in a multi-process job only process 0's reach it).
+    log: where progress lines go (default: absl logging at INFO; in a multi-process job only
+      process 0's reach it).
     faults: failures to inject besides the config's `faults.schedule` (in-process).
     cluster: the joined `jax.distributed` job (`runtime.cluster.Cluster`) for a multi-process
       run; None runs every slot in this process.
@@ -149,7 +151,7 @@ class Trainer:
     workdir: str | os.PathLike,
     *,
     devices: list[jax.Device] | None = None,
-    log: Logger = print,
+    log: Logger = info,
     faults: Sequence[FaultEvent] = (),
     cluster=None,
     model: Any = None,

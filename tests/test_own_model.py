@@ -200,7 +200,7 @@ def test_readme_example_runs(tmp_path):
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "FAILURE: worker (dp=1, stage=1) failed at the start of step 3" in proc.stdout
+  assert "FAILURE: worker (dp=1, stage=1) failed at the start of step 3" in proc.stderr  # absl
   assert np.isfinite(float(proc.stdout.strip().splitlines()[-1]))
 
 

@@ -1,8 +1,9 @@
-"""`python -m resilient_jax.checkpoint {inspect,verify} DIR`.
+"""`python -m resilient_jax.checkpoint {inspect,verify} DIR` (or `resilient-jax-checkpoint`).
 
 DIR is one checkpoint (`.../checkpoints/step_00000012`), a checkpoints folder, or a workdir;
-for the latter two the newest committed checkpoint is used. Exit codes: 0 ok, 1 corrupt,
-2 bad usage or nothing to read.
+for the latter two the newest committed checkpoint is used. `inspect` prints the checkpoint's
+step, layout and entries; `verify` loads every entry and checks its checksum. Exit codes: 0 ok,
+1 corrupt, 2 bad usage, a bad flag or nothing to read.
 """
 
 from __future__ import annotations
@@ -71,5 +72,13 @@ def main(argv: list[str]) -> int:
   return 0
 
 
+def run() -> None:
+  """The `resilient-jax-checkpoint` console script: `main` as an absl program, like the
+  launchers (`--help`, absl's logging flags; a bad flag is one line and exit 2)."""
+  from launch import cli
+
+  cli.run(main)
+
+
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  run()

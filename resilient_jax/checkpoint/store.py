@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from resilient_jax.checkpoint import reader
+from resilient_jax.logs import info
 
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
@@ -158,7 +159,7 @@ def load(path: str | Path, workers: int | None = None) -> Loaded:
   return Loaded(meta["step"], tree["params"], tree["opt_state"], meta, path, timings)
 
 
-def load_latest(root: str | Path, log: Callable[[str], None] = print) -> Loaded | None:
+def load_latest(root: str | Path, log: Callable[[str], None] = info) -> Loaded | None:
   """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
   for step in reversed(committed_steps(root)):
     try:

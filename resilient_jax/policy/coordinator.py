@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Sequence
 
 from resilient_jax.config import FaultsConfig, MeshConfig, RunConfig
+from resilient_jax.logs import info
 from resilient_jax.policy.base import Grid, Policy, Transition
 from resilient_jax.policy.costs import analytic_costs, even_partition, recovery_params
 from resilient_jax.policy.phases import Phase, PhaseLog
@@ -86,7 +87,7 @@ class RunCoordinator(PhaseLog):
     log: where decisions are reported.
   """
 
-  def __init__(self, cfg: RunConfig, nodes: Sequence[int], log: Callable[[str], None] = print):
+  def __init__(self, cfg: RunConfig, nodes: Sequence[int], log: Callable[[str], None] = info):
     self.cfg = cfg
     self.log = log
     self.live: set[int] = set(nodes)

@@ -50,6 +50,7 @@ import jax
 
 from resilient_jax.config import DistributedConfig
 from resilient_jax.exit_codes import EXIT_COORDINATOR_LOST, EXIT_DECLARED_DEAD, EXIT_WAIT_TIMEOUT
+from resilient_jax.logs import info
 
 PROBE_TIMEOUT_S = 0.25
 """A probe that gets no answer within this proves nothing (a silent host: left to heartbeats)."""
@@ -202,7 +203,7 @@ class Cluster:
   Must be created before JAX initialises its backends.
   """
 
-  def __init__(self, cfg: DistributedConfig, log: Logger = print):
+  def __init__(self, cfg: DistributedConfig, log: Logger = info):
     self.cfg = cfg
     self.log = log
     jax.config.update("jax_enable_recoverability", True)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resilient_jax.logs import info
 from resilient_jax.policy.base import Grid, PolicyUnavailableError, usable_policies
 from resilient_jax.policy.registry import build_policies
 from resilient_jax.progress import reporting
@@ -96,7 +97,7 @@ def _trace_json(cfg: SimConfig, result: TraceResult) -> dict[str, Any]:
 
 
 def run_simulation(
-  cfg: SimConfig, out_dir: str | Path | None = None, *, log: Callable[[str], None] = print
+  cfg: SimConfig, out_dir: str | Path | None = None, *, log: Callable[[str], None] = info
 ) -> dict[str, Any]:
   """Simulates the sweep and the trace for every policy of `cfg`.
 
