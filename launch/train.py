@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from launch import cli
 
@@ -24,6 +25,7 @@ _FLAGS = cli.define_train_flags()
 
 
 def main(argv: list[str]) -> None:
+  started = time.time()
   cfg, workdir = cli.train_inputs(argv, _FLAGS)
 
   from resilient_jax import runtime_setup
@@ -74,23 +76,30 @@ def main(argv: list[str]) -> None:
       raise
     cli.fail(str(e), code)
   if chief:
-    _report(result.metrics, workdir)
+    _report(result.metrics, workdir, started)
   if cluster is not None:
     # A normal interpreter exit would block in the distributed client's shutdown.
     cluster.finish(EXIT_OK)
 
 
-def _report(metrics: list[dict], workdir: str) -> None:
+def _report(metrics: list[dict], workdir: str, started: float) -> None:
+  """Lists what this run wrote; files an earlier run left in the workdir (a resumed run's
+  timelines of steps it did not run, say) are named apart, not as this run's."""
   if metrics:
     print(f"done: {len(metrics)} steps, final loss {metrics[-1]['loss']:.4f}")
   order = ["metrics.jsonl", "recovery.json", "timeline.png", "timeline.json", "schedule.txt"]
   files = sorted(os.listdir(workdir), key=lambda n: (order.index(n) if n in order else 99, n))
+  earlier = []
   for name in files:
     if name.startswith("."):
       continue
     path = os.path.join(workdir, name)
+    if os.path.getmtime(path) < started:
+      earlier.append(name)
+      continue
     print(f"  {path}{'/' if os.path.isdir(path) else ''}")
-
+  if earlier:
+    print(f"  left by an earlier run (not written by this one): {', '.join(earlier)}")
 
 if __name__ == "__main__":
   cli.run(main)
