@@ -83,23 +83,17 @@ def main(argv: list[str]) -> None:
 
 
 def _report(metrics: list[dict], workdir: str, started: float) -> None:
-  """Lists what this run wrote; files an earlier run left in the workdir (a resumed run's
-  timelines of steps it did not run, say) are named apart, not as this run's."""
+  from resilient_jax.files import run_outputs
+
   if metrics:
     print(f"done: {len(metrics)} steps, final loss {metrics[-1]['loss']:.4f}")
-  order = ["metrics.jsonl", "recovery.json", "timeline.png", "timeline.json", "schedule.txt"]
-  files = sorted(os.listdir(workdir), key=lambda n: (order.index(n) if n in order else 99, n))
-  earlier = []
-  for name in files:
-    if name.startswith("."):
-      continue
+  written, earlier = run_outputs(workdir, started)
+  for name in written:
     path = os.path.join(workdir, name)
-    if os.path.getmtime(path) < started:
-      earlier.append(name)
-      continue
     print(f"  {path}{'/' if os.path.isdir(path) else ''}")
   if earlier:
     print(f"  left by an earlier run (not written by this one): {', '.join(earlier)}")
+
 
 if __name__ == "__main__":
   cli.run(main)
