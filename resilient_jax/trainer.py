@@ -13,8 +13,9 @@ Order of a run:
      restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
      again with the same samples;
   4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
-     `checkpoint.every_steps`; the last step and the first after each failure run in profile
-     mode for their timelines (in-process).
+     `checkpoint.every_steps`; the last step, the last fault-free step before the first injected
+     failure and the first step after each run in profile mode for their timelines and the
+     failure report's replayed step times (in-process; `profiling.RunTimelines`).
 
 Workdir outputs (process 0): `metrics.jsonl`, `recovery.json` (per failure: detection and time
 to the next committed step), `timeline*.json/png`, `schedule.txt`, `profile.json`,
