@@ -290,8 +290,10 @@ def test_run_outputs_names_an_earlier_runs_files_apart(tmp_path):
   from resilient_jax.files import run_outputs
 
   started = time.time() - 30  # this run started then; the earlier one wrote before it
-  for name in ("timeline_step6.png", "metrics.jsonl", "timeline.png", "config.json", ".tmp"):
+  for name in ("timeline_step6.png", "metrics.jsonl", "timeline.png", "config.json", ".tmp",
+               "timeline_step11.png", "timeline_step4.png"):
     (tmp_path / name).write_text("x")
   os.utime(tmp_path / "timeline_step6.png", (started - 60, started - 60))
   assert run_outputs(tmp_path, started) == (
-    ["metrics.jsonl", "timeline.png", "config.json"], ["timeline_step6.png"])
+    ["metrics.jsonl", "timeline.png", "config.json", "timeline_step4.png", "timeline_step11.png"],
+    ["timeline_step6.png"])
