@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from absl import logging
 
@@ -29,6 +30,7 @@ _FLAGS = cli.define_train_flags()
 
 
 def main(argv: list[str]) -> None:
+  started = time.time()
   cfg, workdir = cli.train_inputs(argv, _FLAGS)
 
   from resilient_jax import runtime_setup
@@ -78,23 +80,24 @@ def main(argv: list[str]) -> None:
       raise
     cli.fail(str(e), code)
   if chief:
-    _report(result.metrics, workdir)
+    _report(result.metrics, workdir, started)
   if cluster is not None:
     # A normal interpreter exit would block in the distributed client's shutdown.
     cluster.finish(EXIT_OK)
 
 
-def _report(metrics: list[dict], workdir: str) -> None:
+def _report(metrics: list[dict], workdir: str, started: float) -> None:
   """The run's result on stdout, whatever the logging flags: its final loss and its files."""
+  from resilient_jax.files import run_outputs
+
   if metrics:
     print(f"done: {len(metrics)} steps, final loss {metrics[-1]['loss']:.4f}")
-  order = ["metrics.jsonl", "recovery.json", "timeline.png", "timeline.json", "schedule.txt"]
-  files = sorted(os.listdir(workdir), key=lambda n: (order.index(n) if n in order else 99, n))
-  for name in files:
-    if name.startswith("."):
-      continue
+  written, earlier = run_outputs(workdir, started)
+  for name in written:
     path = os.path.join(workdir, name)
     print(f"  {path}{'/' if os.path.isdir(path) else ''}")
+  if earlier:
+    print(f"  left by an earlier run (not written by this one): {', '.join(earlier)}")
   log = cli.log_file()
   if log:
     print(f"log: {log}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,3 +53,22 @@ def read_jsonl(path: str | os.PathLike, log: Logger | None = None) -> list[Any]:
         log(f"{path}: dropped line {i + 1}, which is not whole JSON (its writer stopped "
             f"mid-write): {line[:60]!r}")
   return rows
+
+
+OUTPUT_ORDER = ("metrics.jsonl", "recovery.json", "timeline.png", "timeline.json", "schedule.txt")
+
+
+def run_outputs(workdir: str | os.PathLike, since: float) -> tuple[list[str], list[str]]:
+  """The workdir's entries (hidden ones left out), as `(written, earlier)`: those written at or
+  after `since` (a `time.time()`), so by the run that started then, and those left by an
+  earlier run on the same workdir (e.g. a resumed run's timelines of steps it did not run).
+  The main outputs come first, then the rest by name, numbers in order (step 4 before 11)."""
+  names = sorted(
+    (n for n in os.listdir(workdir) if not n.startswith(".")),
+    key=lambda n: (OUTPUT_ORDER.index(n) if n in OUTPUT_ORDER else len(OUTPUT_ORDER),
+                   [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", n)]),
+  )
+  written, earlier = [], []
+  for name in names:
+    (written if os.path.getmtime(os.path.join(workdir, name)) >= since else earlier).append(name)
+  return written, earlier

@@ -10,13 +10,24 @@ benchmark compares against the cost model's prediction.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import jax
 
 from resilient_jax import timeline
 from resilient_jax.runtime.interpreter import OpRecord
 from resilient_jax.schedule.core import AR, BW, OPT, B, F, Op, Schedule, W, Worker
 from resilient_jax.schedule.cost import OpCosts, Timeline, replay
+
+
+def simulated_cpu_devices() -> int:
+  """Simulated CPU devices sharing this host's cores in this process, or 0 (real accelerators,
+  or one CPU device per process): where they share cores, wall-clock step times show the total
+  compute of a step rather than its schedule, and only a replay tells the step time."""
+  devices = jax.local_devices()
+  return len(devices) if devices[0].platform == "cpu" and len(devices) > 1 else 0
 
 
 def measured_durations(records: Iterable[OpRecord]) -> dict[tuple[Worker, Op], float]:
@@ -74,33 +85,122 @@ def write_step_timeline(
   *,
   title: str = "",
   stem: str = "timeline",
+  failed: Mapping[Worker, int] | None = None,
+  metadata: Mapping[str, Any] | None = None,
+  replayed: Timeline | None = None,
 ) -> Timeline:
   """Writes `<stem>.json` (Chrome/Perfetto trace) and `<stem>.png` (Gantt) for one step, and
-  for the main timeline `profile.json` (measured per-stage op times, the simulator's input)."""
+  for the main timeline `profile.json` (measured per-stage op times, the simulator's input).
+
+  Args:
+    schedule: the schedule the step ran.
+    records: its profiled ops.
+    out_dir: where the files go.
+    title: the first line of the title (which step, and why it was drawn).
+    stem: the files' name without extension.
+    failed: `{worker: step}` of the grid's failed workers, drawn as failed rows.
+    metadata: extra entries for the trace's `otherData`.
+    replayed: `replay_records(schedule, records)` when the caller has it already.
+  """
   out_dir = Path(out_dir)
-  tl = replay_records(schedule, records)
+  tl = replayed if replayed is not None else replay_records(schedule, records)
   measured = max((r.end for r in records), default=0.0)
   label = (
-    f"{title}: {schedule.name}, replayed from measured op times "
+    f"{schedule.name} schedule replayed from measured op times "
     f"(makespan {tl.makespan * 1e3:.1f} ms)"
   )
   timeline.write_chrome_trace(
     tl.spans,
     out_dir / f"{stem}.json",
-    title=label,
+    title=f"{title}; {label}" if title else label,
     metadata={
       "schedule": schedule.name,
       "replayed_makespan_s": tl.makespan,
       "serial_profile_time_s": measured,
       "schedule_text": schedule.to_text(),
+      **(metadata or {}),
     },
+    failed=failed,
   )
   timeline.plot_gantt(
     tl.spans,
     out_dir / f"{stem}.png",
-    title=label,
+    title=f"{title}\n{label}" if title else label,
     highlight_mbs=rerouted_work(schedule) or None,
+    failed=failed,
   )
   if stem == "timeline":
     write_profile(costs_from_records(records, schedule.pp), schedule.pp, out_dir / "profile.json")
   return tl
+
+
+class RunTimelines:
+  """Which steps of a run are profiled and drawn, and what each drawing's title says.
+
+  Drawn: the last step (`timeline.*`) and, around the failures injected in-process (known in
+  advance), as `timeline_step<N>.*` with N the step drawn:
+  * the last fault-free step before the first failure, kept for comparison (from step 2 on:
+    step 1's op times include compiling every program);
+  * the first step after each failure (the failure's own step when it is the run's last),
+    so a short run draws it too.
+
+  Args:
+    failure_steps: the steps of the injected failures.
+    end: the run's last step.
+    total: `train.steps` (differs from `end` with `train.stop_after`).
+  """
+
+  def __init__(self, failure_steps: Iterable[int], end: int, total: int):
+    self.failures = sorted(set(failure_steps))
+    self.end = end
+    self.total = total
+    first = self.failures[0] if self.failures else 0
+    self.fault_free = first - 1 if first > 2 else 0
+    self.after = {f + 1 for f in self.failures if f < end} | ({end} & set(self.failures))
+    self.written: list[str] = []
+
+  def profile(self, step: int, failed: bool) -> bool:
+    """Whether `step` runs in profile mode; `failed`: a failure happened before it."""
+    return step == self.end or step == self.fault_free or (step in self.after and failed)
+
+  def kind(self, step: int, failed: bool) -> str | None:
+    """After the step ran: "fault-free", "after failure" (a `timeline_step<N>` drawing) or
+    None; `failed`: a failure happened before it or during it."""
+    if step == self.fault_free and not failed:
+      return "fault-free"
+    if step in self.after and failed:
+      return "after failure"
+    return None
+
+  def title(self, step: int, kind: str | None, failed: Mapping[Worker, int],
+            failures: Sequence[int], compiles: int) -> str:
+    """The drawing's first title line.
+
+    Args:
+      step: the step drawn.
+      kind: what `kind` said, None for the last step.
+      failed: `{worker: failure step}` of the plan's failed workers.
+      failures: the steps of the failures so far.
+      compiles: XLA compilations during the step (their time is in the op times).
+    """
+    if kind == "fault-free":
+      text = (f"step {step}: fault-free, the last step before the failure at step "
+              f"{self.failures[0]} (kept for comparison)")
+    elif kind == "after failure":
+      at = step - 1 if step - 1 in failures else step
+      who = sorted(w for w, s in failed.items() if s == at)
+      names = ", ".join(f"d{d} s{s}" for d, s in who)
+      worker = f" (worker{'s' if len(who) > 1 else ''} {names})" if who else ""
+      if at == step:
+        text = f"step {step}: run on the survivors of the failure in this step{worker}"
+      else:
+        text = f"step {step}: the first step after the failure at step {at}{worker}"
+    else:
+      text = f"step {step} of {self.total}: the last step"
+      if failures:
+        steps = sorted(set(failures))
+        text += f", after the failure{'s' if len(steps) > 1 else ''} at step"
+        text += f"{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+    if compiles:
+      text += f" ({compiles} XLA compilations ran in this step: its op times include them)"
+    return text

@@ -8,6 +8,10 @@ runtime's measurements and hand-written tuples alike: a span is anything with at
 traces and milliseconds for plots.
 
 A transfer is a tuple `(src_worker, dst_worker, start, end, label)`, drawn on the destination.
+
+Failed workers (`failed`: worker -> the step it failed in) have no ops; both writers still give
+each its row, marked as failed across the whole step, so a failure shows instead of a row that
+silently vanishes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ KIND_COLORS = {
   "OPT": "#8e3b9e",  # purple
   "comm": "#d4d4d4",  # light grey
 }
+FAILED_COLOR = "#b22222"  # dark red: the hatching and label of a failed worker's row
 _LIGHT_KINDS = {"W", "comm"}  # bars light enough to need black text
 _KIND_ORDER = ("F", "B", "W", "BW", "AR", "OPT")
 _OP_STRING = re.compile(r"^([A-Z]+?)(\d*)$")
@@ -129,13 +134,16 @@ def write_chrome_trace(
   metadata: Mapping[str, Any] | None = None,
   transfers: Iterable[Any] | None = None,
   time_unit: str = "s",
+  failed: Mapping[Any, int] | None = None,
 ) -> str:
   """Writes a Chrome / Perfetto trace-event JSON file of one step.
 
   Each data-parallel pipeline `d` is a process (pid `d`, "pipeline d") and each stage a thread
   (tid `s`, "stage s"); ops are complete ("X") events named like "F3" with the op kind as
   category. Transfers become "comm" events on a separate "stage s recv" thread of the destination
-  worker (tid 1000 + s), sorted right below its compute thread.
+  worker (tid 1000 + s), sorted right below its compute thread. A failed worker's thread is
+  named "stage s (failed at step N)" and holds one "failed at step N" event (category "failed")
+  across the step; `otherData["failed_workers"]` lists them.
 
   Args:
     spans: objects with `worker`, `op`, `start`, `end` attributes, or such 4-tuples.
@@ -144,6 +152,7 @@ def write_chrome_trace(
     metadata: extra JSON-serialisable entries for `otherData`.
     transfers: optional `(src_worker, dst_worker, start, end, label)` tuples.
     time_unit: unit of the input times: "s", "ms", "us" or "ns".
+    failed: `{worker: step}` of workers that failed (in that 1-based training step).
 
   Returns:
     The path written, as a string.
@@ -151,6 +160,7 @@ def write_chrome_trace(
   scale = _scale(time_unit)
   items = _normalize(spans, scale)
   moves = _normalize_transfers(transfers, scale)
+  dead = _normalize_failed(failed)
   # Rounded to nanoseconds: keeps the JSON short and free of float noise like 4000.000000000001.
   to_us = lambda t: round(t * 1e6, 3)
 
@@ -186,13 +196,29 @@ def write_chrome_trace(
       }
     )
 
+  t_end = max([sp.end for sp in items] + [tr.end for tr in moves] + [0.0])
+  for (d, s), step in sorted(dead.items()):
+    events.append(
+      {
+        "name": f"failed at step {step}",
+        "cat": "failed",
+        "ph": "X",
+        "pid": d,
+        "tid": s,
+        "ts": 0.0,
+        "dur": to_us(t_end),
+        "args": {"worker": [d, s], "failure_step": step},
+      }
+    )
+
   meta: list[dict[str, Any]] = []
-  workers = {sp.worker for sp in items} | comm_lanes
+  workers = {sp.worker for sp in items} | comm_lanes | set(dead)
   for d in sorted({w[0] for w in workers}):
     meta.append(_meta("process_name", d, 0, {"name": f"pipeline {d}"}))
     meta.append(_meta("process_sort_index", d, 0, {"sort_index": d}))
-  for d, s in sorted({sp.worker for sp in items}):
-    meta.append(_meta("thread_name", d, s, {"name": f"stage {s}"}))
+  for d, s in sorted({sp.worker for sp in items} | set(dead)):
+    name = f"stage {s} (failed at step {dead[(d, s)]})" if (d, s) in dead else f"stage {s}"
+    meta.append(_meta("thread_name", d, s, {"name": name}))
     meta.append(_meta("thread_sort_index", d, s, {"sort_index": 2 * s}))
   for d, s in sorted(comm_lanes):
     tid = _COMM_TID_OFFSET + s
@@ -202,10 +228,18 @@ def write_chrome_trace(
   other = dict(metadata or {})
   if title:
     other.setdefault("title", title)
+  if dead:
+    other.setdefault(
+      "failed_workers", [{"worker": [d, s], "step": n} for (d, s), n in sorted(dead.items())]
+    )
   path = _prepare_path(path)
   with open(path, "w") as f:
     json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}, f)
   return path
+
+
+def _normalize_failed(failed: Mapping[Any, int] | None) -> dict[Worker, int]:
+  return {_worker(w): int(step) for w, step in (failed or {}).items()}
 
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -221,11 +255,14 @@ def plot_gantt(
   transfers: Iterable[Any] | None = None,
   time_unit: str = "s",
   dpi: int = 120,
+  failed: Mapping[Any, int] | None = None,
 ) -> str:
   """Writes a PNG Gantt chart of one step: one row per worker, idle time left white.
 
   Rows are labelled "d{dp} s{stage}", ordered by (dp, stage) from the top, with a line between
-  pipelines. Bars are coloured by op kind and show their micro-batch id when wide enough.
+  pipelines. Bars are coloured by op kind and show their micro-batch id when wide enough. A
+  failed worker keeps its row: hatched in red across the step, labelled "failed at step N", its
+  tick label "d{dp} s{stage} FAILED".
 
   Args:
     spans: objects with `worker`, `op`, `start`, `end` attributes, or such 4-tuples.
@@ -237,6 +274,7 @@ def plot_gantt(
       light-grey bars along the bottom of the destination row.
     time_unit: unit of the input times: "s", "ms", "us" or "ns".
     dpi: resolution of the PNG.
+    failed: `{worker: step}` of workers that failed (in that 1-based training step).
 
   Returns:
     The path written, as a string.
@@ -252,8 +290,9 @@ def plot_gantt(
   items = _normalize(spans, scale)
   moves = _normalize_transfers(transfers, scale)
   highlight = set(highlight_mbs or ())
+  dead = _normalize_failed(failed)
 
-  workers = sorted({sp.worker for sp in items} | {tr.dst for tr in moves})
+  workers = sorted({sp.worker for sp in items} | {tr.dst for tr in moves} | set(dead))
   row = {w: i for i, w in enumerate(workers)}
   n = max(len(workers), 1)
   t_end = max([sp.end for sp in items] + [tr.end for tr in moves] + [0.0]) * to_ms
@@ -296,6 +335,30 @@ def plot_gantt(
       linewidth=0.3,
       zorder=3,
     )
+  for w, step in dead.items():
+    ax.barh(
+      row[w],
+      t_end * 1.01,
+      left=0,
+      height=bar_h,
+      facecolor="#fbeaea",
+      edgecolor=FAILED_COLOR,
+      hatch="///",
+      linewidth=0,
+      zorder=1.5,
+    )
+    ax.text(
+      t_end * 1.01 / 2,
+      row[w],
+      f"failed at step {step}",
+      ha="center",
+      va="center",
+      fontsize=9,
+      fontweight="bold",
+      color=FAILED_COLOR,
+      bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5},
+      zorder=5,
+    )
   marked = [
     sp for sp in items if sp.mb >= 0 and (sp.mb in highlight or (sp.worker, sp.mb) in highlight)
   ]
@@ -313,7 +376,13 @@ def plot_gantt(
 
   ax.set_xlim(0, t_end * 1.01)
   ax.set_ylim(n - 0.5, -0.5)  # first worker on top
-  ax.set_yticks(range(len(workers)), [f"d{d} s{s}" for d, s in workers])
+  ax.set_yticks(
+    range(len(workers)), [f"d{d} s{s}" + (" FAILED" if (d, s) in dead else "") for d, s in workers]
+  )
+  for tick, w in zip(ax.get_yticklabels(), workers, strict=True):
+    if w in dead:
+      tick.set_color(FAILED_COLOR)
+      tick.set_fontweight("bold")
   ax.set_xlabel("time (ms)")
   ax.grid(axis="x", color="#e6e6e6", linewidth=0.6, zorder=0)
   ax.set_axisbelow(True)
@@ -349,6 +418,10 @@ def plot_gantt(
     handles.append(Patch(facecolor=KIND_COLORS["comm"], edgecolor="#9a9a9a", label="comm"))
   if marked:
     handles.append(Patch(fill=False, edgecolor="black", linewidth=2.2, label="re-routed"))
+  if dead:
+    handles.append(
+      Patch(facecolor="#fbeaea", edgecolor=FAILED_COLOR, hatch="///", label="failed worker")
+    )
   # Outside the axes so it never covers a bar.
   ax.legend(
     handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8

@@ -13,8 +13,9 @@ Order of a run:
      restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
      again with the same samples;
   4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
-     `checkpoint.every_steps`; the last step and the first after each failure run in profile
-     mode for their timelines (in-process).
+     `checkpoint.every_steps`; the last step, the last fault-free step before the first injected
+     failure and the first step after each run in profile mode for their timelines and the
+     failure report's replayed step times (in-process; `profiling.RunTimelines`).
 
 Workdir outputs (process 0): `metrics.jsonl`, `recovery.json` (per failure: detection and time
 to the next committed step), `timeline*.json/png`, `schedule.txt`, `profile.json`,
@@ -205,6 +206,11 @@ class Trainer:
       nodes = list(range(cluster.num_processes))
     self.transport = transport
     self.coordinator = RunCoordinator(cfg, nodes, log=self.log)
+    if cluster is None:
+      from resilient_jax.profiling import simulated_cpu_devices
+
+      # Failures are then reported in replayed step times (`policy/phases.py`).
+      self.coordinator.simulated_devices = simulated_cpu_devices()
     self._programs: dict[tuple, list[StagePrograms]] = {}
     self.interpreter = self._interpreter(self.coordinator.plan)
     if cluster is not None:
@@ -330,12 +336,6 @@ class Trainer:
       The step restored from when the policy restored a checkpoint (the caller redoes the
       steps after it), else None.
     """
-    first = not self.coordinator.failed
-    if first and self.cluster is None and isinstance(self.coordinator.plan, GridPlan) and \
-        self.transport.device(next(iter(nodes))).platform == "cpu":
-      self.log("  note: simulated CPU devices share this host's cores, so wall-clock step times "
-               "do not show the schedule; timeline_step*.png replays measured op times with "
-               "one core per worker")
     try:
       decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
     except (StageLost, NoDevicesLeft):
@@ -458,14 +458,24 @@ class Trainer:
 
   # ---------------------------------------------------------------- the loop
 
-  def _write_timeline(self, step: int, result: StepResult, stem: str) -> None:
-    plan = self.coordinator.plan
-    if not isinstance(plan, GridPlan) or not result.records:
-      return
+  def _write_timeline(self, step: int, result: StepResult, kind: str | None, compiles: int,
+                      replayed) -> None:
+    """Draws a profiled step: `timeline_step<step>.*` for a `kind`, else `timeline.*`."""
     from resilient_jax.profiling import write_step_timeline
 
-    write_step_timeline(plan.schedule, result.records, self.workdir, title=f"step {step}",
-                        stem=stem)
+    plan = self.coordinator.plan
+    at = {}
+    for fstep, node in self.coordinator.failed:
+      at.setdefault(node, fstep)
+    failed = {w: at[n] for w, n in plan.nodes.items() if n in at}
+    tl = self.timelines
+    stem = f"timeline_step{step}" if kind else "timeline"
+    title = tl.title(step, kind, failed, [f for f, _ in self.coordinator.failed], compiles)
+    write_step_timeline(plan.schedule, result.records, self.workdir, title=title, stem=stem,
+                        failed=failed, replayed=replayed,
+                        metadata={"step": step, "drawn_as": kind or "last step",
+                                  "xla_compiles_in_step": compiles})
+    tl.written += [f"{stem}.png", f"{stem}.json"]
 
   def run(self) -> TrainResult:
     """Trains to `train.steps` (or `train.stop_after`), resuming from the workdir.
@@ -530,27 +540,36 @@ class Trainer:
       _write_metrics(metrics_path, metrics)
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     every = cfg.checkpoint.every_steps
-    failure_steps = {f.step for f, _ in self.faults}
+    from resilient_jax.profiling import RunTimelines, replay_records
+
+    self.timelines = RunTimelines((f.step for f, _ in self.faults), end, cfg.train.steps)
     schedules_seen: list[str] = []
     result = None
     step = start
     nonfinite = 0  # steps skipped in a row
     while step <= end:
       last = step == end
-      # Profile the last step, and the first step after each failure, for their timelines.
-      after_failure = step > 1 and (step - 1) in failure_steps
+      compiles = Counts.xla
       try:
-        result, mb_ids = self.run_step(step, profile=last or after_failure)
+        result, mb_ids = self.run_step(
+          step, profile=self.timelines.profile(step, bool(self.coordinator.failed)))
       except _Restored as r:
         step = r.step + 1
         metrics = [m for m in metrics if m["step"] < step]
         if self.chief:
           _write_metrics(metrics_path, metrics)
         continue
+      compiles = Counts.xla - compiles
       ids = processed_ids(mb_ids, result)
       coord = self.coordinator
-      if after_failure and not last:
-        self._write_timeline(step, result, stem=f"timeline_step{step}")
+      replayed = None
+      if result.records and isinstance(coord.plan, GridPlan):
+        # The step as it would run with one core per worker; what the failure reports and
+        # the timelines show (`profiling.py`).
+        replayed = replay_records(coord.plan.schedule, result.records)
+        kind = self.timelines.kind(step, bool(coord.failed))
+        for drawing in ([kind] if kind else []) + ([None] if last else []):
+          self._write_timeline(step, result, drawing, compiles, replayed)
       if not schedules_seen or schedules_seen[-1] != coord.plan_text():
         schedules_seen.append(coord.plan_text())
       row = {
@@ -580,7 +599,6 @@ class Trainer:
           # about a dozen keys a step.
           self.cluster.kv_delete(f"step/{step - keep}")
           self.cluster.kv_delete(f"checkpoint/{step - keep}")  # a hand-over's "saved" mark
-      coord.record_step_time(step, result.step_time_s, profiled=bool(result.records))
       self.log(
         f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
         f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
@@ -589,6 +607,9 @@ class Trainer:
         + (f"  (+{result.compile_s:.1f}s building {_describe_built(result.programs_built)})"
            if any(result.programs_built) else "")
       )
+      # After the step's line: a failure's report names this step.
+      coord.record_step_time(step, result.step_time_s, profiled=bool(result.records),
+                             replayed_s=replayed.makespan if replayed else None)
       nonfinite = nonfinite + 1 if result.skipped else 0
       if nonfinite >= cfg.train.max_nonfinite_steps:
         raise NonFiniteSteps(f"{nonfinite} steps in a row had non-finite gradients (up to step "
@@ -612,12 +633,14 @@ class Trainer:
           f"stopped after step {end} (train.stop_after); run again on the same workdir to resume"
         )
       if self.coordinator.failed:
-        self.log("step times by schedule:")
         for line in self.coordinator.summary():
           self.log(line)
       write_text_atomic(self.workdir / "schedule.txt", "\n\n".join(schedules_seen) + "\n")
-      if result is not None:
-        self._write_timeline(end, result, stem="timeline")
+      if result is not None and "timeline.png" not in self.timelines.written:
+        why = ("steps of a multi-process job are not profiled" if self.cluster else
+               f"timelines replay grid schedules, and {self.coordinator.plan_name} runs pipeline "
+               "sets")
+        self.log(f"no timeline of the last step: {why}")
       if self.cluster is not None:
         kept = sorted({int(k.strip("/").split("/")[1])
                        for d in ("step", "checkpoint") for k in self.cluster.kv_keys(d)})

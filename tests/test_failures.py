@@ -65,10 +65,8 @@ def test_naive_policy_matches_too(tmp_path):
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
-def test_rerouted_work_runs_on_the_peer(tmp_path):
-  cfg = tiny_config(mesh__dp=2, mesh__pp=2, faults__schedule="2:1.1")
-  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
-  trainer.run()
+def test_rerouted_work_runs_on_the_peer(rerouted_run):
+  cfg, trainer, tmp_path = rerouted_run.cfg, rerouted_run.trainer, rerouted_run.workdir
   sched = trainer.coordinator.plan.schedule
   m = cfg.pipeline.microbatches
   for mb in range(m, 2 * m):  # pipeline 1's micro-batches

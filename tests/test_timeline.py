@@ -1,14 +1,17 @@
-"""Tests for the Chrome-trace and Gantt writers in `resilient_jax.timeline`."""
+"""Tests for the Chrome-trace and Gantt writers in `resilient_jax.timeline`, the timelines a
+run draws around its failures, and the failure report's step times."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import matplotlib.pyplot as plt
 import pytest
 
 from resilient_jax import timeline
+from resilient_jax.policy.phases import Phase, PhaseLog
 from resilient_jax.schedule.core import AR, OPT, B, F, Op, W
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -140,3 +143,157 @@ def test_gantt_empty(tmp_path):
   with open(out, "rb") as fh:
     assert fh.read(8) == PNG_MAGIC
   assert plt.get_fignums() == []
+
+
+def _png_size(path) -> tuple[int, int]:
+  data = open(path, "rb").read(24)
+  return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_failed_worker_keeps_a_marked_row(tmp_path):
+  spans = [sp for sp in grid_spans() if sp.worker != (1, 1)]  # (1, 1) failed: no ops
+  failed = {(1, 1): 5}
+  trace = json.loads(open(timeline.write_chrome_trace(spans, tmp_path / "t.json",
+                                                      failed=failed)).read())
+  assert trace["otherData"]["failed_workers"] == [{"worker": [1, 1], "step": 5}]
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["name"] == "thread_name"}
+  assert threads[(1, 1)] == "stage 1 (failed at step 5)" and threads[(1, 0)] == "stage 0"
+  (mark,) = [e for e in trace["traceEvents"] if e.get("cat") == "failed"]
+  assert (mark["pid"], mark["tid"], mark["name"]) == (1, 1, "failed at step 5")
+  end = max(e["ts"] + e["dur"] for e in trace["traceEvents"] if e.get("cat") in _KINDS)
+  assert (mark["ts"], mark["dur"]) == (0, pytest.approx(end))  # across the whole step
+
+  # The Gantt chart keeps the row: as tall as the chart of all four workers, one row taller
+  # than the chart without the failed worker.
+  plt.close("all")
+  full = _png_size(timeline.plot_gantt(grid_spans(), tmp_path / "full.png"))
+  marked = _png_size(timeline.plot_gantt(spans, tmp_path / "marked.png", failed=failed))
+  gone = _png_size(timeline.plot_gantt(spans, tmp_path / "gone.png"))
+  assert marked[1] == full[1] > gone[1]
+  assert plt.get_fignums() == []
+
+
+_KINDS = {"F", "B", "W", "AR", "OPT"}
+
+
+def test_which_steps_are_drawn_and_their_titles():
+  from resilient_jax.profiling import RunTimelines
+
+  tl = RunTimelines([5, 10], end=20, total=20)
+  before = [s for s in range(1, 21) if tl.profile(s, failed=s > 5)]
+  assert before == [4, 6, 11, 20]
+  assert [tl.kind(s, failed=s >= 5) for s in (4, 6, 11, 20)] == [
+    "fault-free", "after failure", "after failure", None]
+  assert tl.title(4, "fault-free", {}, [], 0).startswith(
+    "step 4: fault-free, the last step before the failure at step 5")
+  assert tl.title(6, "after failure", {(1, 1): 5}, [5], 0) == (
+    "step 6: the first step after the failure at step 5 (worker d1 s1)")
+  assert tl.title(20, None, {(1, 1): 5, (0, 3): 10}, [5, 10], 2) == (
+    "step 20 of 20: the last step, after the failures at steps 5, 10 (2 XLA compilations "
+    "ran in this step: its op times include them)")
+  # A short run draws its post-failure step even when it is the last; step 1 compiles every
+  # program, so a failure at step 2 leaves no fault-free step to draw.
+  short = RunTimelines([2], end=3, total=3)
+  assert [s for s in (1, 2, 3) if short.profile(s, failed=s > 2)] == [3]
+  assert short.kind(3, failed=True) == "after failure"
+  last = RunTimelines([3], end=3, total=3)
+  assert last.profile(2, failed=False) and last.kind(2, failed=False) == "fault-free"
+  assert last.kind(3, failed=True) == "after failure"
+  assert last.title(3, "after failure", {(0, 1): 3}, [3], 0) == (
+    "step 3: run on the survivors of the failure in this step (worker d0 s1)")
+
+
+def _trace(path):
+  return json.loads(path.read_text())
+
+
+def test_failure_run_draws_fault_free_and_post_failure_steps(rerouted_run):
+  """Worker (1, 1) fails at the start of step 3 of 4: step 2 is drawn fault-free, step 4 (the
+  last) as the first after the failure, each file named by the step it shows."""
+  wd = rerouted_run.workdir
+  drawn = sorted(p.name for p in wd.glob("timeline_step*.json"))
+  assert drawn == ["timeline_step2.json", "timeline_step4.json"]
+  for name in drawn:
+    assert _trace(wd / name)["otherData"]["step"] == int(name[len("timeline_step"):-5])
+    assert (wd / name.replace(".json", ".png")).read_bytes()[:8] == PNG_MAGIC
+
+  fault_free = _trace(wd / "timeline_step2.json")
+  other = fault_free["otherData"]
+  assert other["title"].startswith("step 2: fault-free, the last step before the failure at "
+                                   "step 3")
+  assert "failed_workers" not in other and other["schedule"] == "1f1b"
+  assert {(e["pid"], e["tid"]) for e in fault_free["traceEvents"] if e.get("cat") in _KINDS} \
+    == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+  for name, title in (("timeline_step4.json", "step 4: the first step after the failure at "
+                                                "step 3 (worker d1 s1)"),
+                      ("timeline.json", "step 4 of 4: the last step, after the failure at "
+                                        "step 3")):
+    trace = _trace(wd / name)
+    assert trace["otherData"]["title"].startswith(title)
+    assert trace["otherData"]["failed_workers"] == [{"worker": [1, 1], "step": 3}]
+    events = trace["traceEvents"]
+    assert [(e["pid"], e["tid"], e["name"]) for e in events if e.get("cat") == "failed"] == [
+      (1, 1, "failed at step 3")]
+    assert not [e for e in events if e.get("cat") in _KINDS and (e["pid"], e["tid"]) == (1, 1)]
+
+
+def test_failure_log_headlines_the_replayed_step_time_on_simulated_devices(rerouted_run):
+  lines = rerouted_run.lines
+  assert rerouted_run.trainer.coordinator.simulated_devices == 8
+  (report,) = [x for x in lines if x.startswith("step time ")]
+  assert re.match(r"step time x\d+\.\d\d after the failure at step 3, replayed from measured op "
+                  r"times \(\d+\.\d ms at step 2, \d+\.\d ms at step 4; cost model predicts "
+                  r"x\d+\.\d\d; wall-clock times are not meaningful on 8 simulated CPU devices "
+                  r"sharing this host's cores\)$", report), report
+  # It follows the line of the step it replays.
+  assert lines.index(report) == next(i for i, x in enumerate(lines) if x.startswith("step    4"))\
+    + 1
+  summary = lines[lines.index(next(x for x in lines if x.startswith("step times by"))):]
+  assert "replayed" in summary[1] and "(step 2, x1.00 of fault-free)" in summary[1]
+  assert "not meaningful" in summary[0] and "(step 4," in summary[2]
+
+
+class _Phases(PhaseLog):
+  def __init__(self, simulated: int):
+    self.lines = []
+    self.log = self.lines.append
+    self.simulated_devices = simulated
+    self.phases = [Phase("zb-h1", 8, 1.0)]
+
+  def run(self):
+    """Steps 1-4 fault-free (4 profiled), a failure at step 5, step 6 profiled, 7 warm."""
+    for step in (1, 2, 3, 4):
+      self.record_step_time(step, 0.3, profiled=step == 4, replayed_s=0.010 if step == 4 else None)
+    self._new_phase("adaptive", 7, 1.3, failure_step=5)
+    self.record_step_time(5, 0.5)
+    self.record_step_time(6, 0.5, profiled=True, replayed_s=0.012)
+    self.record_step_time(7, 0.1)
+    return self.lines
+
+
+def test_failure_report_on_real_accelerators_stays_in_wall_time():
+  assert _Phases(simulated=0).run() == [
+    "step time 0.300s before the failure at step 5, 0.100s after (x0.33; cost model predicts "
+    "x1.30)"]
+  assert _Phases(simulated=8).run() == [
+    "step time x1.20 after the failure at step 5, replayed from measured op times (10.0 ms at "
+    "step 4, 12.0 ms at step 6; cost model predicts x1.30; wall-clock times are not meaningful "
+    "on 8 simulated CPU devices sharing this host's cores)"]
+
+
+def test_run_outputs_names_an_earlier_runs_files_apart(tmp_path):
+  import os
+  import time
+
+  from resilient_jax.files import run_outputs
+
+  started = time.time() - 30  # this run started then; the earlier one wrote before it
+  for name in ("timeline_step6.png", "metrics.jsonl", "timeline.png", "config.json", ".tmp",
+               "timeline_step11.png", "timeline_step4.png"):
+    (tmp_path / name).write_text("x")
+  os.utime(tmp_path / "timeline_step6.png", (started - 60, started - 60))
+  assert run_outputs(tmp_path, started) == (
+    ["metrics.jsonl", "timeline.png", "config.json", "timeline_step4.png", "timeline_step11.png"],
+    ["timeline_step6.png"])

@@ -254,7 +254,7 @@ class RunCoordinator(PhaseLog):
     self._report(workers if self.active is previous else self.dead)
     after = self.predicted_makespan()
     self.log(f"  predicted step time x{after / before:.2f}")
-    self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan)
+    self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step)
     return Decision(self.plan, False)
 
   def _lost_stage(self, workers: frozenset[Worker], step: int) -> str | None:
@@ -322,7 +322,6 @@ class RunCoordinator(PhaseLog):
 
   def _restore(self, reason: str, step: int) -> Decision:
     """A fresh layout on every survivor, to restore the latest checkpoint onto."""
-    del step
     alive = sorted(self.live)
     if self.configured == "oobleck":
       # Oobleck keeps its grid of positions: a fresh instance on the live ones.
@@ -338,7 +337,7 @@ class RunCoordinator(PhaseLog):
                               min_pp=2 if self.configured == "bamboo" else 1)
       self._layout(dp, pp, alive[: dp * pp])
     ratio = self.predicted_makespan() / self.fault_free_makespan
-    self._new_phase(self.plan_name, self.live_count, ratio)
+    self._new_phase(self.plan_name, self.live_count, ratio, step)
     return Decision(self.plan, True, reason)
 
 

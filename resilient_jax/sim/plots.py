@@ -19,6 +19,27 @@ COLORS = {
   "auto": "#7f7f7f",
 }
 
+# Policies often reach the same throughput (restart matches recycle until re-routing runs out of
+# bubbles, and auto is whichever policy it picked), so coinciding curves must stay apart: each
+# is drawn narrower than the one before it, with its own marker and dash pattern, so a curve
+# on top of another leaves the one below visible around it.
+STYLES = {
+  "recycle": {"lw": 5.0, "ls": "-", "marker": "o", "ms": 9},
+  "naive": {"lw": 4.0, "ls": "-", "marker": "s", "ms": 7},
+  "oobleck": {"lw": 3.4, "ls": "-", "marker": "^", "ms": 7},
+  "bamboo": {"lw": 2.8, "ls": "-", "marker": "D", "ms": 5},
+  "restart": {"lw": 2.6, "ls": (0, (5, 2)), "marker": "v", "ms": 6},
+  "auto": {"lw": 1.5, "ls": (0, (1, 1)), "marker": "x", "ms": 7},
+}
+_DEFAULT_STYLE = {"lw": 1.6, "ls": "-", "marker": "o", "ms": 4}
+
+
+def _style(name: str, order: int) -> dict[str, Any]:
+  """Line style of `name`; `order` (draw order) puts later curves on top of earlier ones."""
+  st = dict(STYLES.get(name, _DEFAULT_STYLE))
+  return {"linewidth": st["lw"], "linestyle": st["ls"], "marker": st["marker"],
+          "markersize": st["ms"], "zorder": 2 + order, "markeredgewidth": 1.6}
+
 
 def _pyplot():
   import matplotlib
@@ -35,17 +56,17 @@ def plot_sweep(results: Mapping[str, Any], path: str | Path) -> None:
   rows = results["rows"]
   fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
   policies = list(dict.fromkeys(r["policy"] for r in rows))
-  for name in policies:
+  # The widest first, so each narrower curve lies on top of the wider ones it coincides with.
+  policies.sort(key=lambda n: -STYLES.get(n, _DEFAULT_STYLE)["lw"])
+  for order, name in enumerate(policies):
     pts = sorted((r["failures"], r["relative"]) for r in rows if r["policy"] == name)
     ax.plot(
       [p[0] for p in pts],
       [p[1] for p in pts],
-      marker="o",
-      ms=4,
-      lw=1.6,
       label=name,
       color=COLORS.get(name),
-      ls=":" if name == "auto" else "-",
+      alpha=0.9,
+      **_style(name, order),
     )
   bound = sorted({(r["failures"], r["bound"]) for r in rows})
   ax.plot(
@@ -54,6 +75,7 @@ def plot_sweep(results: Mapping[str, Any], path: str | Path) -> None:
     "k--",
     lw=1.2,
     label="bound min(1, (m+p-1)(D-k)/(mD))",
+    zorder=2 + len(policies),
   )
   xs = sorted({r["failures"] for r in rows})
   if xs and max(xs) > 8:
@@ -67,7 +89,7 @@ def plot_sweep(results: Mapping[str, Any], path: str | Path) -> None:
   ax.set_ylim(0, 1.05)
   ax.grid(alpha=0.3)
   ax.set_title(f"{cfg['title']}\nsteady-state throughput under failures", fontsize=10)
-  ax.legend(fontsize=8, loc="lower left")
+  ax.legend(fontsize=8, loc="lower left", handlelength=3.5)
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
