@@ -3,6 +3,7 @@
 import json
 
 from tests.helpers import run_launcher
+from tests.test_tensorboard import annotated_ops, assert_losses_match, trace_file
 
 CONFIG = "--config=configs/gpt_tiny.py:runlocal"
 
@@ -14,6 +15,7 @@ def test_train_end_to_end(tmp_path):
     "--config.mesh.dp=2",
     "--config.mesh.pp=4",
     "--config.pipeline.schedule=zb-h1",
+    "--config.profile.trace_steps=2",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "step    3/3" in proc.stdout and "samples/s" in proc.stdout
@@ -21,3 +23,19 @@ def test_train_end_to_end(tmp_path):
   rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert len(rows) == 3 and rows[-1]["live_workers"] == 8
   assert (tmp_path / "timeline.png").exists()
+  assert_losses_match(tmp_path, rows)
+  # The traced step: every stage program's named scope (zb-h1 splits B and W; the first stage's
+  # B computes nothing) and the reduction's, and the host's annotation of every op's dispatch,
+  # named as in the timeline (the last step's, the same schedule).
+  where = tmp_path / "profile" / "step2"
+  assert f"tracing step 2 with jax.profiler into {where}" in proc.stdout + proc.stderr
+  trace = trace_file(tmp_path, 2)
+  for stage in range(4):
+    for kind in ("F", "B", "W", "OPT") if stage else ("F", "W", "OPT"):
+      assert f"{kind}_stage{stage}".encode() in trace, (kind, stage)
+  assert b"jit(add)/AR/add" in trace
+  timeline = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+  kinds = ("F", "B", "W", "OPT")
+  ops = {(e["name"], e["pid"], e["tid"]) for e in timeline if e.get("cat") in kinds}
+  assert len(ops) == 8 * (3 * 4 + 1) and annotated_ops(trace) == ops
+  assert not list((tmp_path / "profile").glob("step[13]"))
