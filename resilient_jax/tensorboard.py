@@ -6,10 +6,11 @@ skipped/clipped flags as 0 or 1) and text under `events/` (a failure, a recovery
 simulator writes its sweep and trace (`write_simulation`).
 
 The events go through tensorboardX's file writer and summary protos (numpy and protobuf only: no
-TensorFlow, no PyTorch), synchronously: a step's events are a few hundred bytes, written and
-flushed in the calling thread. A write error is therefore caught here, logged once, and the board
-stops writing while training goes on (tensorboardX's asynchronous `SummaryWriter` would lose the
-error in its writer thread and then block the loop on its full queue).
+TensorFlow, no PyTorch), synchronously: a step's events are a few hundred bytes, written in the
+calling thread (about 0.1 ms a step) and flushed every `FLUSH_EVERY_S` (tensorboardX's flush is an
+fsync, milliseconds) and at once for text. A write error is therefore caught here, logged once,
+and the board stops writing while training goes on (tensorboardX's asynchronous `SummaryWriter`
+would lose the error in its writer thread and then block the loop on its full queue).
 
 A step that is run again (a resume from a checkpoint, a restore after a failure) leaves no
 duplicate or conflicting point: a board opened or rewound at step N first writes TensorBoard's
@@ -29,6 +30,8 @@ SCALARS = ("loss", "samples_per_s", "step_time_s", "live_workers", "grad_norm", 
 """Metrics columns written as `train/<column>` scalars when a row has them."""
 FLAGS = ("skipped", "clipped")
 """Metrics columns present only when true: written as 0 or 1 every step."""
+FLUSH_EVERY_S = 2.0
+"""Scalars reach the disk at most this late (text events and the end of a run at once)."""
 MAX_LINES = 1000
 """Trace events listed in the simulator's text event."""
 
@@ -48,6 +51,7 @@ class Board:
     self.logdir = None if logdir is None else Path(logdir)
     self._log = log
     self._events = None
+    self._flushed_at = time.monotonic()
     if self.logdir is None:
       return
 
@@ -110,14 +114,19 @@ class Board:
     summary = _summary()
     for name, value in values.items():
       self._write(step, summary=summary.scalar(f"{prefix}{name}", float(value)), flush=False)
-    self._events.flush()
+    if time.monotonic() - self._flushed_at >= FLUSH_EVERY_S:
+      self._flush()
 
   def _write(self, step: int, *, flush: bool = True, **fields: Any) -> None:
     from tensorboardX.proto.event_pb2 import Event
 
     self._events.write_event(Event(wall_time=time.time(), step=step, **fields))
     if flush:
-      self._events.flush()
+      self._flush()
+
+  def _flush(self) -> None:
+    self._events.flush()
+    self._flushed_at = time.monotonic()
 
   def _guard(self, write: Callable[[], None]) -> None:
     """Runs `write`; the first error is logged and ends the board's writing."""
