@@ -11,7 +11,8 @@ parallelism (`benchmarks/cold_start.py` counts them).
 The serialized programs are also kept on disk (`set_cache_dir`, which `runtime_setup` points at
 `programs/` of the library's cache folder), keyed by the lowered module, the JAX and jaxlib
 versions, the platform and `XLA_FLAGS`, not by device, so a restarted or relaunched job loads
-instead of compiling.
+instead of compiling. The key also holds the ops' named scopes (`jax.named_scope`), which the
+module's text leaves out but the executable carries into profiles.
 
 Platform fact (jax 0.10, CPU): an executable that JAX read back from its own persistent
 compilation cache serializes without its kernels, and the copy fails at run time ("Function ...
@@ -30,6 +31,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -199,11 +201,23 @@ def _disk_path(lowered: jax.stages.Lowered) -> str | None:
     return None
   device = jax.devices()[0]
   key = hashlib.sha256()
-  for part in (lowered.as_text(), jax.__version__, jaxlib.__version__, device.platform,
-               device.device_kind, device.client.platform_version, os.environ.get("XLA_FLAGS", "")):
+  for part in (lowered.as_text(), _scopes(lowered), jax.__version__, jaxlib.__version__,
+               device.platform, device.device_kind, device.client.platform_version,
+               os.environ.get("XLA_FLAGS", "")):
     key.update(part.encode())
     key.update(b"\0")
   return os.path.join(_cache_dir, key.hexdigest())
+
+
+_SCOPED_LOC = re.compile(r'loc\("([^"]*/[^"]*)"\(')
+"""A location naming an op by its name stack (`jit(f)/F_stage0/dot_general`), not a file."""
+
+
+def _scopes(lowered: jax.stages.Lowered) -> str:
+  """The name stacks of the program's ops: not in `as_text()` (they are debug information, as
+  are source lines, which the key leaves out), but an executable without them would show
+  unnamed ops in a profile."""
+  return "\n".join(sorted(set(_SCOPED_LOC.findall(lowered.as_text(debug_info=True)))))
 
 
 def _read(path: str | None) -> bytes | None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from resilient_jax import data
-from resilient_jax.checks import require_ints, require_numbers
+from resilient_jax.checks import is_int, require_ints, require_numbers
 from resilient_jax.model.config import ModelConfig, family, partition_layers
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -281,6 +281,17 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  trace_steps: tuple[int, ...] = ()
+  """Steps to record a `jax.profiler` trace of, each into `WORKDIR/profile/stepN/`."""
+
+  def __post_init__(self):
+    for step in self.trace_steps:
+      if not is_int(step):
+        raise ConfigError(f"profile.trace_steps entry {step!r} is not a step number (e.g. 3,4)")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   model: ModelConfig
   mesh: MeshConfig
@@ -291,6 +302,7 @@ class RunConfig:
   resilience: ResilienceConfig = ResilienceConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   distributed: DistributedConfig = DistributedConfig()
+  profile: ProfileConfig = ProfileConfig()
 
   def __post_init__(self):
     m, mesh, pipe, train = self.model, self.mesh, self.pipeline, self.train
@@ -319,6 +331,9 @@ class RunConfig:
       if not (1 <= step <= train.steps and stage < mesh.pp):
         raise ConfigError(f"faults.nonfinite entry {step}:{stage} is outside steps "
                           f"1..{train.steps} or stages 0..{mesh.pp - 1}")
+    for step in self.profile.trace_steps:
+      if step > train.steps:
+        raise ConfigError(f"profile.trace_steps entry {step} is outside steps 1..{train.steps}")
     for f in self.faults.schedule:
       if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
         raise ConfigError(
@@ -392,6 +407,20 @@ def _faults(raw: dict) -> dict:
   return raw
 
 
+def _profile(raw: dict) -> dict:
+  spec = raw.get("trace_steps", ())
+  if isinstance(spec, str):
+    try:
+      spec = [int(p) for p in spec.split(",") if p.strip()]
+    except ValueError:
+      raise ConfigError(f"profile.trace_steps={spec!r} is not a comma-separated list of steps "
+                        "(e.g. 3,4)") from None
+  elif not isinstance(spec, (list, tuple)):
+    spec = [spec]  # one step; a bad value is named by ProfileConfig
+  raw["trace_steps"] = tuple(spec)
+  return raw
+
+
 def _model_section(cd: Mapping[str, Any]) -> ModelConfig:
   """The `model` section, in the config class of the family `model.name` picks (default gpt)."""
   name = dict(cd.get("model", {}) or {}).get("name", "gpt")
@@ -414,7 +443,7 @@ def from_config_dict(cd: Mapping[str, Any], model: ModelConfig | None = None) ->
   """
   known = {
     "model", "mesh", "pipeline", "train", "optimizer", "faults", "resilience", "checkpoint",
-    "distributed",
+    "distributed", "profile",
   }
   unknown = sorted(set(cd) - known)
   if unknown:
@@ -429,6 +458,7 @@ def from_config_dict(cd: Mapping[str, Any], model: ModelConfig | None = None) ->
     resilience=_section(cd, "resilience", ResilienceConfig),
     checkpoint=_section(cd, "checkpoint", CheckpointConfig),
     distributed=_section(cd, "distributed", DistributedConfig),
+    profile=_section(cd, "profile", ProfileConfig, _profile),
   )
 
 

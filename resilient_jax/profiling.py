@@ -1,4 +1,5 @@
-"""Timelines of executed steps: measured op durations replayed through the cost model.
+"""Timelines of executed steps: measured op durations replayed through the cost model; and
+`jax.profiler` traces of chosen steps (`StepTraces`).
 
 On simulated CPU devices all workers share a couple of cores, so wall-clock concurrency says
 little about the schedule. Profile mode therefore times each op on its own (the runtime waits
@@ -9,8 +10,9 @@ benchmark compares against the cost model's prediction.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +206,52 @@ class RunTimelines:
     if compiles:
       text += f" ({compiles} XLA compilations ran in this step: its op times include them)"
     return text
+
+
+class StepTraces:
+  """`jax.profiler` traces of the steps `profile.trace_steps` names, each into
+  `out_dir/stepN/` (`/processP` added in a multi-process job), for TensorBoard's profile plugin
+  (`tensorboard --logdir out_dir`) or Perfetto.
+
+  The stage programs' ops carry named scopes (`F_stage1`, `B_stage1`, `W_stage1`, `BW_stage1`,
+  `OPT_stage1`, `AR`: `stages.py`, `runtime/transport.py`) and each op's dispatch on the host is
+  annotated with its name in the schedule (`F3`, with stage, micro-batch and pipeline:
+  `runtime/interpreter.py`), so the device trace lines up with `timeline.json`.
+
+  Args:
+    steps: the steps to trace (each once, the first time it runs).
+    out_dir: where traces go.
+    log: where the line naming each trace goes.
+    process: this process's index in a multi-process job, else None.
+  """
+
+  def __init__(self, steps: Collection[int], out_dir: str | Path,
+               log: Callable[[str], None] = print, process: int | None = None):
+    self.steps = set(steps)
+    self.out_dir = Path(out_dir)
+    self.log = log
+    self.process = process
+
+  @contextlib.contextmanager
+  def step(self, step: int, outputs: Callable[[], Any]) -> Iterator[None]:
+    """Traces the body if `step` is to be traced; `outputs()` (what the step computes) is
+    waited for before the trace stops, so the step's device work is all in it."""
+    if step not in self.steps:
+      yield
+      return
+    self.steps.discard(step)  # a step redone after a restore is not traced again
+    where = self.out_dir / f"step{step}"
+    if self.process is not None:
+      where = where / f"process{self.process}"
+    try:
+      jax.profiler.start_trace(str(where))
+    except RuntimeError as err:  # a trace started by someone else is running
+      self.log(f"  cannot trace step {step}: {err}")
+      yield
+      return
+    self.log(f"  tracing step {step} with jax.profiler into {where}")
+    try:
+      yield
+      jax.block_until_ready(outputs())
+    finally:
+      jax.profiler.stop_trace()

@@ -20,6 +20,11 @@ on its own device, and the compile count does not grow with data parallelism.
   this stage's optax update, of the gradients times `scale` (the global clip factor) when given,
   and the sum of squares of the gradients whose `owned` weight is 1 (its share of the norm).
 
+Each program traces under a named scope of its op and stage (`F_stage1`, `B_stage1`, `W_stage1`,
+`BW_stage1`, `OPT_stage1`): its compiled ops carry the name, so a `jax.profiler` trace shows
+which op of the schedule a device was running (the micro-batch is the host's annotation,
+`runtime/interpreter.py`: one program serves every micro-batch).
+
 Parameters are flat dicts keyed by global parameter names (their paths in the model,
 `blocks.3.mlp.fc.kernel`), so a stage's parameters, gradients and optimizer state do not depend
 on how the model was cut.
@@ -28,6 +33,7 @@ on how the model was cut.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -172,7 +178,8 @@ class StagePrograms:
       outs = forward_all(*inputs)
       return [outs[k] for k in kept]
 
-    forward_program = OnEachDevice(stage_forward)
+    stage = info.index
+    forward_program = OnEachDevice(_scoped(f"F_stage{stage}", stage_forward))
     out_def = jax.tree.structure(out_tree)
 
     def forward(params, x, targets, seeds=None):
@@ -212,12 +219,14 @@ class StagePrograms:
     self.forward: Callable = forward
     self._forward_program = forward_program
     # Each program is compiled once for the stage and loaded on every replica's device.
-    self.backward_input: Callable = OnEachDevice(backward_input)
-    self.backward_weight: Callable = OnEachDevice(weight_grads, donate_argnums=(3,))
-    self.backward_fused: Callable = OnEachDevice(backward_fused, donate_argnums=(4,))
+    self.backward_input: Callable = OnEachDevice(_scoped(f"B_stage{stage}", backward_input))
+    self.backward_weight: Callable = OnEachDevice(_scoped(f"W_stage{stage}", weight_grads),
+                                                  donate_argnums=(3,))
+    self.backward_fused: Callable = OnEachDevice(_scoped(f"BW_stage{stage}", backward_fused),
+                                                 donate_argnums=(4,))
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
-    self.optimizer_step: Callable = OnEachDevice(optimizer_step)
+    self.optimizer_step: Callable = OnEachDevice(_scoped(f"OPT_stage{stage}", optimizer_step))
     self._init_opt = OnEachDevice(optimizer.init)
     self._zeros = OnEachDevice(lambda p: jax.tree.map(jnp.zeros_like, p))
 
@@ -248,6 +257,17 @@ class StagePrograms:
 
   def zero_grads(self, params: Params, device: jax.Device) -> Params:
     return jax.device_put(self._zeros(params), device)
+
+
+def _scoped(name: str, fn: Callable) -> Callable:
+  """`fn`, traced under `jax.named_scope(name)` (same name for `jax.jit`)."""
+
+  @functools.wraps(fn)
+  def scoped(*args):
+    with jax.named_scope(name):
+      return fn(*args)
+
+  return scoped
 
 
 def build_stage_programs(

@@ -19,7 +19,8 @@ Order of a run:
 
 Workdir outputs (process 0): `metrics.jsonl`, `recovery.json` (per failure: detection and time
 to the next committed step), `timeline*.json/png`, `schedule.txt`, `profile.json`,
-`config.json`, `checkpoints/`.
+`config.json`, `checkpoints/`, `tb/` (TensorBoard events: `resilient_jax.tensorboard`); every
+process: `profile/stepN/` (`jax.profiler` traces of `profile.trace_steps`).
 
 Test hook for multi-process jobs: `RESILIENT_JAX_PAUSE=STEP:WHERE` makes this process write the
 time to the file named by `RESILIENT_JAX_PAUSE_FILE` and wait at that point of that step
@@ -52,6 +53,7 @@ from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.logs import info
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
+from resilient_jax.profiling import StepTraces
 from resilient_jax.progress import reporting
 from resilient_jax.recipe import (
   make_data,
@@ -68,6 +70,7 @@ from resilient_jax.schedule.core import AR, Op, Worker
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
 from resilient_jax.stages import StagePrograms, build_stage_programs
+from resilient_jax.tensorboard import Board
 
 Logger = Callable[[str], None]
 
@@ -225,6 +228,9 @@ class Trainer:
     self.recovery: list[dict] = []
     self.attempts = 0
     self.stop_signal = ""
+    self.board = Board(None)  # process 0's TensorBoard events, opened by `run`
+    self.traces = StepTraces(cfg.profile.trace_steps, self.workdir / "profile", log=self.log,
+                             process=None if cluster is None else cluster.process_id)
 
   # ---------------------------------------------------------------- programs and state
 
@@ -336,9 +342,11 @@ class Trainer:
       The step restored from when the policy restored a checkpoint (the caller redoes the
       steps after it), else None.
     """
+    lost = sorted(nodes)
     try:
       decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
-    except (StageLost, NoDevicesLeft):
+    except (StageLost, NoDevicesLeft) as e:
+      self._board_failure(lost, step, mid_step, f"the run stops: {e}")
       if self.cluster is not None:
         # Every survivor ends with the same code: process 0 (the key-value store) leaves last.
         self.leave_together(f"ended/{self.attempts}")
@@ -357,12 +365,17 @@ class Trainer:
         self.log(f"{decision.reason}; restoring the latest checkpoint onto {where}")
       self.interpreter = self._interpreter(decision.plan)
       restored = self._load(f"{step}/{self.attempts}")
+      self.board.rewind(restored + 1)  # the steps redone replace their first points
+      self._board_failure(lost, step, mid_step, f"{decision.reason}; going on from step "
+                          f"{restored + 1} on {where}")
       if restored:
         self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
       elif committed_steps(self.ckpt_dir):
         self.log(f"no checkpoint verified: starting again from step 1, losing {step - 1} "
                  "committed step(s)")
       return restored
+    self._board_failure(lost, step, mid_step, f"now {self.coordinator.plan_name} on "
+                        f"{self.coordinator.live_count} live workers")
     dead = {n for _, n in self.coordinator.failed}
     copied = self.interpreter.place(decision.plan, self.interpreter.sources(dead), dead=dead,
                                     tag=(step, self.attempts))
@@ -370,6 +383,11 @@ class Trainer:
       self.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state from "
                "surviving replicas")
     return None
+
+  def _board_failure(self, lost: list[int], step: int, mid_step: bool, outcome: str) -> None:
+    when = "during" if mid_step else "at the start of"
+    self.board.text(step, "failure", f"node(s) {lost} failed {when} step {step} "
+                    f"(policy {self.cfg.resilience.policy}): {outcome}")
 
   @staticmethod
   def _plan_nodes(plan: Plan) -> list[int]:
@@ -444,6 +462,8 @@ class Trainer:
       # a recovery should find every program it needs already built.
       event["xla_compiles"] = Counts.xla - event["xla_compiles"]
       self.recovery.append(event)
+      self.board.text(step, "recovery", f"step {step} committed {event['detect_to_next_step_s']}s "
+                      f"after the loss of node {event['node']} was detected")
       if "kill_to_next_step_s" in event:
         self.log(f"  recovered from the loss of process {event['node']}: detected "
                  f"{event['kill_to_detect_s']:.2f}s after the kill, step {step} completed "
@@ -491,6 +511,7 @@ class Trainer:
       for signum, previous in handlers.items():
         signal.signal(signum, previous)
       self._finish_saving()
+      self.board.close()
 
   def _catch_stop_signals(self) -> dict[int, Any]:
     """Installs handlers that ask the job to stop after the step in flight; a second signal
@@ -538,6 +559,7 @@ class Trainer:
                  "lost and will be redone")
       metrics = [r for r in earlier if r["step"] < start]
       _write_metrics(metrics_path, metrics)
+      self.board = Board(self.workdir / "tb", start, log=self.log)
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     every = cfg.checkpoint.every_steps
     from resilient_jax.profiling import RunTimelines, replay_records
@@ -551,8 +573,10 @@ class Trainer:
       last = step == end
       compiles = Counts.xla
       try:
-        result, mb_ids = self.run_step(
-          step, profile=self.timelines.profile(step, bool(self.coordinator.failed)))
+        with self.traces.step(step, lambda: (self.interpreter.params, self.interpreter.opt_state,
+                                             self.interpreter.replicas)):
+          result, mb_ids = self.run_step(
+            step, profile=self.timelines.profile(step, bool(self.coordinator.failed)))
       except _Restored as r:
         step = r.step + 1
         metrics = [m for m in metrics if m["step"] < step]
@@ -591,6 +615,7 @@ class Trainer:
       if self.chief:
         with metrics_path.open("a") as f:
           f.write(json.dumps(row) + "\n")
+        self.board.step(row)
         keep = cfg.distributed.kv_keep_steps
         if self.cluster is not None and step > keep:
           # Every participant is past the earlier steps (they all reported on this one), and a

@@ -13,6 +13,7 @@ from resilient_jax import checkpoint as ckpt
 from resilient_jax.config import ConfigError
 from resilient_jax.trainer import Trainer, train
 from tests.helpers import ROOT, assert_matches_reference, tiny_config
+from tests.test_tensorboard import assert_losses_match, texts
 
 STEPS, STOP = 6, 4
 LAYERS = 8  # so that a (1, 8) layout exists
@@ -301,5 +302,10 @@ def test_restart_policy_restores_and_matches(tmp_path):
   assert any("redoing 2 step(s): 3..4" in x for x in lines)
   rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  # TensorBoard: steps 3 and 4, run twice, once each with their second values; the failure.
+  assert_losses_match(tmp_path, rows)
+  [(step, text)] = texts(tmp_path / "tb", "failure")
+  assert step == 4 and "node(s) [2] failed at the start of step 4" in text
+  assert "going on from step 3 on dp=1 pp=2" in text
   ref_cfg = cfg_of()
   assert_matches_reference(result.metrics, result.interpreter.all_params(), ref_cfg)

@@ -16,7 +16,7 @@ import tomllib
 
 import pytest
 
-from tests.helpers import ROOT, run_launcher
+from tests.helpers import ROOT
 
 # Each launcher, and flags its --help must list (its own, not absl's).
 LAUNCHERS = {
@@ -141,16 +141,4 @@ def test_other_libraries_info_lines_are_held_back_but_not_their_warnings():
   assert keep.filter(record(logging.INFO, os.path.join(ROOT, "resilient_jax", "trainer.py")))
 
 
-def test_log_dir_holds_the_step_lines_and_the_run_says_where(tmp_path):
-  proc = run_launcher("--config=configs/gpt_tiny.py:runlocal", "--config.train.steps=1",
-                      f"--workdir={tmp_path / 'run'}", f"--log_dir={tmp_path / 'logs'}")
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  (log,) = (tmp_path / "logs").glob("*.INFO.*")
-  lines = log.read_text().splitlines()
-  step = [x for x in lines if "step    1/1" in x and "samples/s" in x]
-  assert len(step) == 1 and step[0].startswith("I"), lines  # logged at INFO
-  assert any(f"outputs in {tmp_path / 'run'}" in x for x in lines), lines
-  # The console keeps the result: the final loss, the outputs and the log file.
-  assert "step    1/1" not in proc.stdout and proc.stderr == ""
-  assert "done: 1 steps" in proc.stdout and str(tmp_path / "run" / "metrics.jsonl") in proc.stdout
-  assert f"log: {log}" in proc.stdout
+# The --log_dir run: tests/test_launcher.py (one launcher run with every optional output).

@@ -14,6 +14,7 @@ from tests.helpers import (
   run_launcher,
   tiny_config,
 )
+from tests.test_tensorboard import assert_losses_match, texts
 
 # Per grid: failures between steps ("STEP:DP.STAGE") and one in the middle of a step.
 SCENARIOS = {
@@ -63,6 +64,14 @@ def test_naive_policy_matches_too(tmp_path):
   assert result.metrics[-1]["schedule"] == "naive"
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
+  # TensorBoard: every step's loss, each failure and the recovery from the one mid-step.
+  assert_losses_match(tmp_path, result.metrics)
+  failures = texts(tmp_path / "tb", "failure")
+  assert [s for s, _ in failures] == [2, 3, 3]
+  assert "failed during step 3" in failures[2][1]
+  assert "now naive on 5 live workers" in failures[2][1]
+  [(step, recovery)] = texts(tmp_path / "tb", "recovery")
+  assert step == 3 and "after the loss of node 6 was detected" in recovery
 
 
 def test_rerouted_work_runs_on_the_peer(rerouted_run):

@@ -23,6 +23,7 @@ from resilient_jax.checkpoint import store
 from resilient_jax.schedule.core import AR, F, Op
 from resilient_jax.trainer import FaultEvent, train
 from tests.helpers import ROOT, tiny_config
+from tests.test_tensorboard import assert_losses_match, texts
 
 # Real processes take most of the suite's time: `pytest -m "not slow"` leaves them out.
 pytestmark = pytest.mark.slow
@@ -110,6 +111,10 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
     assert f"process {p} refuses connections: dead" in proc.stdout, tail(proc)
     assert f"no heartbeat from process {p}" not in proc.stdout, tail(proc)
     assert e["kill_to_detect_s"] > 0 and e["xla_compiles"] == 0, e
+  # Process 0's TensorBoard events: every step's loss, each failure and recovery as text.
+  assert_losses_match(workdir, read_rows(workdir / "metrics.jsonl"))
+  assert [s for s, _ in texts(workdir / "tb", "failure")] == [3, 4]
+  assert [s for s, _ in texts(workdir / "tb", "recovery")] == [3, 4]
 
 
 def test_frozen_processes_then_preemption(tmp_path):

@@ -47,6 +47,7 @@ from resilient_jax.sim import (
 from resilient_jax.sim.config import load_config_file
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 from resilient_jax.sim.traces import Trace
+from tests.test_tensorboard import scalars, texts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -439,6 +440,13 @@ def test_run_simulation_writes_results(tmp_path):
   assert set(results["trace"]["policies"]) == set(build_policies())
   assert (tmp_path / "sim_trace.png").stat().st_size > 10_000
   assert (tmp_path / "sim_failures.png").stat().st_size > 10_000
+  # TensorBoard: the sweep per policy against the failure count, and the trace's summary.
+  for name in results["trace"]["policies"]:
+    rows = [r for r in saved["rows"] if r["policy"] == name]
+    assert scalars(tmp_path / "tb", f"sweep/{name}/relative") == [
+      (r["failures"], pytest.approx(r["relative"], rel=1e-6)) for r in rows]
+  [(_, summary)] = texts(tmp_path / "tb", "trace")
+  assert summary.startswith(results["trace"]["summary"])
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:

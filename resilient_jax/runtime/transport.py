@@ -165,11 +165,23 @@ class Transport:
     return {}  # every node is local: `Interpreter.place` copies between devices itself
 
 
+def _in_ar_scope(fn: Callable) -> Callable:
+  """`fn` traced under `jax.named_scope("AR")`: its compiled ops are the reduction's in a
+  `jax.profiler` trace."""
+
+  @functools.wraps(fn)
+  def scoped(*args):
+    with jax.named_scope("AR"):
+      return fn(*args)
+
+  return scoped
+
+
 @functools.cache
 def _flatten(names: tuple[str, ...]) -> Callable[[Mapping[str, jax.Array]], jax.Array]:
   """One program that lays a stage's gradients out as one float32 buffer."""
-  return OnEachDevice(
-    lambda g: jnp.concatenate([g[n].astype(jnp.float32).ravel() for n in names]))
+  return OnEachDevice(_in_ar_scope(
+    lambda g: jnp.concatenate([g[n].astype(jnp.float32).ravel() for n in names])))
 
 
 @functools.cache
@@ -184,7 +196,7 @@ def _unflatten(names: tuple[str, ...], layout: tuple) -> Callable:
       at += size
     return out
 
-  return OnEachDevice(split)
+  return OnEachDevice(_in_ar_scope(split))
 
 
-_add = OnEachDevice(jnp.add)
+_add = OnEachDevice(_in_ar_scope(jnp.add))

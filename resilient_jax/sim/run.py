@@ -103,7 +103,8 @@ def run_simulation(
 
   Args:
     cfg: the configuration.
-    out_dir: where results.json, sim_trace.png and sim_failures.png go; None: nowhere.
+    out_dir: where results.json, sim_trace.png, sim_failures.png and TensorBoard events (`tb/`)
+      go; None: nowhere.
     log: progress lines.
 
   Returns:
@@ -193,6 +194,9 @@ def run_simulation(
 
     plots.plot_trace(results, out / "sim_trace.png")
     plots.plot_sweep(results, out / "sim_failures.png")
+    from resilient_jax import tensorboard
+
+    tensorboard.write_simulation(out / "tb", results, log=log)
   return results
 
 

@@ -1,0 +1,52 @@
+"""`python -m launch.train` end to end with its optional outputs: an absl log file, TensorBoard
+events and a `jax.profiler` trace (the README's main job: tests/test_readme.py; bad inputs:
+tests/test_bad_inputs.py)."""
+
+import json
+
+from tests.helpers import run_launcher
+from tests.test_tensorboard import annotated_ops, assert_losses_match, trace_file
+
+CONFIG = "--config=configs/gpt_tiny.py:runlocal"
+
+
+def test_train_with_a_log_dir_tensorboard_and_a_trace(tmp_path):
+  proc = run_launcher(
+    CONFIG,
+    f"--workdir={tmp_path}",
+    "--config.mesh.dp=2",
+    "--config.mesh.pp=4",
+    "--config.pipeline.schedule=zb-h1",
+    "--config.profile.trace_steps=2",
+    f"--log_dir={tmp_path / 'logs'}",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  # --log_dir: the progress lines are in absl's log file, at INFO; the console keeps the result
+  # (the final loss, the outputs and the log file).
+  (log,) = (tmp_path / "logs").glob("*.INFO.*")
+  lines = log.read_text().splitlines()
+  step = [x for x in lines if "step    3/3" in x and "samples/s" in x]
+  assert len(step) == 1 and step[0].startswith("I"), lines
+  assert any(f"outputs in {tmp_path}" in x for x in lines), lines
+  assert "step    3/3" not in proc.stdout and proc.stderr == ""
+  assert "done: 3 steps" in proc.stdout and str(tmp_path / "metrics.jsonl") in proc.stdout
+  assert f"log: {log}" in proc.stdout
+  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert len(rows) == 3 and rows[-1]["live_workers"] == 8
+  assert (tmp_path / "timeline.png").exists()
+  assert_losses_match(tmp_path, rows)
+  # The traced step: every stage program's named scope (zb-h1 splits B and W; the first stage's
+  # B computes nothing) and the reduction's, and the host's annotation of every op's dispatch,
+  # named as in the timeline (the last step's, the same schedule).
+  where = tmp_path / "profile" / "step2"
+  assert any(f"tracing step 2 with jax.profiler into {where}" in x for x in lines)
+  trace = trace_file(tmp_path, 2)
+  for stage in range(4):
+    for kind in ("F", "B", "W", "OPT") if stage else ("F", "W", "OPT"):
+      assert f"{kind}_stage{stage}".encode() in trace, (kind, stage)
+  assert b"jit(add)/AR/add" in trace
+  timeline = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+  kinds = ("F", "B", "W", "OPT")
+  ops = {(e["name"], e["pid"], e["tid"]) for e in timeline if e.get("cat") in kinds}
+  assert len(ops) == 8 * (3 * 4 + 1) and annotated_ops(trace) == ops
+  assert not list((tmp_path / "profile").glob("step[13]"))
