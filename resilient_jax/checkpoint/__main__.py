@@ -1,8 +1,8 @@
 """`python -m resilient_jax.checkpoint {inspect,verify} DIR`.
 
-DIR is one checkpoint (`.../checkpoints/step_00000012`), a checkpoints folder, or a workdir;
-for the latter two the newest committed checkpoint is used. Exit codes: 0 ok, 1 corrupt,
-2 bad usage or nothing to read.
+DIR is one checkpoint (`.../checkpoints/12`, or an older `.../checkpoints/step_00000012`), a
+checkpoints folder, or a workdir; for the latter two the newest committed checkpoint is used.
+Exit codes: 0 ok, 1 corrupt, 2 bad usage or nothing to read.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from resilient_jax.checkpoint.store import (
   CheckpointError,
   committed_steps,
   load,
+  meta_path,
   read_meta,
   step_dir,
 )
@@ -25,7 +26,7 @@ USAGE = "usage: python -m resilient_jax.checkpoint {inspect,verify} DIR"
 
 def _resolve(arg: str) -> Path:
   path = Path(arg)
-  if (path / "meta.json").exists():
+  if meta_path(path).exists():
     return path
   for root in (path, path / "checkpoints"):
     steps = committed_steps(root)
