@@ -149,9 +149,13 @@ def _manager(root: Path, keep: int):
   import orbax.checkpoint as ocp
 
   local = _local_only()
+  # The commit is the rename of the finished tmp folder (pinned: orbax would pick a "commit
+  # file" written into the final folder on object stores, where a crash mid-save leaves a
+  # final name on a partial checkpoint).
   options = ocp.CheckpointManagerOptions(
     max_to_keep=keep or None, create=False, enable_async_checkpointing=False,
-    multiprocessing_options=local)
+    multiprocessing_options=local,
+    temporary_path_class=ocp.path.atomicity.AtomicRenameTemporaryPath)
   return ocp.CheckpointManager(
     root.absolute(), options=options, item_names=(STATE_ITEM, META_ITEM),
     item_handlers={STATE_ITEM: _state_handler(),
