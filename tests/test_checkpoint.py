@@ -382,3 +382,24 @@ def test_restart_policy_restores_and_matches(tmp_path):
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
   ref_cfg = cfg_of()
   assert_matches_reference(result.metrics, result.interpreter.all_params(), ref_cfg)
+
+
+@pytest.mark.parametrize("verbosity,shown", [(0, False), (1, True)])
+def test_orbax_info_lines_only_at_debug_verbosity(tmp_path, caplog, verbosity, shown):
+  """At absl's INFO verbosity a save adds no orbax INFO lines (about 40 otherwise); at
+  `--verbosity=1` they are there."""
+  import logging
+
+  from absl import logging as absl_logging
+
+  before = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(verbosity)
+  try:
+    with caplog.at_level(logging.DEBUG, logger="absl"):
+      writer = ckpt.CheckpointWriter(tmp_path)
+      writer.save(1, {"a.kernel": np.ones((3, 2), np.float32)}, {}, {})
+      writer.wait()
+  finally:
+    absl_logging.set_verbosity(before)
+  chatter = [r for r in caplog.records if "orbax" in r.pathname and r.levelno < logging.WARNING]
+  assert bool(chatter) == shown
