@@ -36,10 +36,17 @@ runs with `MultiprocessingOptions(primary_host=me, active_processes={me})`: with
 process that is this one, every orbax barrier is skipped (`multihost.should_skip_process_sync`,
 `get_barrier_sync_fn`), and this process does the primary host's work (finalize, retention).
 That needs `create=False` (orbax refuses to create the root with `active_processes`): the
-writer creates it. The only other jax.distributed call in `CheckpointManager.save`,
-`reached_preemption_sync_point`, reads local state. The wait for a save is bounded by our
-thread's join (`CheckpointWriter.wait(timeout_s)`); a failed save leaves every committed
-checkpoint as it was.
+writer creates it. The one other jax.distributed call in `CheckpointManager.save`,
+`reached_preemption_sync_point`, compares the step with JAX's preemption sync manager's agreed
+step under a lock (the agreement itself runs on that manager's thread);
+`test_multiprocess.py::test_frozen_processes_then_preemption` saves through it with a process
+declared dead. The wait for a save is bounded by our thread's join
+(`CheckpointWriter.wait(timeout_s)`); a failed save leaves every committed checkpoint as it was
+(a step saved again has its earlier copy set aside, and put back if the new one fails).
+
+A manager is made per save (it costs about a millisecond): it lists the folder as it is then,
+so orbax's retention never acts on a stale list, and `_retain` applies `keep` across both
+layouts (orbax counts only its own folders).
 """
 
 from __future__ import annotations
