@@ -74,6 +74,14 @@ def _crc_alone(arrays: list) -> float:
   return time.perf_counter() - t0
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+  """`store.nest` undone: `{"blocks": {"3": {"w": a}}}` -> `{"blocks.3.w": a}`."""
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
 def _load_before(path: Path) -> None:
   """The load as it was before the one-pass reader: orbax's restore, then a CRC pass."""
   import numpy as np
@@ -84,8 +92,10 @@ def _load_before(path: Path) -> None:
   meta = store.read_meta(path)
   as_numpy = {g: {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in meta["entries"][g]}
               for g in reader.GROUPS}
+  as_numpy["params"] = store.nest(as_numpy["params"])  # stored nested by NNX path
   tree = store._checkpointer().restore((path / "state").absolute(),
                                        args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+  tree["params"] = _flat(tree["params"])
   for g in reader.GROUPS:  # the old load's separate CRC pass (threads), then its finiteness pass
     arrays = tree[g]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

@@ -84,9 +84,9 @@ def test_restored_state_is_exactly_the_saved_one(saved, tmp_path):
 def _corrupt_latest(run_dir, how):
   latest = ckpt.step_dir(run_dir / "checkpoints", 4)
   if how == "checksum":
-    meta = json.loads((latest / "meta.json").read_text())
+    meta = json.loads(ckpt.meta_path(latest).read_text())
     meta["entries"]["params"]["blocks.1.mlp.fc.kernel"]["crc32"] = "00000000"
-    (latest / "meta.json").write_text(json.dumps(meta))
+    ckpt.meta_path(latest).write_text(json.dumps(meta))
   else:  # truncate every data file of the array store
     for f in (latest / "state").rglob("*"):
       if f.is_file() and f.stat().st_size > 64 and "METADATA" not in f.name:
@@ -120,10 +120,92 @@ def test_half_written_checkpoint_is_never_latest(saved, tmp_path):
   base, _, _ = saved
   shutil.copytree(base / "stopped", tmp_path / "run")
   root = tmp_path / "run" / "checkpoints"
-  shutil.copytree(ckpt.step_dir(root, 4), root / ".tmp-step_00000006-abcd")
-  (root / "step_00000008").mkdir()  # no meta.json: never committed
+  shutil.copytree(ckpt.step_dir(root, 4), root / "6.orbax-checkpoint-tmp-1234")  # orbax's
+  shutil.copytree(ckpt.step_dir(root, 4), root / ".tmp-step_00000007-abcd")  # older versions'
+  (root / "8").mkdir()  # no metadata: never committed
+  (root / "step_00000009").mkdir()
   assert ckpt.committed_steps(root) == [2, 4]
   assert ckpt.load_latest(root, log=quiet).step == 4
+  assert ckpt.CheckpointWriter(root).remove_unfinished() == [
+    ".tmp-step_00000007-abcd", "6.orbax-checkpoint-tmp-1234"]
+
+
+def _disk_full(*args, **kwargs):
+  raise OSError("disk full")
+
+
+def _write_older(root, step, params, opt):
+  """A checkpoint as versions before orbax's CheckpointManager wrote it: `step_00000012/`, a
+  flat state tree, `meta.json` beside it."""
+  from resilient_jax.checkpoint import reader, store
+
+  folder = root / f"step_{step:08d}"
+  folder.mkdir(parents=True)
+  tree = {"params": params, "opt_state": opt}
+  store._checkpointer().save((folder / "state").absolute(), tree)
+  entries = {g: {k: {"shape": list(a.shape), "dtype": str(a.dtype),
+                     "crc32": reader.checksum_and_finite(a)[0]} for k, a in t.items()}
+             for g, t in tree.items()}
+  (folder / "meta.json").write_text(json.dumps(
+    {"format": store.FORMAT, "step": step, "layout": {}, "entries": entries, "bytes": 0}))
+  return folder
+
+
+def test_older_step_folders_load_and_retire(tmp_path, monkeypatch):
+  """An older workdir's `step_*` folders load (latest, CLI) beside orbax's bare-number ones;
+  retention counts both; a step saved again replaces its earlier copy, and a failed re-save
+  leaves that copy in place."""
+  from resilient_jax.checkpoint.__main__ import main as checkpoint_cli
+
+  params = {"blocks.0.fc.kernel": np.ones((3, 2), np.float32)}
+  opt = {"0/count": np.array(1, np.int32)}
+  for step in (1, 2):
+    _write_older(tmp_path, step, {k: v * step for k, v in params.items()}, opt)
+  assert ckpt.committed_steps(tmp_path) == [1, 2]
+  assert ckpt.step_dir(tmp_path, 2).name == "step_00000002"
+  loaded = ckpt.load_latest(tmp_path, log=quiet)
+  assert loaded.step == 2 and loaded.timings["direct"] == loaded.timings["entries"] == 2
+  np.testing.assert_array_equal(loaded.params["blocks.0.fc.kernel"], 2 * params[
+    "blocks.0.fc.kernel"])
+  assert checkpoint_cli(["checkpoint", "verify", str(tmp_path)]) == 0
+
+  writer = ckpt.CheckpointWriter(tmp_path, keep=2)
+  writer.save(3, params, opt, {"layout": {}})
+  writer.wait()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "step_00000002"]
+  assert ckpt.load_latest(tmp_path, log=quiet).step == 3
+  writer.save(2, {k: v * 5 for k, v in params.items()}, opt, {"layout": {}})  # saved again
+  writer.wait()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "3"]
+  assert ckpt.load(ckpt.step_dir(tmp_path, 2)).params["blocks.0.fc.kernel"][0, 0] == 5
+
+  import orbax.checkpoint as ocp
+
+  monkeypatch.setattr(ocp.Checkpointer, "save", _disk_full)
+  writer.save(3, {k: v * 7 for k, v in params.items()}, opt, {"layout": {}})
+  with pytest.raises(ckpt.CheckpointError, match="disk full"):
+    writer.wait()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "3"]
+  assert ckpt.load(ckpt.step_dir(tmp_path, 3)).params["blocks.0.fc.kernel"][0, 0] == 1
+
+
+def test_older_workdir_resumes(saved, tmp_path):
+  """A run's workdir from before orbax's step folders (its step 4 as an older version wrote
+  it) resumes from that step."""
+  base, _, full = saved
+  shutil.copytree(base / "stopped", tmp_path / "run")
+  root = tmp_path / "run" / "checkpoints"
+  loaded = ckpt.load(ckpt.step_dir(root, 4))
+  shutil.rmtree(ckpt.step_dir(root, 4))
+  folder = _write_older(root, 4, loaded.params, loaded.opt_state)
+  meta = json.loads((folder / "meta.json").read_text())
+  (folder / "meta.json").write_text(json.dumps({**loaded.meta, "entries": meta["entries"]}))
+  lines = []
+  cfg = cfg_of(mesh__dp=1, mesh__pp=1)
+  result = Trainer(cfg, tmp_path / "run", log=lines.append).run()
+  assert any("restored step 4 from" in x and "step_00000004" in x for x in lines), lines
+  assert [m["sample_digest"] for m in result.metrics] == [m["sample_digest"] for m in full.metrics]
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
 def _damage(folder, how, name, data):
@@ -144,9 +226,9 @@ def _damage(folder, how, name, data):
     for f in state.rglob("manifest.ocdbt"):
       f.unlink()
   elif how == "meta_without_checksums":
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = json.loads(ckpt.meta_path(folder).read_text())
     del meta["entries"]["opt_state"]
-    (folder / "meta.json").write_text(json.dumps(meta))
+    ckpt.meta_path(folder).write_text(json.dumps(meta))
   elif how == "truncated":  # the largest data file loses its second half
     files = sorted((p for p in state.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
     files[0].write_bytes(files[0].read_bytes()[: files[0].stat().st_size // 2])
@@ -227,15 +309,12 @@ def test_failed_background_save_is_reported_and_keeps_older(tmp_path, monkeypatc
   writer.wait()
   import orbax.checkpoint as ocp
 
-  def boom(*a, **k):
-    raise OSError("disk full")
-
-  monkeypatch.setattr(ocp.Checkpointer, "save", boom)
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", _disk_full)  # mid-save
   writer.save(2, params, {}, {})
   with pytest.raises(ckpt.CheckpointError, match="disk full"):
     writer.wait()
   assert ckpt.committed_steps(tmp_path) == [1]
-  assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]  # no unfinished folder left
 
 
 def test_resume_with_other_batch_is_refused(saved, tmp_path):
@@ -309,3 +388,24 @@ def test_restart_policy_restores_and_matches(tmp_path):
   assert "going on from step 3 on dp=1 pp=2" in text
   ref_cfg = cfg_of()
   assert_matches_reference(result.metrics, result.interpreter.all_params(), ref_cfg)
+
+
+@pytest.mark.parametrize("verbosity,shown", [(0, False), (1, True)])
+def test_orbax_info_lines_only_at_debug_verbosity(tmp_path, caplog, verbosity, shown):
+  """At absl's INFO verbosity a save adds no orbax INFO lines (about 40 otherwise); at
+  `--verbosity=1` they are there."""
+  import logging
+
+  from absl import logging as absl_logging
+
+  before = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(verbosity)
+  try:
+    with caplog.at_level(logging.DEBUG, logger="absl"):
+      writer = ckpt.CheckpointWriter(tmp_path)
+      writer.save(1, {"a.kernel": np.ones((3, 2), np.float32)}, {}, {})
+      writer.wait()
+  finally:
+    absl_logging.set_verbosity(before)
+  chatter = [r for r in caplog.records if "orbax" in r.pathname and r.levelno < logging.WARNING]
+  assert bool(chatter) == shown

@@ -135,7 +135,7 @@ def test_frozen_processes_then_preemption(tmp_path):
   assert "stopping after step 4" in proc.stdout, tail(proc)
   multi = read_rows(workdir / "metrics.jsonl")
   assert [r["attempts"] for r in multi] == [1, 1, 1, 2]
-  assert [p.name for p in (workdir / "checkpoints").iterdir()] == ["step_00000004"]
+  assert [p.name for p in (workdir / "checkpoints").iterdir()] == ["4"]
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS)
   resumed = train(cfg, workdir, log=lambda _: None).metrics
   reference = in_process(tmp_path, [FaultEvent(4, (1, 1), Op(AR))])
@@ -184,7 +184,7 @@ def test_tied_head_and_a_nan_step_across_processes(tmp_path):
   assert [bool(r.get("skipped")) for r in multi] == [False, True, False, False, False]
   assert not math.isfinite(multi[1]["grad_norm"]) and math.isfinite(multi[2]["grad_norm"])
   steps = sorted((workdir / "checkpoints").iterdir())
-  assert [p.name for p in steps] == [f"step_{s:08d}" for s in range(1, STEPS + 1)]
+  assert sorted(p.name for p in steps) == [str(s) for s in range(1, STEPS + 1)]
   for path in steps:  # `load` rejects a checkpoint holding a non-finite value
     assert store.load(path).params
 

@@ -185,23 +185,70 @@ def test_train_rejects_a_bad_model_in_one_line(tmp_path):
   assert "\n" not in str(err.value)
 
 
-def test_readme_example_runs(tmp_path):
-  """The README's "Bring your own model" example, as written, in a fresh process."""
+def _readme_block(marker: str) -> str:
   import re
-  import subprocess
-  import sys
 
   from tests.helpers import ROOT
 
   with open(f"{ROOT}/README.md") as f:
     readme = f.read()
-  code = re.search(r"<!-- own-model-example -->\n```python\n(.*?)```", readme, re.S).group(1)
-  code = code.replace("/tmp/my_model_run", str(tmp_path / "run"))
+  return re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", readme, re.S).group(1)
+
+
+def _run_code(code: str):
+  import subprocess
+  import sys
+
+  from tests.helpers import ROOT
+
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
+  return proc
+
+
+@pytest.fixture(scope="module")
+def readme_run(tmp_path_factory):
+  """The README's "Bring your own model" example, as written, in a fresh process; its
+  trained parameters saved beside the run."""
+  run = tmp_path_factory.mktemp("readme") / "run"
+  code = _readme_block("own-model-example").replace("/tmp/my_model_run", str(run))
+  code += (f"\nimport numpy as np\nnp.savez({str(run / 'trained.npz')!r}, **{{k: np.asarray(v) "
+           "for k, v in result.interpreter.all_params().items()})\n")
+  return run, _run_code(code)
+
+
+def test_readme_example_runs(readme_run):
+  _, proc = readme_run
   assert "FAILURE: worker (dp=1, stage=1) failed at the start of step 3" in proc.stderr  # absl
   assert np.isfinite(float(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_readme_orbax_example_loads_the_run_without_resilient_jax(readme_run):
+  """The README's plain-orbax example, in a fresh process that never imports resilient_jax:
+  orbax's CheckpointManager lists the run's steps and restores the last one into a plain NNX
+  model (the example's own class), whose parameters are the trainer's."""
+  run, _ = readme_run
+  own = _readme_block("own-model-example")
+  classes = own[own.index("import jax\n"):own.index("\nmodel = MyModel()")]
+  example = classes + _readme_block("orbax-load-example").replace("/tmp/my_model_run", str(run))
+  assert "resilient_jax" not in example
+  code = example + f"""
+import sys
+import numpy as np
+assert not [m for m in sys.modules if m.split(".")[0] == "resilient_jax"]
+flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+np.savez({str(run / 'restored.npz')!r},
+         **{{".".join(map(str, k)): np.asarray(v[...]) for k, v in flat}})
+"""
+  proc = _run_code(code)
+  lines = proc.stdout.strip().splitlines()
+  assert lines[0] == "[2, 4]"
+  assert lines[1].split()[0] == "4"
+  trained, restored = np.load(run / "trained.npz"), np.load(run / "restored.npz")
+  assert sorted(trained.files) == sorted(restored.files) and "head.kernel" in trained.files
+  for name in trained.files:
+    np.testing.assert_array_equal(restored[name], trained[name], err_msg=name)
 
 
 def test_init_from_starts_a_new_run_from_saved_parameters(tmp_path):

@@ -68,7 +68,7 @@ def test_an_exit_waits_for_the_save_in_flight(tmp_path, monkeypatch):
     real_write(self, *args)
 
   monkeypatch.setattr(CheckpointWriter, "_write", slow_write)
-  stale = tmp_path / "checkpoints" / ".tmp-step_00000002-deadbeef"
+  stale = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1700000000"
   stale.mkdir(parents=True)
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=5, checkpoint__every_steps=3,
                     faults__schedule="4:0.1,4:1.1", resilience__restore_on_stage_loss=False)
@@ -77,7 +77,7 @@ def test_an_exit_waits_for_the_save_in_flight(tmp_path, monkeypatch):
     Trainer(cfg, tmp_path, log=lines.append).run()
   assert any("removed" in x and stale.name in x for x in lines)
   assert ckpt.committed_steps(tmp_path / "checkpoints") == [3]
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003"]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
   assert ckpt.load(ckpt.step_dir(tmp_path / "checkpoints", 3)).step == 3
 
 
@@ -110,7 +110,7 @@ def test_non_finite_state_is_never_written_and_never_loaded(tmp_path, capsys, mo
   with pytest.raises(ckpt.CheckpointError, match="state of step 2 is not finite"):
     writer.wait()
   # Retention (keep=1) kept the finite checkpoint; nothing of step 2 is on disk.
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
 
   # One written without the check (an older version): refused on load and by `verify`.
   monkeypatch.setattr(store, "non_finite", lambda arrays: [])

@@ -11,6 +11,7 @@ from resilient_jax.checkpoint.store import (
   committed_steps,
   load,
   load_latest,
+  meta_path,
   read_meta,
   step_dir,
 )
@@ -25,6 +26,7 @@ __all__ = [
   "load",
   "load_latest",
   "merge",
+  "meta_path",
   "read_meta",
   "step_dir",
   "unflatten_state",

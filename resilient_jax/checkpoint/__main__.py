@@ -1,9 +1,9 @@
 """`python -m resilient_jax.checkpoint {inspect,verify} DIR` (or `resilient-jax-checkpoint`).
 
-DIR is one checkpoint (`.../checkpoints/step_00000012`), a checkpoints folder, or a workdir;
-for the latter two the newest committed checkpoint is used. `inspect` prints the checkpoint's
-step, layout and entries; `verify` loads every entry and checks its checksum. Exit codes: 0 ok,
-1 corrupt, 2 bad usage, a bad flag or nothing to read.
+DIR is one checkpoint (`.../checkpoints/12`, or an older `.../checkpoints/step_00000012`), a
+checkpoints folder, or a workdir; for the latter two the newest committed checkpoint is used.
+`inspect` prints the checkpoint's step, layout and entries; `verify` loads every entry and checks
+its checksum. Exit codes: 0 ok, 1 corrupt, 2 bad usage, a bad flag or nothing to read.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from resilient_jax.checkpoint.store import (
   CheckpointError,
   committed_steps,
   load,
+  meta_path,
   read_meta,
   step_dir,
 )
@@ -26,7 +27,7 @@ USAGE = "usage: python -m resilient_jax.checkpoint {inspect,verify} DIR"
 
 def _resolve(arg: str) -> Path:
   path = Path(arg)
-  if (path / "meta.json").exists():
+  if meta_path(path).exists():
     return path
   for root in (path, path / "checkpoints"):
     steps = committed_steps(root)

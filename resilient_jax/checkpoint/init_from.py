@@ -1,7 +1,7 @@
 """`checkpoint.init_from`: start a new run from another run's parameters (fine-tuning).
 
 Only parameters are taken; the new run has its own seed, data order, optimizer state and step
-count. The source may be a universal checkpoint (a `step_*` folder, a `checkpoints/` folder or
+count. The source may be a universal checkpoint (a step folder, a `checkpoints/` folder or
 a run's workdir: the newest checkpoint that verifies) or a plain orbax checkpoint of the same
 model's NNX state (e.g. `ocp.StandardCheckpointer().save(path, nnx.state(model, nnx.Param))`).
 """
@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from resilient_jax.checkpoint.store import CheckpointError, committed_steps, load, load_latest
+from resilient_jax.checkpoint.store import (
+  CheckpointError,
+  committed_steps,
+  load,
+  load_latest,
+  meta_path,
+)
 from resilient_jax.model.staging import variable_names
 
 
@@ -40,7 +46,7 @@ def read_params(path: str | Path) -> dict[str, np.ndarray]:
   path = Path(path)
   if not path.exists():
     raise CheckpointError(f"checkpoint.init_from={str(path)!r} does not exist")
-  if (path / "meta.json").exists():
+  if meta_path(path).exists():
     return load(path).params
   for root in (path, path / "checkpoints"):
     if root.is_dir() and committed_steps(root):

@@ -5,7 +5,7 @@ time to read the same files raw (asyncio and tree machinery, a fresh buffer per 
 tensorstore then copies into a second fresh array, then separate CRC and finiteness passes),
 all CPU-bound while a raw read is one copy out of the page cache.
 
-The writer pins orbax's layout (`store._checkpointer`: one OCDBT database, zarr v2,
+The writer pins orbax's layout (`store._state_handler`: one OCDBT database, zarr v2,
 uncompressed), in which each array is one chunk: its C-order bytes stored contiguously in a
 data file. `tensorstore.ocdbt.dump` lists where each chunk lies, so a worker reads an array
 straight into its numpy buffer in cache-sized slices and checksums and tests each slice while it
@@ -131,7 +131,7 @@ def _as_bytes(x: Any) -> bytes:
 
 
 def _chunk_locations(state: Path, meta: Mapping[str, Any]) -> dict[tuple[str, str], _Where]:
-  """Where each single-chunk, uncompressed, C-order array of meta.json lies; arrays stored
+  """Where each single-chunk, uncompressed, C-order array of the metadata lies; arrays stored
   otherwise are left out (the tensorstore path reads them). Empty if the tree is not one we
   can walk."""
   import tensorstore as ts
@@ -257,10 +257,11 @@ def _read_tensorstore(e: Entry, info: Mapping[str, Any], driver: str, kvstore: d
 
 def read_verified(path: Path, meta: Mapping[str, Any], workers: int | None = None
                   ) -> tuple[list[Entry], dict[str, float]]:
-  """Reads and verifies every entry of meta.json from `path/state`, `workers` arrays at once.
+  """Reads and verifies every entry of the metadata `meta` from `path/state`, `workers`
+  arrays at once.
 
   Returns:
-    every entry (its array, or its error) in meta.json's order, and seconds: `wall_s` in all,
+    every entry (its array, or its error) in the metadata's order, and seconds: `wall_s` in all,
     `locate_s` of it finding where the arrays lie.
 
   Raises:

@@ -1,24 +1,60 @@
-"""Checkpoints on disk: asynchronous, atomic, checksummed, with retention and fallback.
+"""Checkpoints on disk: written by orbax's `CheckpointManager`, checksummed, with fallback.
 
-Layout of `<dir>/step_00000012/`:
-  state/      orbax PyTree (uncompressed) `{"params": {name: array},
-              "opt_state": {state key: array}}` — the universal layout of `universal.py`
-  meta.json   step, the layout it was saved from, data position, config, and per-entry
-              shape/dtype/CRC32
+Layout of `<dir>/12/` (orbax's standard step folder: a plain `ocp.CheckpointManager(<dir>)`
+lists and restores it; the README's "Checkpoint format" section has the example):
+  state/      orbax PyTree item, one OCDBT database, zarr v2, uncompressed:
+              `{"params": {"blocks": {"3": {"mlp": {"fc": {"kernel": array}}}}, ...},
+              "opt_state": {"0/mu/blocks.3.mlp.fc.kernel": array, ...}}`: parameters nested by
+              NNX path, as `nnx.state(model, nnx.Param)` is; optimizer entries flat, by the
+              universal keys of `universal.py`
+  meta/metadata   orbax JSON item: step, the layout it was saved from, data position, config,
+              and per-entry shape/dtype/CRC32 (names as above, flat)
+  _CHECKPOINT_METADATA   orbax's own step metadata
+Older versions wrote `<dir>/step_00000012/` with `state/` and `meta.json` beside it: `load`,
+`committed_steps`, `step_dir` and the CLI read both, so an older workdir resumes.
 
-A save copies the state to the host (the only part training waits for), then a background
-thread writes it into `<dir>/.tmp-step_.../`, writes `meta.json` last and renames the folder to
-its final name. A half-written checkpoint therefore never has a final name, and `latest()`
-never picks it (`remove_unfinished` clears such folders at start). A state holding an inf or NaN
-is never written. Loading (`reader.py`) reads entries in parallel and verifies each against its
+A save copies the state to the host (the only part training waits for); then one background
+thread computes every array's CRC32 and finiteness in one pass, refuses a state holding an inf
+or NaN (never written), and hands the rest to `CheckpointManager.save`: orbax writes into
+`<dir>/12.orbax-checkpoint-tmp-*`, renames it to `12` when complete (so a half-written checkpoint
+never has a final name; `remove_unfinished` clears such folders at start) and applies
+`max_to_keep`. Loading (`reader.py`) reads entries in parallel and verifies each against its
 checksum, and that it is finite, as its bytes arrive; a bad checkpoint is reported by name and
 the previous one is used.
+
+Why the manager's save is synchronous (`enable_async_checkpointing=False`) on our thread rather
+than orbax's own async save: the checksum and finiteness pass must come before the write (a
+non-finite state is never written at all) and must not run on the training thread (it takes
+longer than the host copy), so a thread of ours runs first anyway, and it then writes too; the
+training thread waits only for the host copy, as with orbax's async save.
+
+Multi-process jobs: process 0 alone writes (the others hand it their stages' state,
+`Trainer._save`), and any process may die at any time. Orbax's cross-process barriers
+(`sync_global_processes` at save start/end, directory creation and deletion; the async
+commit's `wait_at_barrier`) would wait for dead processes until their timeout, so the manager
+runs with `MultiprocessingOptions(primary_host=me, active_processes={me})`: with one active
+process that is this one, every orbax barrier is skipped (`multihost.should_skip_process_sync`,
+`get_barrier_sync_fn`), and this process does the primary host's work (finalize, retention).
+That needs `create=False` (orbax refuses to create the root with `active_processes`): the
+writer creates it. The one other jax.distributed call in `CheckpointManager.save`,
+`reached_preemption_sync_point`, compares the step with JAX's preemption sync manager's agreed
+step under a lock (the agreement itself runs on that manager's thread);
+`test_multiprocess.py::test_frozen_processes_then_preemption` saves through it with a process
+declared dead. The wait for a save is bounded by our thread's join
+(`CheckpointWriter.wait(timeout_s)`); a failed save leaves every committed checkpoint as it was
+(a step saved again has its earlier copy set aside, and put back if the new one fails).
+
+A manager is made per save (it costs about a millisecond): it lists the folder as it is then,
+so orbax's retention never acts on a stale list, and `_retain` applies `keep` across both
+layouts (orbax counts only its own folders).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import os
 import shutil
 import threading
@@ -34,8 +70,14 @@ import numpy as np
 from resilient_jax.checkpoint import reader
 from resilient_jax.logs import info
 
-PREFIX = "step_"
+LEGACY_PREFIX = "step_"
+"""Step folders of older versions: `step_00000012`."""
 TMP_PREFIX = ".tmp-"
+ORBAX_TMP = ".orbax-checkpoint-tmp"
+"""orbax's unfinished step folders: `12.orbax-checkpoint-tmp-<time>`."""
+STATE_ITEM, META_ITEM = "state", "meta"
+META_FILE = "metadata"
+"""The JSON item's file (`meta/metadata`); older versions wrote `meta.json` in the folder."""
 FORMAT = "resilient_jax.universal.v1"
 
 
@@ -43,8 +85,39 @@ class CheckpointError(RuntimeError):
   """A checkpoint is missing, incomplete or corrupt; the message names the bad item."""
 
 
+def _step_of(name: str) -> int | None:
+  """The step of a committed step folder's name (`12`, or an older `step_00000012`)."""
+  digits = name[len(LEGACY_PREFIX):] if name.startswith(LEGACY_PREFIX) else name
+  return int(digits) if digits.isdigit() else None
+
+
 def step_dir(root: Path, step: int) -> Path:
-  return root / f"{PREFIX}{step:08d}"
+  """The folder of `step`'s checkpoint: the one on disk (orbax's `12` before an older
+  `step_00000012`), else where a save writes it (`12`)."""
+  new = Path(root) / str(step)
+  if new.exists():
+    return new
+  old = Path(root) / f"{LEGACY_PREFIX}{step:08d}"
+  return old if old.exists() else new
+
+
+def meta_path(path: Path) -> Path:
+  """A checkpoint folder's metadata file: `meta/metadata`, or `meta.json` in older ones."""
+  old = Path(path) / "meta.json"
+  return old if old.exists() else Path(path) / META_ITEM / META_FILE
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+  """`{"blocks.3.mlp.fc.kernel": a}` -> `{"blocks": {"3": {"mlp": {"fc": {"kernel": a}}}}}`:
+  the tree of `nnx.state(model, nnx.Param)`, with string keys as orbax stores them."""
+  out: dict[str, Any] = {}
+  for name, value in flat.items():
+    *parents, leaf = name.split(".")
+    node = out
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = value
+  return out
 
 
 def _scan(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[str, bool]]:
@@ -56,23 +129,74 @@ def _scan(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[str, bool]]:
                     strict=True))
 
 
-def _checkpointer():
+def _local_only():
   import jax
   import orbax.checkpoint as ocp
 
-  # Checkpoints hold host numpy arrays and are written and read by one process: in a
-  # multi-process job orbax must not synchronise with the others (it would start a collective
-  # over every process, including dead ones).
+  # One active process, this one: orbax skips every barrier (see the module docstring).
   me = jax.process_index()
-  local = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+  return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+
+
+def _state_handler():
+  import orbax.checkpoint as ocp
+
   # No compression: parameters barely compress, and zstd made a cold restore of a 1.3 GB
   # checkpoint take 3.7x the raw read of its files (1.0x without).
   # The layout is pinned (one OCDBT database, zarr v2 arrays): `load` reads it directly.
-  return ocp.Checkpointer(
-    ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=False, use_compression=False,
-                                multiprocessing_options=local),
+  return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=False, use_compression=False,
+                                     multiprocessing_options=_local_only())
+
+
+def _checkpointer():
+  """A checkpointer of the `state` item alone (`benchmarks/checkpoint.py` restores with it)."""
+  import orbax.checkpoint as ocp
+
+  return ocp.Checkpointer(_state_handler(), multiprocessing_options=_local_only())
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops orbax's INFO records (about 40 per save: handlers created, tmp folders, renames,
+  timings) unless absl's verbosity asks for debug output (`--verbosity=1`); its warnings and
+  errors pass."""
+
+  def __init__(self, package_dir: str) -> None:
+    super().__init__()
+    self.package_dir = package_dir
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.WARNING or not record.pathname.startswith(self.package_dir):
+      return True
+    from absl import logging as absl_logging
+
+    return absl_logging.get_verbosity() > absl_logging.INFO
+
+
+@functools.cache
+def _quiet_orbax() -> None:
+  import orbax.checkpoint as ocp
+  from absl import logging as absl_logging
+
+  absl_logging.get_absl_logger().addFilter(_QuietOrbax(os.path.dirname(ocp.__file__)))
+
+
+def _manager(root: Path, keep: int):
+  import orbax.checkpoint as ocp
+
+  _quiet_orbax()
+  local = _local_only()
+  # The commit is the rename of the finished tmp folder (pinned: orbax would pick a "commit
+  # file" written into the final folder on object stores, where a crash mid-save leaves a
+  # final name on a partial checkpoint).
+  options = ocp.CheckpointManagerOptions(
+    max_to_keep=keep or None, create=False, enable_async_checkpointing=False,
     multiprocessing_options=local,
-  )
+    temporary_path_class=ocp.path.atomicity.AtomicRenameTemporaryPath)
+  return ocp.CheckpointManager(
+    root.absolute(), options=options, item_names=(STATE_ITEM, META_ITEM),
+    item_handlers={STATE_ITEM: _state_handler(),
+                   META_ITEM: ocp.JsonCheckpointHandler(filename=META_FILE,
+                                                        multiprocessing_options=local)})
 
 
 def non_finite(scanned: Mapping[str, tuple[str, bool]]) -> list[str]:
@@ -81,17 +205,16 @@ def non_finite(scanned: Mapping[str, tuple[str, bool]]) -> list[str]:
 
 
 def committed_steps(root: str | Path) -> list[int]:
-  """Steps with a committed (fully written and renamed) checkpoint, ascending."""
+  """Steps with a committed (fully written and renamed) checkpoint, ascending; either
+  layout."""
   root = Path(root)
   if not root.is_dir():
     return []
-  steps = []
+  steps = set()
   for p in root.iterdir():
-    if p.name.startswith(PREFIX) and (p / "meta.json").exists():
-      try:
-        steps.append(int(p.name[len(PREFIX):]))
-      except ValueError:
-        continue
+    step = _step_of(p.name)
+    if step is not None and meta_path(p).exists():
+      steps.add(step)
   return sorted(steps)
 
 
@@ -109,21 +232,23 @@ class Loaded:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
+  file = meta_path(path)
   try:
-    meta = json.loads((path / "meta.json").read_text())
+    meta = json.loads(file.read_text())
   except (OSError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{path}: meta.json unreadable ({e})") from None
+    raise CheckpointError(f"{path}: {file.relative_to(path)} unreadable ({e})") from None
   if not isinstance(meta, dict) or meta.get("format") != FORMAT:
     fmt = meta.get("format") if isinstance(meta, dict) else None
     raise CheckpointError(f"{path}: unknown format {fmt!r}")
-  # A load trusts these fields to size and check every array: a damaged meta.json is a corrupt
+  # A load trusts these fields to size and check every array: a damaged metadata is a corrupt
   # checkpoint (fall back), not a KeyError halfway through the load.
   entries = meta.get("entries")
   for group in reader.GROUPS:
     infos = entries.get(group) if isinstance(entries, dict) else None
     if not isinstance(infos, dict) or not all(
         isinstance(i, dict) and {"shape", "dtype", "crc32"} <= i.keys() for i in infos.values()):
-      raise CheckpointError(f"{path}: meta.json lacks the {group} entries' shapes and checksums")
+      raise CheckpointError(f"{path}: {file.relative_to(path)} lacks the {group} entries' "
+                            "shapes and checksums")
   return meta
 
 
@@ -131,12 +256,12 @@ def load(path: str | Path, workers: int | None = None) -> Loaded:
   """Reads and verifies one checkpoint folder, entries in parallel.
 
   Args:
-    path: the checkpoint folder (`.../step_00000012`).
+    path: the checkpoint folder (`.../12`, or an older `.../step_00000012`).
     workers: arrays read and verified at once (default `reader.default_workers()`).
 
   Raises:
     CheckpointError: missing files, a missing entry, or an entry whose checksum, shape or
-      dtype differs from meta.json, or that holds an inf/NaN (the message names it).
+      dtype differs from the metadata, or that holds an inf/NaN (the message names it).
   """
   path = Path(path)
   meta = read_meta(path)
@@ -227,49 +352,78 @@ class CheckpointWriter:
     return True
 
   def remove_unfinished(self) -> list[str]:
-    """Removes the folders of saves that never committed (their writer died); returns their
-    names. Call before the first save."""
+    """Removes the folders of saves that never committed (their writer died: orbax's
+    `*.orbax-checkpoint-tmp-*`, or an older version's `.tmp-*`); returns their names. Call
+    before the first save."""
     if not self.root.is_dir():
       return []
-    stale = sorted(p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX))
+    stale = sorted(p for p in self.root.iterdir() if _unfinished(p.name))
     for p in stale:
       shutil.rmtree(p, ignore_errors=True)
     return [p.name for p in stale]
 
   def _write(self, step: int, host: dict, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+
     t0 = self.clock()
-    tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
+    final = self.root / str(step)
+    aside = None
     try:
-      tree = {g: {k: np.asarray(v) for k, v in host[g].items()} for g in ("params", "opt_state")}
+      tree = {g: {k: np.asarray(v) for k, v in host[g].items()} for g in reader.GROUPS}
       scanned = {g: _scan(arrays) for g, arrays in tree.items()}
       bad = non_finite(scanned["params"]) + non_finite(scanned["opt_state"])
       if bad:
         raise CheckpointError(f"the state of step {step} is not finite ({', '.join(bad[:3])}"
                               f"{', ...' if len(bad) > 3 else ''}): not written")
-      tmp.mkdir(parents=True)
-      _checkpointer().save((tmp / "state").absolute(), tree)
       entries = {}
       for g, arrays in tree.items():
         entries[g] = {k: {"shape": list(a.shape), "dtype": str(a.dtype),
                           "crc32": scanned[g][k][0]} for k, a in arrays.items()}
       meta = {"format": FORMAT, "step": step, **meta, "entries": entries,
               "bytes": int(sum(a.nbytes for g in tree.values() for a in g.values()))}
-      (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-      final = step_dir(self.root, step)
-      if final.exists():  # a step saved again (a redone step): set the old copy aside first
-        old = final.with_name(f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
-        final.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
-      tmp.rename(final)  # the commit: atomic on one filesystem
+      self.root.mkdir(parents=True, exist_ok=True)
+      if final.exists():
+        # A step saved again (redone after its checkpoint failed to load): orbax refuses an
+        # existing step, so the old copy is set aside until the new one has committed.
+        aside = self.root / f"{TMP_PREFIX}old-{step}-{uuid.uuid4().hex[:8]}"
+        final.rename(aside)
+      # A manager per save: it lists the folder as it is now (a step set aside, folders
+      # removed by hand), so retention never acts on a stale list.
+      with _manager(self.root, self.keep) as manager:
+        manager.save(step, force=True, args=ocp.args.Composite(**{
+          STATE_ITEM: ocp.args.PyTreeSave({"params": nest(tree["params"]),
+                                           "opt_state": tree["opt_state"]}),
+          META_ITEM: ocp.args.JsonSave(meta)}))
+      if not meta_path(final).exists():
+        raise CheckpointError(f"orbax did not commit {final}")
       self._retain()
     except BaseException as e:  # reported on the next save or wait
       self._error = e
-      shutil.rmtree(tmp, ignore_errors=True)
+      for p in self.root.iterdir() if self.root.is_dir() else ():
+        if p.name.startswith(f"{step}{ORBAX_TMP}"):
+          shutil.rmtree(p, ignore_errors=True)
+      if aside is not None and not final.exists():
+        aside.rename(final)  # the failed save leaves what was there
+        aside = None
     finally:
+      if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
       self.write_s.append(self.clock() - t0)
 
   def _retain(self) -> None:
-    if self.keep <= 0:
-      return
-    for step in committed_steps(self.root)[: -self.keep]:
-      shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
+    """Retention across both layouts (orbax's `max_to_keep` counts only its own folders, so a
+    resumed older workdir would keep its `step_*` ones forever): the newest `keep` steps stay;
+    an older `step_*` folder of a step saved again is removed."""
+    steps = committed_steps(self.root)
+    old = set(steps[:-self.keep] if self.keep > 0 else [])
+    for p in self.root.iterdir():
+      step = _step_of(p.name)
+      if step is None:
+        continue
+      superseded = p.name.startswith(LEGACY_PREFIX) and (self.root / str(step)).exists()
+      if step in old or superseded:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _unfinished(name: str) -> bool:
+  return name.startswith(TMP_PREFIX) or ORBAX_TMP in name
