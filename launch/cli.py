@@ -6,7 +6,7 @@ absl's logging flags work as in any absl program, and help exits 0. Progress lin
 `absl.logging` lines (`resilient_jax.logs`); `route_logs` sends them to stdout by default, so
 stderr holds only the one-line error of a failed run, to `--log_dir`'s file when that is given
 (plus stderr with `--alsologtostderr`), or to stderr alone with `--logtostderr`. Other
-libraries' INFO lines are held back unless `--verbosity` is given.
+libraries' INFO lines are held back below `--verbosity=1`.
 
 A launcher's inputs are checked before JAX starts: flags, the config file and its
 `--config.KEY=VALUE` overrides (`load_config`), and the output directory (`writable_dir`).
@@ -126,15 +126,14 @@ def route_logs() -> None:
   (created if needed), and stderr too with `--alsologtostderr`. Neither: the console, on
   stdout, so that progress lines and a failed run's one-line error (stderr) stay apart;
   `--alsologtostderr` alone moves them to stderr. `--verbosity`/`-v` sets the level (INFO by
-  default: absl.app raises it there); without `--verbosity`, other libraries' INFO lines (orbax
+  default: absl.app raises it there); below `--verbosity=1`, other libraries' INFO lines (orbax
   logs each save's internals) are held back and only this project's progress lines are INFO.
   """
-  from resilient_jax.logs import LibraryInfoFilter
+  from resilient_jax.logs import hold_back_library_info
 
   values = flags.FLAGS
   handler = absl_logging.get_absl_handler()
-  if values["verbosity"].using_default_value:
-    handler.addFilter(LibraryInfoFilter())
+  hold_back_library_info()
   if values.logtostderr:
     return
   if values.log_dir:

@@ -9,7 +9,7 @@ through absl, so the launchers' `--verbosity`, `--log_dir`, `--logtostderr` and
 absl shows INFO lines once flags are parsed by `absl.app.run` (the launchers). A script of
 your own that calls `resilient_jax.train` shows them with
 `absl.logging.set_verbosity(absl.logging.INFO)`, or with `log=print`. The launchers hold back
-other libraries' INFO lines (`LibraryInfoFilter`) unless `--verbosity`/`-v` is given.
+other libraries' INFO lines (`LibraryInfoFilter`) below `--verbosity=1`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ logging.ABSLLogger.register_frame_to_skip(__file__, "info")
 
 
 class LibraryInfoFilter(py_logging.Filter):
-  """Passes warnings and errors, and INFO lines from anywhere but `LIBRARIES`' own files.
+  """Passes warnings and errors, this project's INFO lines, and `LIBRARIES`' INFO lines only
+  at absl's debug verbosity (`--verbosity=1`): orbax logs some forty INFO lines per save.
 
   Lines are told apart by the file that logged them, since orbax logs through absl's logger
   as this project does.
@@ -62,4 +63,16 @@ class LibraryInfoFilter(py_logging.Filter):
     if theirs is None:
       theirs = os.path.realpath(record.pathname).startswith(self.dirs)
       self._theirs[record.pathname] = theirs
-    return not theirs
+    return not theirs or logging.get_verbosity() > logging.INFO
+
+
+_held_back = False
+
+
+def hold_back_library_info() -> None:
+  """Puts `LibraryInfoFilter` on absl's logger, once per process (the launchers call it, and
+  the checkpoint writer before its first save, so a script of your own gets it too)."""
+  global _held_back
+  if not _held_back:
+    _held_back = True
+    logging.get_absl_logger().addFilter(LibraryInfoFilter())

@@ -139,6 +139,14 @@ def test_other_libraries_info_lines_are_held_back_but_not_their_warnings():
   assert not keep.filter(record(logging.INFO, inside))
   assert keep.filter(record(logging.WARNING, inside))
   assert keep.filter(record(logging.INFO, os.path.join(ROOT, "resilient_jax", "trainer.py")))
+  from absl import logging as absl_logging
+
+  before = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(1)  # debug verbosity: theirs too
+  try:
+    assert keep.filter(record(logging.INFO, inside))
+  finally:
+    absl_logging.set_verbosity(before)
 
 
 # The --log_dir run: tests/test_launcher.py (one launcher run with every optional output).

@@ -231,7 +231,8 @@ def test_readme_orbax_example_loads_the_run_without_resilient_jax(readme_run):
   run, _ = readme_run
   own = _readme_block("own-model-example")
   classes = own[own.index("import jax\n"):own.index("\nmodel = MyModel()")]
-  example = classes + "\n" + _readme_block("orbax-load-example").replace("/tmp/my_model_run", str(run))
+  orbax = _readme_block("orbax-load-example").replace("/tmp/my_model_run", str(run))
+  example = classes + "\n" + orbax
   assert "resilient_jax" not in example
   code = example + f"""
 import sys

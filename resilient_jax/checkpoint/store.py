@@ -52,9 +52,7 @@ layouts (orbax counts only its own folders).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import logging
 import os
 import shutil
 import threading
@@ -68,7 +66,7 @@ from typing import Any
 import numpy as np
 
 from resilient_jax.checkpoint import reader
-from resilient_jax.logs import info
+from resilient_jax.logs import hold_back_library_info, info
 
 LEGACY_PREFIX = "step_"
 """Step folders of older versions: `step_00000012`."""
@@ -155,35 +153,10 @@ def _checkpointer():
   return ocp.Checkpointer(_state_handler(), multiprocessing_options=_local_only())
 
 
-class _QuietOrbax(logging.Filter):
-  """Drops orbax's INFO records (about 40 per save: handlers created, tmp folders, renames,
-  timings) unless absl's verbosity asks for debug output (`--verbosity=1`); its warnings and
-  errors pass."""
-
-  def __init__(self, package_dir: str) -> None:
-    super().__init__()
-    self.package_dir = package_dir
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if record.levelno >= logging.WARNING or not record.pathname.startswith(self.package_dir):
-      return True
-    from absl import logging as absl_logging
-
-    return absl_logging.get_verbosity() > absl_logging.INFO
-
-
-@functools.cache
-def _quiet_orbax() -> None:
-  import orbax.checkpoint as ocp
-  from absl import logging as absl_logging
-
-  absl_logging.get_absl_logger().addFilter(_QuietOrbax(os.path.dirname(ocp.__file__)))
-
-
 def _manager(root: Path, keep: int):
   import orbax.checkpoint as ocp
 
-  _quiet_orbax()
+  hold_back_library_info()
   local = _local_only()
   # The commit is the rename of the finished tmp folder (pinned: orbax would pick a "commit
   # file" written into the final folder on object stores, where a crash mid-save leaves a
