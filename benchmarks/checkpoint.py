@@ -2,10 +2,11 @@
 
 Prints:
   1. time training is blocked per asynchronous save (host copy + waiting for the previous
-     save), as a fraction of a training step of the same model (target < 10%);
+     save), as a fraction of a training step of the same model (target < 1%);
   2. reshard-load time (read + verify every entry + place each stage's parameters and
      optimizer state on a *different* layout's devices) over the time to read the same bytes
-     raw (target <= 1.5x), and where the load's time goes (waiting for bytes, CRC32 +
+     raw (target <= 1.5x on an idle machine, <= 2x under load), and where the load's time
+     goes (waiting for bytes, CRC32 +
      finiteness, placement), next to the load as it was before (orbax restore, then a separate
      CRC pass). Raw reads and loads are interleaved, `--repeats` times, and medians reported,
      all from the same page-cache state: warm (each read follows a full read of the same
@@ -168,7 +169,7 @@ def main() -> None:
     print(f"step time (median of {len(step_times)}): {step_t:.3f} s; a save every {args.every} "
           f"steps, background write median {np.median(trainer.writer.write_s):.2f} s")
     print(f"blocked per async save: median {np.median(blocked):.3f} s, max {max(blocked):.3f} s "
-          f"-> {np.median(blocked) / step_t:.1%} of a step (target < 10%)")
+          f"-> {np.median(blocked) / step_t:.1%} of a step (target < 1%)")
 
     root = tmp / "a" / "checkpoints"
     path = ckpt.step_dir(root, ckpt.committed_steps(root)[-1])
@@ -244,7 +245,7 @@ def main() -> None:
       print(f"  before (orbax restore, then a CRC pass; median of {len(runs['before'])}): "
             f"{med['before']:.3f} s = {med['before'] / med['raw']:.2f}x the raw read")
     print(f"reshard-load (load + verify + place onto 2x1) {med['reshard']:.3f} s -> ratio "
-          f"{med['reshard'] / med['raw']:.2f} to the raw read (target <= 1.5)")
+          f"{med['reshard'] / med['raw']:.2f} to the raw read (target <= 1.5 idle, <= 2 loaded)")
 
 
 if __name__ == "__main__":
