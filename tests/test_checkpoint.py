@@ -51,7 +51,7 @@ def test_stop_after_checkpoints_and_stops(saved):
   assert ckpt.committed_steps(base / "stopped" / "checkpoints") == [2, 4]
 
 
-@pytest.mark.parametrize("dp,pp", [(4, 2), (1, 1), (2, 2),
+@pytest.mark.parametrize("dp,pp", [pytest.param(4, 2, marks=pytest.mark.slow), (1, 1), (2, 2),
                                    pytest.param(1, 8, marks=pytest.mark.slow)])
 def test_resume_on_another_layout(saved, tmp_path, dp, pp):
   _, _, full = saved

@@ -97,11 +97,11 @@ def reference(model: nnx.Module, cfg, steps: int):
 # suite short. `auto` only chooses among these (tests/test_policies.py, test_policy_layer.py).
 # The quick subset, `-m "not slow"`, runs the unmarked entries.
 @pytest.mark.parametrize("dp,pp,schedule,policy,faults", [
-  (2, 2, "gpipe", "recycle", ""),
+  pytest.param(2, 2, "gpipe", "recycle", "", marks=pytest.mark.slow),
   (2, 2, "zb-h1", "recycle", "2:1.1"),
   pytest.param(2, 2, "1f1b", "naive", "2:0.1", marks=pytest.mark.slow),
   (2, 4, "1f1b", "bamboo", "2:0.2"),
-  (2, 4, "zb-h1", "oobleck", "2:1.0"),
+  pytest.param(2, 4, "zb-h1", "oobleck", "2:1.0", marks=pytest.mark.slow),
   pytest.param(2, 4, "gpipe", "restart", "2:1.3", marks=pytest.mark.slow),
 ])
 def test_user_model_matches_single_device(tmp_path, dp, pp, schedule, policy, faults):
@@ -143,7 +143,7 @@ def test_dropout_draws_per_sample_masks():
 # policy runs the user model above.
 @pytest.mark.parametrize("dp,pp,schedule,policy,faults", [
   (2, 2, "zb-h1", "recycle", "2:0.1"),
-  (2, 4, "gpipe", "restart", "2:1.3"),
+  pytest.param(2, 4, "gpipe", "restart", "2:1.3", marks=pytest.mark.slow),
   pytest.param(2, 4, "1f1b", "bamboo", "2:0.2", marks=pytest.mark.slow),
 ])
 def test_llama_matches_single_device(tmp_path, dp, pp, schedule, policy, faults):

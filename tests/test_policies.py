@@ -44,7 +44,7 @@ def run_policy(tmp_path, policy, dp, pp, **overrides):
   return cfg, result, lines
 
 
-@pytest.mark.parametrize("dp,pp", quick_only(sorted(SCENARIOS), [(2, 4)]))
+@pytest.mark.parametrize("dp,pp", quick_only(sorted(SCENARIOS), [(2, 2)]))
 def test_oobleck_survives_the_rerouting_scenarios(tmp_path, dp, pp):
   # Templates from 2 nodes up: with pp=4 and 4 layers, 4-node pipelines would be the only ones.
   cfg, result, lines = run_policy(tmp_path, "oobleck", dp, pp, resilience__min_pipeline_nodes=2)
@@ -261,6 +261,7 @@ def test_devices_hold_only_their_slots(tmp_path):
   assert used == set(jax.devices()[:4])
 
 
+@pytest.mark.slow  # resuming on another layout is in the quick subset (test_checkpoint.py)
 def test_checkpoints_move_between_policies(tmp_path):
   # Saved by Oobleck's pipelines, resumed by Bamboo's grid: universal checkpoints by name.
   first = tiny_config(

@@ -81,6 +81,7 @@ def test_an_exit_waits_for_the_save_in_flight(tmp_path, monkeypatch):
   assert ckpt.load(ckpt.step_dir(tmp_path / "checkpoints", 3)).step == 3
 
 
+@pytest.mark.slow  # a log message; restoring from a checkpoint is in the quick subset too
 def test_a_restore_without_checkpoints_says_what_is_lost(tmp_path):
   """A whole stage lost with checkpointing off: the log says so and how many committed steps
   are lost (never "restoring the latest checkpoint"); the run starts over on the survivors."""
