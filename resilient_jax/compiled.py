@@ -26,6 +26,7 @@ an executable compiled for it: slower to start, never wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import logging
@@ -78,10 +79,39 @@ class Counts:
   other_xla_s = 0.0
 
 
-def compile_seconds() -> float:
-  """Seconds this process has spent building programs so far: the time a step spends on them
-  is the difference across it (`Trainer` reports it as `compile_s`, apart from step time)."""
-  return Counts.build_s + Counts.other_xla_s
+@dataclasses.dataclass(frozen=True)
+class Built:
+  """What this process has built: a `built()` snapshot, or the difference of two (what a step
+  built: `Trainer` reports its `seconds` as `compile_s`, apart from step time)."""
+
+  seconds: float = 0.0
+  """Building `OnEachDevice` programs (lowering, compiling, loading) and other XLA compiles."""
+  compiled: int = 0
+  from_disk: int = 0
+  loaded: int = 0
+  """`OnEachDevice` programs compiled, read from the cache folder, loaded on other devices."""
+  xla: int = 0
+  """XLA compilations of any program."""
+
+  def __sub__(self, other: Built) -> Built:
+    return Built(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other),
+                                         strict=True)))
+
+  def programs(self) -> int:
+    return self.compiled + self.from_disk + self.loaded
+
+  def describe(self) -> str:
+    """`programs: 14 compiled, 12 loaded on other devices`."""
+    parts = [f"{n} {what}" for n, what in ((self.compiled, "compiled"),
+                                           (self.from_disk, "from the cache"),
+                                           (self.loaded, "loaded on other devices")) if n]
+    return "programs: " + ", ".join(parts)
+
+
+def built() -> Built:
+  """What this process has built so far."""
+  return Built(Counts.build_s + Counts.other_xla_s, Counts.compiled, Counts.from_disk,
+               Counts.loaded, Counts.xla)
 
 
 _building = threading.local()  # set while this thread builds an OnEachDevice program

@@ -48,7 +48,7 @@ from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter, load_latest
 from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
-from resilient_jax.compiled import Counts, compile_seconds
+from resilient_jax.compiled import Built, Counts, built
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.logs import info
@@ -422,17 +422,16 @@ class Trainer:
         # Attempts are numbered over the whole run, so a step redone after a restore never
         # reuses the transfer ids and agreement keys of its first run.
         self.attempts += 1
-        built_s, built = compile_seconds(), _programs_built()
-        with reporting(self.log, lambda t, built=built: _still_running(step, t, built)):
+        before = built()
+        with reporting(self.log, lambda t, b=before: _still_running(step, t, built() - b)):
           result = self.interpreter.run_step(
             inputs, targets, step=step, attempt=self.attempts,
             profile=profile and not self.cluster, after_op=hook, seeds=sample_seeds(step, mb_ids),
           )
         # Building programs is work of its own, reported apart: a first step's compile would
         # otherwise read as a slow step (its samples/s a tiny fraction of the next step's).
-        result.compile_s = compile_seconds() - built_s
-        result.step_time_s = max(result.step_time_s - result.compile_s, 1e-6)
-        result.programs_built = _built_since(built)
+        result.built = built() - before
+        result.step_time_s = max(result.step_time_s - result.built.seconds, 1e-6)
       except WorkerLost as lost:
         result = StepResult(0.0, {}, 0.0, [], [], committed=False, lost=frozenset({lost.node}),
                             detected_at=time.time())
@@ -604,7 +603,7 @@ class Trainer:
         "live_workers": coord.live_count,
         "step_time_s": round(result.step_time_s, 6),
         "samples_per_s": round(len(ids) / result.step_time_s, 3),
-        "compile_s": round(result.compile_s, 3),
+        "compile_s": round(result.built.seconds, 3),
         "schedule": coord.plan_name,
         "grad_norm": result.grad_norm,
       }
@@ -629,8 +628,8 @@ class Trainer:
         f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
         f"workers {row['live_workers']}  schedule {coord.plan_name}"
         + ("  SKIPPED: non-finite gradients, no stage stepped" if result.skipped else "")
-        + (f"  (+{result.compile_s:.1f}s building {_describe_built(result.programs_built)})"
-           if any(result.programs_built) else "")
+        + (f"  (+{result.built.seconds:.1f}s building {result.built.describe()})"
+           if result.built.programs() else "")
       )
       # After the step's line: a failure's report names this step.
       coord.record_step_time(step, result.step_time_s, profiled=bool(result.records),
@@ -715,29 +714,8 @@ class _Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer
     self.step = step
 
 
-def _programs_built() -> tuple[int, int, int]:
-  """Programs compiled, read from the cache folder and loaded onto another device so far."""
-  return Counts.compiled, Counts.from_disk, Counts.loaded
-
-
-def _describe_built(built: tuple[int, int, int]) -> str:
-  compiled, from_disk, loaded = built
-  parts = [f"{compiled} compiled"] if compiled else []
-  if from_disk:
-    parts.append(f"{from_disk} from the cache")
-  if loaded:
-    parts.append(f"{loaded} loaded on other devices")
-  return "programs: " + ", ".join(parts)
-
-
-def _built_since(before: tuple[int, int, int]) -> tuple[int, int, int]:
-  now = _programs_built()
-  return now[0] - before[0], now[1] - before[1], now[2] - before[2]
-
-
-def _still_running(step: int, elapsed_s: float, before: tuple[int, int, int]) -> str:
-  built = _built_since(before)
-  doing = f"building {_describe_built(built)} so far" if any(built) else "waiting on devices"
+def _still_running(step: int, elapsed_s: float, so_far: Built) -> str:
+  doing = f"building {so_far.describe()} so far" if so_far.programs() else "waiting on devices"
   return f"step {step}: {elapsed_s:.0f}s so far, {doing}"
 
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from resilient_jax.compiled import OnEachDevice
+from resilient_jax.compiled import Built, OnEachDevice
 from resilient_jax.runtime.handover import Source, StateHandover
 from resilient_jax.runtime.transport import ACT, GRAD, Outcome, Transport
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
@@ -92,11 +92,9 @@ class StepResult:
   """Attempts the step took (set by the training loop)."""
   stop: bool = False
   """A process asked to stop after this step (`Outcome.stop`)."""
-  compile_s: float = 0.0
-  """Seconds of the attempt spent building programs, not counted in `step_time_s` (set by the
-  training loop)."""
-  programs_built: tuple[int, int, int] = (0, 0, 0)
-  """Programs compiled, read from the cache folder and loaded on other devices in the attempt."""
+  built: Built = Built()
+  """What the attempt built; its seconds are not counted in `step_time_s` (set by the training
+  loop)."""
 
 
 class WorkerLost(Exception):
