@@ -180,12 +180,20 @@ class FaultsConfig:
   or in a job, to rehearse a diverging step (skipped, see `train.max_nonfinite_steps`)."""
 
 
+IF_BUSY = ("wait", "defer")
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   every_steps: int = 0
   """Save every this many steps (and at the end of the run); 0: only when stopping early."""
   keep: int = 3
   """Committed checkpoints to keep; 0 keeps all."""
+  if_busy: str = "wait"
+  """A save that comes due while the previous one is still being written: `wait` for it (every
+  due step is saved, as orbax's manager does; training stalls when writes outlast the
+  interval), or `defer` it to the first step at which the writer is free (training never waits
+  for the disk; the latest checkpoint may be up to one write older)."""
   init_from: str = ""
   """Start from the parameters of this checkpoint (universal, or a plain orbax NNX state of the
   same model); seed, data, optimizer and steps are this run's. A workdir holding checkpoints
@@ -194,6 +202,8 @@ class CheckpointConfig:
   def __post_init__(self):
     require_ints("checkpoint.", {"every_steps": self.every_steps, "keep": self.keep}, 0,
                  ConfigError)
+    if self.if_busy not in IF_BUSY:
+      raise ConfigError(f"checkpoint.if_busy={self.if_busy!r} is not one of {', '.join(IF_BUSY)}")
     if not isinstance(self.init_from, str):
       raise ConfigError(f"checkpoint.init_from must be a path, got {self.init_from!r}")
 

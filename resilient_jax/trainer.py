@@ -78,6 +78,8 @@ PAUSE_ENV = "RESILIENT_JAX_PAUSE"
 PAUSE_FILE_ENV = "RESILIENT_JAX_PAUSE_FILE"
 SAVE_WAIT_S = 600.0
 """How long an ending run waits for its checkpoint save in flight."""
+SLOW_SAVE_S = 1.0
+"""A periodic save that waited this long for the previous one says how to avoid it (once)."""
 KILLS_FILE = "kills.jsonl"
 """Written into the workdir by `launch/local.py`: one line per injected kill, with its time."""
 
@@ -180,6 +182,9 @@ class Trainer:
     self.source, self.plan = make_data(cfg)
     self.ckpt_dir = self.workdir / "checkpoints"
     self.writer = None
+    self._deferred_save: int | None = None
+    """The step whose periodic checkpoint waits for the writer (`checkpoint_if_due`)."""
+    self._told_slow_save = False
     if self.chief:
       self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
       for name in self.writer.remove_unfinished():
@@ -314,6 +319,56 @@ class Trainer:
         self.cluster.kv_get(f"checkpoint/{step}")
     if self.chief and state is not None:
       self.writer.save(step, *state, checkpoint_meta(self.cfg, plan, step))
+
+  def checkpoint_if_due(self, step: int, last: bool = False) -> bool:
+    """Saves `step` when a checkpoint is due; returns whether it did.
+
+    Due: every `checkpoint.every_steps`, and the last step of the run. A periodic save that
+    comes due while the previous one is still being written waits for it
+    (`checkpoint.if_busy=wait`, logged once when that stalls training), or is deferred to the
+    first step at which the writer is free (`defer`, logged): the latest committed checkpoint
+    is then at most one write older, and it is never overwritten before its successor
+    commits. The last step's save always happens. In a multi-process job process 0 owns the
+    writer, so it decides and the others follow (`save/STEP` in the key-value store).
+    """
+    cfg = self.cfg
+    every = cfg.checkpoint.every_steps
+    if last and (every or cfg.train.stop_after):
+      self._save(step)
+      return True
+    if not (every and (step % every == 0 or self._deferred_save is not None)):
+      return False
+    if cfg.checkpoint.if_busy == "defer" and self._writer_busy(step):
+      if self._deferred_save is None:
+        self._deferred_save = step
+        if self.chief:
+          self.log(f"checkpoint of step {step} deferred: the previous save is still being "
+                   "written; it is taken at the first step after that save commits")
+      return False
+    if self._deferred_save is not None and self.chief:
+      self.log(f"checkpoint of step {step} (due at step {self._deferred_save}, deferred while "
+               "the previous save was written)")
+    self._deferred_save = None
+    self._save(step)
+    waited = self.writer.waited_s[-1] if self.chief and self.writer.waited_s else 0.0
+    if waited > SLOW_SAVE_S and not self._told_slow_save:
+      self._told_slow_save = True
+      self.log(f"checkpoint of step {step} waited {waited:.1f}s for the previous save to be "
+               f"written: writes outlast checkpoint.every_steps={every}; raise it, or set "
+               "checkpoint.if_busy=defer so that training does not wait")
+    return True
+
+  def _writer_busy(self, step: int) -> bool:
+    """Whether process 0's writer is still writing (every process gets its answer)."""
+    busy = self.chief and self.writer.busy()
+    if self.cluster is None:
+      return busy
+    key = f"save/{step}"
+    if self.chief:
+      self.cluster.kv_set(key, busy)
+      return busy
+    # None: process 0 died (its loss ends the job; the next step finds it).
+    return bool(self.cluster.await_key(key, 0, f"process 0's decision to checkpoint step {step}"))
 
   # ---------------------------------------------------------------- failures
 
@@ -560,7 +615,6 @@ class Trainer:
       _write_metrics(metrics_path, metrics)
       self.board = Board(self.workdir / "tb", start, log=self.log)
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    every = cfg.checkpoint.every_steps
     from resilient_jax.profiling import RunTimelines, replay_records
 
     self.timelines = RunTimelines((f.step for f, _ in self.faults), end, cfg.train.steps)
@@ -623,6 +677,7 @@ class Trainer:
           # about a dozen keys a step.
           self.cluster.kv_delete(f"step/{step - keep}")
           self.cluster.kv_delete(f"checkpoint/{step - keep}")  # a hand-over's "saved" mark
+          self.cluster.kv_delete(f"save/{step - keep}")  # whether it was saved
       self.log(
         f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
         f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
@@ -647,8 +702,7 @@ class Trainer:
           self.leave_together(f"stopped/{step}")
         raise Preempted(f"stopped after step {step} on request ({self._stop_reason()}), with a "
                         "checkpoint of it; run the same command to resume")
-      if (every and step % every == 0) or (last and (every or cfg.train.stop_after)):
-        self._save(step)
+      self.checkpoint_if_due(step, last)
       step += 1
     if self.chief:
       self.writer.wait()
@@ -667,7 +721,7 @@ class Trainer:
         self.log(f"no timeline of the last step: {why}")
       if self.cluster is not None:
         kept = sorted({int(k.strip("/").split("/")[1])
-                       for d in ("step", "checkpoint") for k in self.cluster.kv_keys(d)})
+                       for d in ("step", "checkpoint", "save") for k in self.cluster.kv_keys(d)})
         self.log(f"coordination service: keys of step(s) {', '.join(map(str, kept))} kept "
                  f"(distributed.kv_keep_steps={cfg.distributed.kv_keep_steps})")
     if self.cluster is not None:
