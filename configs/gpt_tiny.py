@@ -64,7 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     regroup_steps=1.0,
     restore_on_stage_loss=True,
   )
-  c.checkpoint = dict(every_steps=0, keep=3, init_from="")
+  c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="")
   c.profile = dict(trace_steps="")  # e.g. "3,4": jax.profiler traces of steps 3 and 4
   # Multi-process runs (launch/local.py, launch/slurm, launch/tpu, launch/gke) set enabled=true.
   c.distributed = dict(

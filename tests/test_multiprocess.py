@@ -151,7 +151,10 @@ def test_every_policy_survives_a_sigkill(tmp_path, policy):
   job is what every policy does when a whole stage is lost:
   `test_losing_a_whole_stage_restores_inside_the_job`.)"""
   workdir = tmp_path / "multi"
-  extra = [f"--config.resilience.policy={policy}", "--config.checkpoint.every_steps=1"]
+  # A save due while the previous one is written is deferred (`if_busy=defer`): process 0
+  # decides, and the holders follow.
+  extra = [f"--config.resilience.policy={policy}", "--config.checkpoint.every_steps=1",
+           "--config.checkpoint.if_busy=defer"]
   proc = run_local(workdir, "--kill=3:2", extra=extra)
   assert proc.returncode == 0, tail(proc)
   assert "exit codes: p0=0, p1=0, p2=killed, p3=0" in proc.stdout, tail(proc)
