@@ -21,12 +21,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from resilient_jax.checkpoint.store import committed_steps
+from resilient_jax.config import ConfigError, RunConfig, check_rejoins
 from resilient_jax.runtime.handover import Source
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
 
 if TYPE_CHECKING:
-  from resilient_jax.trainer import Trainer
+  from resilient_jax.trainer import FaultEvent, Trainer
 
 
 def position(plan: Plan, node: int) -> str:
@@ -76,7 +77,7 @@ def apply_rejoin(trainer: Trainer, nodes: set[int], step: int) -> None:
     if trainer.writer is not None:
       trainer.writer.wait()  # a save of step - 1 in flight would be the same checkpoint
     if step - 1 not in committed_steps(trainer.ckpt_dir):
-      trainer._save(step - 1)
+      trainer._save(step - 1, old_plan)
     trainer.interpreter = trainer._interpreter(decision.plan)
     restored = trainer._load(f"rejoin/{step}/{trainer.attempts}")
     if restored != step - 1:
@@ -106,3 +107,20 @@ def apply_rejoin(trainer: Trainer, nodes: set[int], step: int) -> None:
   event.extra.update(outcome=outcome, state_from=state_from, bytes_copied=int(copied))
   trainer.board.text(step, "rejoin", f"node(s) {sorted(nodes)} rejoined at the start of step "
                      f"{step}: {outcome}")
+
+
+def check_fault_events(events: Sequence[FaultEvent], cfg: RunConfig) -> None:
+  """The programmatic faults `events` (with the config's `faults.schedule`): rejoins must
+  follow a failure of the same worker (`config.check_rejoins`) and happen at a step's start.
+
+  Raises:
+    ConfigError: the first bad event (one line).
+  """
+  for f in events:
+    if f.rejoin and f.after_op is not None:
+      raise ConfigError(f"fault {f}: a rejoin happens at the start of a step, not after an op")
+    if f.rejoin and cfg.distributed.enabled:
+      raise ConfigError(f"fault {f}: in-process rejoins need an in-process run (relaunch "
+                        "processes in a job instead)")
+  scheduled = [(f.step, (f.dp, f.stage), f.rejoin) for f in cfg.faults.schedule]
+  check_rejoins(scheduled + [(f.step, tuple(f.worker), f.rejoin) for f in events])

@@ -49,7 +49,7 @@ from resilient_jax.checkpoint import CheckpointError, CheckpointWriter, load_lat
 from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
 from resilient_jax.compiled import Built, Counts, built
-from resilient_jax.config import ConfigError, RunConfig, check_rejoins, from_config_dict
+from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.goodput import GoodputLog
 from resilient_jax.logs import info
@@ -65,7 +65,7 @@ from resilient_jax.recipe import (
   sample_seeds,
   step_batch,
 )
-from resilient_jax.rejoining import apply_rejoin
+from resilient_jax.rejoining import apply_rejoin, check_fault_events
 from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.core import AR, Op, Worker
@@ -164,6 +164,7 @@ class Trainer:
     cluster=None,
     model: Any = None,
   ):
+    check_fault_events(faults, cfg)
     self.cfg = cfg
     self.workdir = Path(workdir)
     self.cluster = cluster
@@ -229,7 +230,6 @@ class Trainer:
       self.interpreter.warm_up()
     events = [FaultEvent(f.step, (f.dp, f.stage), rejoin=f.rejoin)
               for f in cfg.faults.schedule] + list(faults)
-    _check_fault_events(events, cfg)
     self.faults = [(f, f.worker[0] * pp + f.worker[1]) for f in events]
     self.goodput = GoodputLog()
     self.recovery: list[dict] = []
@@ -296,9 +296,10 @@ class Trainer:
                f", {self.cluster.num_processes} processes" if self.cluster else ""))
     return loaded.step
 
-  def _save(self, step: int) -> None:
-    """Writes a checkpoint of `step` (process 0; the others hand their state over)."""
-    plan = self.coordinator.plan
+  def _save(self, step: int, plan: Plan | None = None) -> None:
+    """Writes a checkpoint of `step` (process 0; the others hand their state over); `plan`:
+    the layout the state is on, when not the coordinator's (it has already moved on)."""
+    plan = plan or self.coordinator.plan
     if self.cluster is None:
       state = self.interpreter.export_state()
     else:
@@ -718,22 +719,6 @@ class Trainer:
     others = set(self.coordinator.live) - {me}
     for p in sorted(others):
       cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
-
-
-def _check_fault_events(events: Sequence[FaultEvent], cfg: RunConfig) -> None:
-  """Rejoins must follow a failure of the same worker (`config.check_rejoins`) and happen at
-  a step's start.
-
-  Raises:
-    ConfigError: the first bad event (one line).
-  """
-  for f in events:
-    if f.rejoin and f.after_op is not None:
-      raise ConfigError(f"fault {f}: a rejoin happens at the start of a step, not after an op")
-    if f.rejoin and cfg.distributed.enabled:
-      raise ConfigError(f"fault {f}: in-process rejoins need an in-process run (relaunch "
-                        "processes in a job instead)")
-  check_rejoins((f.step, tuple(f.worker), f.rejoin) for f in events)
 
 
 def _describe(plan: Plan) -> str:
