@@ -585,7 +585,8 @@ class Trainer:
     every = cfg.checkpoint.every_steps
     from resilient_jax.profiling import RunTimelines, replay_records
 
-    self.timelines = RunTimelines((f.step for f, _ in self.faults), end, cfg.train.steps)
+    self.timelines = RunTimelines((f.step for f, _ in self.faults if not f.rejoin), end,
+                                  cfg.train.steps)
     schedules_seen: list[str] = []
     result = None
     step = start

@@ -27,6 +27,7 @@ from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.traces import Event, Trace
 from resilient_jax.trainer import FaultEvent, Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
+from tests.test_tensorboard import texts
 
 FAULTS = "3:1.1,6:+1.1"
 PROFILE = {"f": [1.0] * 4, "b": [1.1] * 4, "w": [0.9] * 4, "ar": 0.3, "opt": 0.05, "comm": 0.02}
@@ -183,11 +184,14 @@ def test_faults_schedule_parses_rejoins_and_checks_them():
 # --- in-process runs ----------------------------------------------------------------------------
 
 
-def _run_with_rejoin(tmp_path, policy, **overrides):
-  cfg = tiny_config(mesh__dp=2, mesh__pp=4, train__steps=7, faults__schedule=FAULTS,
+def _run_with_rejoin(tmp_path, policy, *, programmatic=False, **overrides):
+  # `programmatic`: the rejoin comes as a `FaultEvent`, the failure from the config.
+  schedule, faults = ("3:1.1", [FaultEvent(6, (1, 1), rejoin=True)]) if programmatic else (
+    FAULTS, [])
+  cfg = tiny_config(mesh__dp=2, mesh__pp=4, train__steps=7, faults__schedule=schedule,
                     resilience__policy=policy, **overrides)
   lines = []
-  trainer = Trainer(cfg, tmp_path, log=lines.append)
+  trainer = Trainer(cfg, tmp_path, log=lines.append, faults=faults)
   result = trainer.run()
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
@@ -209,7 +213,8 @@ def _run_with_rejoin(tmp_path, policy, **overrides):
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["recycle", "oobleck", "bamboo"])
 def test_rejoin_in_process_keeps_every_step_and_takes_the_capacity_back(tmp_path, policy):
-  trainer, result, lines, rejoin, fault_free = _run_with_rejoin(tmp_path, policy)
+  trainer, result, lines, rejoin, fault_free = _run_with_rejoin(
+    tmp_path, policy, programmatic=policy == "bamboo")
   coord = trainer.coordinator
   if policy == "oobleck":
     assert sorted(coord.plan.nodes) == list(range(8))  # every live device
@@ -219,6 +224,8 @@ def test_rejoin_in_process_keeps_every_step_and_takes_the_capacity_back(tmp_path
   [source] = [line for line in lines if "its state came from" in line]
   assert f"(node {NODE})" in source and rejoin["state_from"][str(NODE)] in source
   assert any("copied" in line and "device to device" in line for line in lines)
+  [(step, text)] = texts(tmp_path / "tb", "rejoin")
+  assert step == 6 and f"node(s) [{NODE}] rejoined at the start of step 6" in text
 
 
 @pytest.mark.slow

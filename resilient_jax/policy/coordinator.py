@@ -326,8 +326,11 @@ class RunCoordinator(PhaseLog):
       self.log(f"  workers {sorted(workers)} stay idle: {choice.describe()}")
       return Decision(self.plan, False)
     planned = self._plan_of(self.active, switched=True)
-    if planned is None:  # auto chose restart while failures remain: a planned re-layout
-      return self._restore(f"auto chose restart at the rejoin at step {step}", step)
+    if planned is None:  # restart in force (auto's choice) while failures remain, or oobleck's
+      # layers still lack a replica: a fresh layout on the live nodes, entered as a planned
+      # restart (the caller checkpoints first)
+      return self._restore(f"{self.policy} re-lays the job out on the live nodes at the rejoin "
+                           f"at step {step}", step)
     self._apply(planned)
     if self.policy == "oobleck":
       self._report(workers)
