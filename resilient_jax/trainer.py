@@ -344,15 +344,21 @@ class Trainer:
     return hook
 
   def _fail(self, nodes: set[int], step: int, *, mid_step: bool,
-            detect_s: float | None = 0.0) -> int | None:
+            detect_s: float | None = 0.0, detected_at: float | None = None) -> int | None:
     """Hands the loss of `nodes` to the policy and applies its decision.
+
+    Args:
+      detect_s: from the fault to its detection, for `goodput.json` (in-process: 0, the
+        injected failure is known at once; None: not known).
+      detected_at: when it was detected (None: now).
 
     Returns:
       The step restored from when the policy restored a checkpoint (the caller redoes the
       steps after it), else None.
     """
     lost = sorted(nodes)
-    event = self.goodput.add("failure", step, lost, detect_s=detect_s, mid_step=mid_step)
+    event = self.goodput.add("failure", step, lost, detect_s=detect_s, at=detected_at,
+                             mid_step=mid_step)
     event.steps_rerun = 1 if mid_step else 0  # the step in flight is attempted again
     try:
       decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
@@ -467,7 +473,8 @@ class Trainer:
       known = [e.get("kill_to_detect_s") for e in pending[-len(result.lost):]]
       detect = None if self.cluster is not None and None in known else max(
         [k for k in known if k is not None], default=0.0)
-      restored = self._fail(set(result.lost), step, mid_step=True, detect_s=detect)
+      restored = self._fail(set(result.lost), step, mid_step=True, detect_s=detect,
+                            detected_at=result.detected_at)
       if restored is not None:
         raise _Restored(restored)
       attempt += 1

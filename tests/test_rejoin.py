@@ -56,10 +56,17 @@ def test_every_in_place_policy_returns_to_the_fault_free_plan(policy):
   assert "REJOIN: worker (dp=1, stage=1) rejoined at the start of step 6" in lines
   assert lines[-1].startswith("  predicted step time x")
   assert coord.phases[-1].event == "rejoin" and coord.phases[-1].failure_step == 6
-  # A worker already live, again: nothing changes.
-  assert coord.rejoin({NODE}, 7).plan is decision.plan or coord.plan_text() == fault_free
+  # A worker already live, again: nothing changes, nothing is logged.
+  logged = len(lines)
+  assert not coord.rejoin({NODE}, 7).restore
+  assert coord.plan_text() == fault_free and len(lines) == logged
   with pytest.raises(ValueError, match="not nodes of this run"):
     coord.rejoin({8}, 7)
+  # It can fail again: the same plan as at its first failure.
+  again, _ = _coordinator(policy)
+  again.fail({NODE}, 3)
+  coord.fail({NODE}, 8)
+  assert coord.plan_text() == again.plan_text()
 
 
 @pytest.mark.parametrize("policy", ["recycle", "bamboo", "oobleck"])
