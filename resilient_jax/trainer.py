@@ -11,14 +11,16 @@ Order of a run:
      injected in-process, or processes that died) commits nothing: the policy decides what
      runs next — a new plan on the survivors (state placed from surviving replicas) or a
      restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
-     again with the same samples;
+     again with the same samples. A step with a scheduled rejoin starts with it: the policy
+     takes the worker back and its state is placed from live replicas (`rejoining.py`);
   4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
      `checkpoint.every_steps`; the last step, the last fault-free step before the first injected
      failure and the first step after each run in profile mode for their timelines and the
      failure report's replayed step times (in-process; `profiling.RunTimelines`).
 
 Workdir outputs (process 0): `metrics.jsonl`, `recovery.json` (per failure: detection and time
-to the next committed step), `timeline*.json/png`, `schedule.txt`, `profile.json`,
+to the next committed step), `goodput.json` (per failure and rejoin, and the run's effective
+training time: `goodput.py`), `timeline*.json/png`, `schedule.txt`, `profile.json`,
 `config.json`, `checkpoints/`, `tb/` (TensorBoard events: `resilient_jax.tensorboard`); every
 process: `profile/stepN/` (`jax.profiler` traces of `profile.trace_steps`).
 

@@ -17,6 +17,10 @@ or a host's several at once) `fail` asks the policy in force and returns the `De
   switch costs included (`auto.py`), with recovery costs from the `resilience` keys in
   fault-free steps (`costs.recovery_params`).
 
+`rejoin` is the mirror of `fail`: a worker back at a step's start returns to the policy in force
+(`rejoin.py`: in place always; a restored, smaller layout grows back with a planned restart
+only when that pays back before the next expected failure, else the node stays idle).
+
 When the policy in force cannot go on (a stage lost every worker, a layer lost every replica,
 two neighbouring Bamboo stages died) the decision is a restore onto a fresh layout of the
 survivors: Oobleck's templates on all of them, else `restart.restore_layout`. Planning inputs
