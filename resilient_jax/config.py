@@ -17,6 +17,7 @@ from typing import Any
 from resilient_jax import data
 from resilient_jax.checks import is_int, require_ints, require_numbers
 from resilient_jax.model.config import ModelConfig, family, partition_layers
+from resilient_jax.placement import DEFAULT_PLACEMENT, check_placement
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 DATA_KINDS = data.SOURCE_KINDS
@@ -31,11 +32,19 @@ class ConfigError(ValueError):
 class MeshConfig:
   dp: int = 1
   pp: int = 1
+  placement: str = DEFAULT_PLACEMENT
+  """How a multi-process job's workers sit on its processes (hosts): "pipeline" (a host holds
+  stages of one pipeline) or "stage" (one stage of several pipelines); see
+  `resilient_jax/placement.py`."""
 
   def __post_init__(self):
     for key in ("dp", "pp"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         raise ConfigError(f"mesh.{key} must be a positive integer, got {getattr(self, key)!r}")
+    try:
+      check_placement(self.placement)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
   @property
   def num_workers(self) -> int:

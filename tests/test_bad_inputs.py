@@ -154,7 +154,7 @@ CASES = [
         env=(("XLA_FLAGS", "--xla_force_host_platform_device_count=2"),), jax=True),
   # ---- launch.local
   local("local-too-few-processes", "--num_processes=2", "--", *TRAIN, *GRID,
-        needles=("--num_processes=2", "need 4 processes")),
+        needles=("--num_processes=2 --devices_per_process=1", "must fill")),
   local("local-kill-b0-under-1f1b", "--num_processes=4", "--kill=3:0:B0", "--", *TRAIN, *GRID,
         needles=("--kill entry 3:0:B0", "BW0..BW3")),
   local("local-kill-w-under-1f1b", "--num_processes=4", "--kill=3:1:W0", "--", *TRAIN, *GRID,
