@@ -1,6 +1,6 @@
 """Real processes, real SIGKILL: multi-process runs against in-process runs of the same failures.
 
-Each test starts 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 10 s:
+Most tests start 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 10 s:
 a killed process must be found dead by its refused port, not by a silent heartbeat) and kills
 some from outside at a chosen point. The in-process run injects the same failure at
 the same point (`FaultEvent`); both re-run the interrupted step on the survivors with the same
@@ -16,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 from launch.local import parse_kills
 from resilient_jax.checkpoint import store
 from resilient_jax.schedule.core import AR, F, Op
 from resilient_jax.trainer import FaultEvent, train
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import LOSS_RTOL, ROOT, expected_digests, reference_for, tiny_config
 from tests.test_tensorboard import assert_losses_match, texts
 
 # Real processes take most of the suite's time: `pytest -m "not slow"` leaves them out.
@@ -115,6 +116,31 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
   assert_losses_match(workdir, read_rows(workdir / "metrics.jsonl"))
   assert [s for s, _ in texts(workdir / "tb", "failure")] == [3, 4]
   assert [s for s, _ in texts(workdir / "tb", "recovery")] == [3, 4]
+
+
+def test_sigkill_of_a_host_loses_all_its_workers(tmp_path):
+  """One process per host: 2 processes x 4 simulated devices run a dp=2 pp=4 grid (pipeline
+  placement: process 1 drives pipeline 1). SIGKILLed at the start of step 3, process 1 takes
+  its 4 workers with it at once; process 0 re-routes their micro-batches and trains the
+  fault-free samples to the single-device losses."""
+  workdir = tmp_path / "multi"
+  args = [a for a in _train_args(workdir) if a not in GRID]
+  proc = subprocess.run(
+    [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=4",
+     "--kill=3:1", "--", *args, "--config.mesh.dp=2", "--config.mesh.pp=4"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, tail(proc)
+  assert "exit codes: p0=0, p1=killed" in proc.stdout, tail(proc)
+  assert "training 2x4 (dp x pp) on 2 processes" in proc.stdout, tail(proc)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=4, train__steps=STEPS)
+  multi = read_rows(workdir / "metrics.jsonl")
+  assert [r["sample_digest"] for r in multi] == expected_digests(cfg)
+  np.testing.assert_allclose([r["loss"] for r in multi], reference_for(cfg)[0], rtol=LOSS_RTOL)
+  assert [r["live_workers"] for r in multi] == [8, 8, 4, 4, 4]
+  recovery = json.loads((workdir / "recovery.json").read_text())
+  assert sorted((e["node"], e["process"], e["step"]) for e in recovery) == [
+    (n, 1, 3) for n in range(4, 8)]  # nodes 4..7: worker (1, s) is node 1 * pp + s
+  assert proc.stdout.count("refuses connections: dead") == 1, tail(proc)
 
 
 def test_frozen_processes_then_preemption(tmp_path):
@@ -236,21 +262,24 @@ def test_losing_a_whole_stage_restores_inside_the_job(tmp_path):
 
 
 def test_slurm_rehearsal_uses_auto_detection(tmp_path):
-  """4 processes given only SLURM_* variables find each other through
-  `jax.distributed.initialize()`'s SLURM detection and train."""
+  """2 processes (one task per node, 2 simulated devices each) given only SLURM_* variables
+  find each other through `jax.distributed.initialize()`'s SLURM detection and train."""
   import socket
+
+  from launch.local import simulated_devices_env
 
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   workdir = tmp_path / "slurm"
   procs = []
-  for i in range(4):
+  for i in range(2):
     env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1",
-               SLURM_NTASKS="4", SLURM_PROCID=str(i), SLURM_LOCALID="0",
+               SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID="0",
                JAX_COORDINATOR_PORT=str(port), TF_CPP_MIN_LOG_LEVEL="2")
     cmd = [sys.executable, "-m", "launch.train",
            *_train_args(workdir, "--config.distributed.enabled=true")]
+    env = simulated_devices_env(env, 2)
     procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
   try:
@@ -258,8 +287,8 @@ def test_slurm_rehearsal_uses_auto_detection(tmp_path):
   finally:
     for p in procs:
       p.kill()
-  assert [p.returncode for p in procs] == [0, 0, 0, 0], outs[0][-2000:]
-  assert "on 4 processes" in outs[0]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:]
+  assert "on 2 processes" in outs[0]
   assert_same_run(read_rows(workdir / "metrics.jsonl"), fault_free())
 
 
