@@ -67,3 +67,35 @@ def test_a_whole_host_lost_in_process(tmp_path):
   assert sorted(coord.failed) == [(2, d * 4 + s) for d, s in host1]
   assert len(coord.phases) == 2  # fault-free, then one phase after the host's loss
   assert sum("FAILURE" in line for line in lines) == 4
+
+
+def test_the_simulator_fails_whole_hosts_as_placed():
+  """`configs/sim/hosts.py:runlocal` (2 hosts of 4 devices, dp 2 x pp 4): a host failure in the
+  sweep removes exactly the workers the placement puts on it. Under `pipeline` that is one
+  pipeline, and re-routing goes on; under `stage` it is two whole stages, which only a restart
+  on the surviving host can recover from: slower."""
+  from resilient_jax.policy.base import Grid
+  from resilient_jax.policy.registry import build_policies
+  from resilient_jax.sim import build_costs, from_config_dict
+  from resilient_jax.sim.config import load_config_file
+  from resilient_jax.sim.engine import sweep, sweep_failed_set
+  from tests.helpers import ROOT
+
+  one_host = {}
+  for kind in placement.PLACEMENTS:
+    cd = load_config_file(f"{ROOT}/configs/sim/hosts.py:runlocal")
+    cd.cluster.placement = kind
+    cfg = from_config_dict(cd)
+    lay = cfg.layout
+    grid = Grid(lay.dp, lay.pp, lay.microbatches, lay.schedule, lay.memory_cap)
+    hosts = placement.host_workers(lay.dp, lay.pp, lay.nodes, kind)
+    for seed in range(4):
+      failed = sweep_failed_set(grid, 1, "hosts", seed=seed, layout=lay)
+      assert sorted(failed) in [sorted(h) for h in hosts]
+      assert min(grid.live_per_stage(failed)) == (1 if kind == "pipeline" else 0)
+    policies = build_policies(("recycle",), params=cfg.recovery, exact_ops=cfg.exact_ops)
+    [free, one] = sweep(grid, build_costs(cfg), policies, [0, 1],
+                        samples_per_step=lay.global_batch, placement="hosts", layout=lay)
+    assert 0 < one.throughput < free.throughput
+    one_host[kind] = one.throughput
+  assert one_host["pipeline"] > one_host["stage"]
