@@ -183,7 +183,9 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
 @dataclasses.dataclass(frozen=True)
 class FaultsConfig:
   schedule: tuple[Fault, ...] = ()
-  """Workers to fail in-process (`STEP:DP.STAGE,...`); in a job, kill processes instead."""
+  """Workers to fail at the start of a step (`STEP:DP.STAGE,...`): a device lost inside a live
+  process, which loses that worker only (in a job every process applies the same schedule;
+  `launch/local.py --kill` loses whole processes)."""
   nonfinite: tuple[tuple[int, int], ...] = ()
   """`STEP:STAGE,...`: that stage's gradients turn NaN at that step on every replica, in-process
   or in a job, to rehearse a diverging step (skipped, see `train.max_nonfinite_steps`)."""
@@ -327,11 +329,6 @@ class RunConfig:
       )
     if train.data == "text" and m.vocab_size < 256:
       raise ConfigError(f"model.vocab_size={m.vocab_size} is below 256, needed by train.data=text")
-    if self.distributed.enabled and self.faults.schedule:
-      raise ConfigError(
-        "faults.schedule simulates failures inside one process; with distributed.enabled kill "
-        "real processes instead (launch/local.py --kill=STEP:PROCESS)"
-      )
     policy = self.resilience.policy
     if policy == "bamboo" and mesh.pp < 2:
       raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "

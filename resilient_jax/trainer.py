@@ -441,7 +441,7 @@ class Trainer:
       if result.committed:
         break
       kills = self._kill_times()
-      for p in sorted(result.lost):
+      for p in sorted(n for n in result.lost if n in self.coordinator.live):
         event = {"node": p, "step": step, "attempt": attempt, "detected_at": result.detected_at,
                  "xla_compiles": Counts.xla}
         proc = None if self.cluster is None else self.transport.process_of(p)

@@ -120,14 +120,17 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
 
 def test_sigkill_of_a_host_loses_all_its_workers(tmp_path):
   """One process per host: 2 processes x 4 simulated devices run a dp=2 pp=4 grid (pipeline
-  placement: process 1 drives pipeline 1). SIGKILLed at the start of step 3, process 1 takes
-  its 4 workers with it at once; process 0 re-routes their micro-batches and trains the
-  fault-free samples to the single-device losses."""
+  placement: process 1 drives pipeline 1). At step 2 one device of process 1 is lost
+  (`faults.schedule`, applied by every process): only its worker (1, 2) goes, process 1 runs
+  on with its 3 others. SIGKILLed at the start of step 3, process 1 takes those with it at
+  once; process 0 re-routes their micro-batches. Every step trains the fault-free samples to
+  the single-device losses."""
   workdir = tmp_path / "multi"
   args = [a for a in _train_args(workdir) if a not in GRID]
   proc = subprocess.run(
     [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=4",
-     "--kill=3:1", "--", *args, "--config.mesh.dp=2", "--config.mesh.pp=4"],
+     "--kill=3:1", "--", *args, "--config.mesh.dp=2", "--config.mesh.pp=4",
+     "--config.faults.schedule=2:1.2"],
     cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, tail(proc)
   assert "exit codes: p0=0, p1=killed" in proc.stdout, tail(proc)
@@ -136,10 +139,10 @@ def test_sigkill_of_a_host_loses_all_its_workers(tmp_path):
   multi = read_rows(workdir / "metrics.jsonl")
   assert [r["sample_digest"] for r in multi] == expected_digests(cfg)
   np.testing.assert_allclose([r["loss"] for r in multi], reference_for(cfg)[0], rtol=LOSS_RTOL)
-  assert [r["live_workers"] for r in multi] == [8, 8, 4, 4, 4]
+  assert [r["live_workers"] for r in multi] == [8, 7, 4, 4, 4]
   recovery = json.loads((workdir / "recovery.json").read_text())
   assert sorted((e["node"], e["process"], e["step"]) for e in recovery) == [
-    (n, 1, 3) for n in range(4, 8)]  # nodes 4..7: worker (1, s) is node 1 * pp + s
+    (n, 1, 3) for n in (4, 5, 7)]  # worker (1, s) is node 1 * pp + s; node 6 went at step 2
   assert proc.stdout.count("refuses connections: dead") == 1, tail(proc)
 
 
@@ -312,13 +315,21 @@ def test_bad_kill_spec_is_a_one_line_error(tmp_path, spec, message):
   assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_distributed_config_errors_exit_2(tmp_path):
+def test_a_grid_that_does_not_fill_the_job_exits_2(tmp_path):
+  """A one-process job on a host of 2 devices cannot hold a 2x2 grid: the trainer's rule
+  (`placement.process_slots`) in one line, exit 2."""
+  from launch.local import _free_port, simulated_devices_env
+
   proc = subprocess.run(
     [sys.executable, "-m", "launch.train", *_train_args(tmp_path),
-     "--config.distributed.enabled=true", "--config.faults.schedule=2:0.1"],
+     "--config.distributed.enabled=true", f"--config.distributed.coordinator=127.0.0.1:"
+     f"{_free_port()}", "--config.distributed.num_processes=1",
+     "--config.distributed.process_id=0"],
     cwd=ROOT, capture_output=True, text=True, timeout=60,
-  )
-  assert proc.returncode == 2 and "launch/local.py --kill" in proc.stderr
+    env=simulated_devices_env(dict(os.environ), 2))
+  assert proc.returncode == 2, tail(proc)
+  assert "error: mesh.dp * mesh.pp = 2 * 2 = 4 workers (one device each) must fill the job's 1 " \
+         "processes x 2 devices = 2 exactly" in proc.stderr, tail(proc)
 
 
 def test_transfer_ids_are_unique_per_field_and_bounded():
