@@ -252,7 +252,8 @@ class ResilienceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  """Multi-process training on `jax.distributed`: one worker per process."""
+  """Multi-process training on `jax.distributed`: one process per host, driving all its devices
+  (`mesh.placement` says which workers)."""
 
   enabled: bool = False
   """Run as one process of a multi-process job. With no other key set, the coordinator,
