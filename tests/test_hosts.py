@@ -51,6 +51,7 @@ def test_bad_placement_is_a_config_error():
     tiny_config(mesh__placement="ring")
 
 
+@pytest.mark.slow  # about 4.5 s: keeps the quick subset under 3 minutes
 def test_a_whole_host_lost_in_process(tmp_path):
   """8 simulated devices as 2 hosts of 4 (pipeline placement: host 1 is pipeline 1): all 4 of
   host 1's workers fail at the start of step 2, in one failure (one replan, not four); the run
