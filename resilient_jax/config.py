@@ -17,6 +17,7 @@ from typing import Any
 from resilient_jax import data
 from resilient_jax.checks import is_int, require_ints, require_numbers
 from resilient_jax.model.config import ModelConfig, family, partition_layers
+from resilient_jax.placement import DEFAULT_PLACEMENT, check_placement
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 DATA_KINDS = data.SOURCE_KINDS
@@ -31,11 +32,19 @@ class ConfigError(ValueError):
 class MeshConfig:
   dp: int = 1
   pp: int = 1
+  placement: str = DEFAULT_PLACEMENT
+  """How a multi-process job's workers sit on its processes (hosts): "pipeline" (a host holds
+  stages of one pipeline) or "stage" (one stage of several pipelines); see
+  `resilient_jax/placement.py`."""
 
   def __post_init__(self):
     for key in ("dp", "pp"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         raise ConfigError(f"mesh.{key} must be a positive integer, got {getattr(self, key)!r}")
+    try:
+      check_placement(self.placement)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
   @property
   def num_workers(self) -> int:
@@ -203,7 +212,9 @@ def check_rejoins(events: Iterable[tuple[int, tuple[int, int], bool]]) -> None:
 @dataclasses.dataclass(frozen=True)
 class FaultsConfig:
   schedule: tuple[Fault, ...] = ()
-  """Workers to fail in-process (`STEP:DP.STAGE,...`); in a job, kill processes instead."""
+  """Workers to fail at the start of a step (`STEP:DP.STAGE,...`): a device lost inside a live
+  process, which loses that worker only (in a job every process applies the same schedule;
+  `launch/local.py --kill` loses whole processes)."""
   nonfinite: tuple[tuple[int, int], ...] = ()
   """`STEP:STAGE,...`: that stage's gradients turn NaN at that step on every replica, in-process
   or in a job, to rehearse a diverging step (skipped, see `train.max_nonfinite_steps`)."""
@@ -280,7 +291,8 @@ class ResilienceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  """Multi-process training on `jax.distributed`: one worker per process."""
+  """Multi-process training on `jax.distributed`: one process per host, driving all its devices
+  (`mesh.placement` says which workers)."""
 
   enabled: bool = False
   """Run as one process of a multi-process job. With no other key set, the coordinator,
@@ -357,11 +369,6 @@ class RunConfig:
       )
     if train.data == "text" and m.vocab_size < 256:
       raise ConfigError(f"model.vocab_size={m.vocab_size} is below 256, needed by train.data=text")
-    if self.distributed.enabled and self.faults.schedule:
-      raise ConfigError(
-        "faults.schedule simulates failures inside one process; with distributed.enabled kill "
-        "real processes instead (launch/local.py --kill=STEP:PROCESS)"
-      )
     policy = self.resilience.policy
     if policy == "bamboo" and mesh.pp < 2:
       raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "

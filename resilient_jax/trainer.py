@@ -210,15 +210,15 @@ class Trainer:
       transport = Transport(dict(enumerate(devs[:need])))
       nodes = list(range(need))
     else:
-      from resilient_jax.runtime.multiprocess import ProcessTransport
+      from resilient_jax.runtime.multiprocess import ProcessLayout, ProcessTransport
 
-      if cluster.num_processes != need:
-        raise ConfigError(
-          f"mesh.dp * mesh.pp = {need} workers need {need} processes (one worker each), "
-          f"the job has {cluster.num_processes}"
-        )
-      transport = ProcessTransport(cluster, pause_hook_from_env())
-      nodes = list(range(cluster.num_processes))
+      try:
+        layout = ProcessLayout.of(cfg.mesh.dp, pp, cfg.mesh.placement, cluster.num_processes,
+                                  len(jax.local_devices()))
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
+      transport = ProcessTransport(cluster, layout, pause_hook_from_env())
+      nodes = list(range(need))
     self.transport = transport
     self.coordinator = RunCoordinator(cfg, nodes, log=self.log)
     if cluster is None:
@@ -232,8 +232,9 @@ class Trainer:
       # Any worker of a neighbouring stage may become this one's producer or consumer; the
       # first transfer over a new connection and the split backward's compile would
       # otherwise land inside a recovery.
-      me = cluster.process_id
-      cluster.connect(n for n in nodes if abs(n % pp - me % pp) == 1)
+      mine = {n % pp for n in transport.devices}
+      cluster.connect(layout.processes_of(
+        [n for n in nodes if any(abs(n % pp - s) == 1 for s in mine)]))
       self.interpreter.warm_up()
     events = [FaultEvent(f.step, (f.dp, f.stage), rejoin=f.rejoin)
               for f in cfg.faults.schedule] + list(faults)
@@ -324,7 +325,7 @@ class Trainer:
                    "its state over (the previous checkpoint stays the latest)")
         # The holders may go on (and exit after the last step) once their state is here.
         self.cluster.kv_set(f"checkpoint/{step}", True)
-      elif self.cluster.process_id in holders.values():
+      elif self.transport.holds_any(list(holders.values())):
         # Stay until process 0 has pulled this state (its loss ends this process, exit 5).
         self.cluster.kv_get(f"checkpoint/{step}")
     if self.chief and state is not None:
@@ -486,12 +487,13 @@ class Trainer:
     back = {n for f, n in self.faults if f.step == step and f.rejoin}
     if back - self.coordinator.live:
       apply_rejoin(self, back - self.coordinator.live, step)
-    for f, node in self.faults:
-      if (f.step == step and f.after_op is None and not f.rejoin
-          and node in self.coordinator.live):
-        restored = self._fail({node}, step, mid_step=False)
-        if restored is not None:
-          raise _Restored(restored)
+    # Faults at the start of a step fail together (a whole host's workers at once).
+    starting = {n for f, n in self.faults if f.step == step and f.after_op is None
+                and not f.rejoin and n in self.coordinator.live}
+    if starting:
+      restored = self._fail(starting, step, mid_step=False)
+      if restored is not None:
+        raise _Restored(restored)
     hook = self._fault_hook(step)
     attempt = 0
     pending: list[dict] = []
@@ -518,14 +520,15 @@ class Trainer:
       if result.committed:
         break
       kills = self._kill_times()
-      for p in sorted(result.lost):
+      for p in sorted(n for n in result.lost if n in self.coordinator.live):
         event = {"node": p, "step": step, "attempt": attempt, "detected_at": result.detected_at,
                  "xla_compiles": Counts.xla}
-        if self.cluster is not None:
-          event["process"] = p
-        if p in kills:
-          event["killed_at"] = kills[p]
-          event["kill_to_detect_s"] = round(result.detected_at - kills[p], 3)
+        proc = None if self.cluster is None else self.transport.process_of(p)
+        if proc is not None:
+          event["process"] = proc
+        if proc in kills:
+          event["killed_at"] = kills[proc]
+          event["kill_to_detect_s"] = round(result.detected_at - kills[proc], 3)
         pending.append(event)
       known = [e.get("kill_to_detect_s") for e in pending[-len(result.lost):]]
       detect = None if self.cluster is not None and None in known else max(
@@ -549,7 +552,8 @@ class Trainer:
       self.board.text(step, "recovery", f"step {step} committed {event['detect_to_next_step_s']}s "
                       f"after the loss of node {event['node']} was detected")
       if "kill_to_next_step_s" in event:
-        self.log(f"  recovered from the loss of process {event['node']}: detected "
+        self.log(f"  recovered from the loss of node {event['node']} (process "
+                 f"{event['process']}): detected "
                  f"{event['kill_to_detect_s']:.2f}s after the kill, step {step} completed "
                  f"{event['kill_to_next_step_s']:.2f}s after it")
     if pending and self.chief:
@@ -780,7 +784,7 @@ class Trainer:
     if not self.chief:
       cl.kv_set(f"{key}/{me}", True)
       return
-    others = set(self.coordinator.live) - {me}
+    others = set(self.transport.layout.processes_of(sorted(self.coordinator.live))) - {me}
     for p in sorted(others):
       cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
 
