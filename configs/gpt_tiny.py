@@ -27,7 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dtype="float32",  # compute dtype; bfloat16 for mixed precision
     param_dtype="float32",
   )
-  c.mesh = dict(dp=2, pp=2)
+  c.mesh = dict(dp=2, pp=2, tp=1)  # tp: devices per worker (tensor parallelism in a stage)
   c.pipeline = dict(schedule="1f1b", microbatches=4, partition="")
   c.train = dict(
     steps=20,

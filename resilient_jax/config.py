@@ -31,15 +31,23 @@ class ConfigError(ValueError):
 class MeshConfig:
   dp: int = 1
   pp: int = 1
+  tp: int = 1
+  """Devices per worker: a worker (dp, stage) is a sub-mesh of `tp` devices over which its
+  stage's blocks are split (tensor parallelism, `resilient_jax/model/sharding.py`)."""
 
   def __post_init__(self):
-    for key in ("dp", "pp"):
+    for key in ("dp", "pp", "tp"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         raise ConfigError(f"mesh.{key} must be a positive integer, got {getattr(self, key)!r}")
 
   @property
   def num_workers(self) -> int:
     return self.dp * self.pp
+
+  @property
+  def num_devices(self) -> int:
+    """Devices the grid runs on: `tp` for each of its workers."""
+    return self.dp * self.pp * self.tp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,7 @@ from resilient_jax.compiled import Built, Counts, built
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.logs import info
+from resilient_jax.model.sharding import worker_mesh
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
 from resilient_jax.profiling import StepTraces
 from resilient_jax.progress import reporting
@@ -186,20 +187,27 @@ class Trainer:
         self.log(f"removed {self.ckpt_dir / name}: a save that never committed (its writer "
                  "stopped mid-way)")
     need = cfg.mesh.num_workers
-    pp = cfg.mesh.pp
+    pp, tp = cfg.mesh.pp, cfg.mesh.tp
     if cluster is None:
       devs = list(jax.devices() if devices is None else devices)
-      if len(devs) < need:
+      if len(devs) < need * tp:
+        what = f"mesh.dp * mesh.pp = {need} workers need {need} devices" if tp == 1 else \
+          f"mesh.dp * mesh.pp * mesh.tp = {need * tp} devices needed ({need} workers of {tp})"
         raise ConfigError(
-          f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devs)} (on CPU, "
-          f"call resilient_jax.configure_jax({need}) before any JAX operation, e.g. before "
+          f"{what}, found {len(devs)} (on CPU, call "
+          f"resilient_jax.configure_jax({need * tp}) before any JAX operation, e.g. before "
           "building the model)"
         )
-      transport = Transport(dict(enumerate(devs[:need])))
+      # Worker n: device n, or the n-th run of tp devices (its sub-mesh).
+      transport = Transport({n: devs[n] if tp == 1 else worker_mesh(devs[n * tp:(n + 1) * tp])
+                             for n in range(need)})
       nodes = list(range(need))
     else:
       from resilient_jax.runtime.multiprocess import ProcessTransport
 
+      if tp > 1:
+        raise ConfigError(f"mesh.tp={tp}: a multi-process job runs one device per worker so far "
+                          "(mesh.tp=1); tensor parallelism runs in one process")
       if cluster.num_processes != need:
         raise ConfigError(
           f"mesh.dp * mesh.pp = {need} workers need {need} processes (one worker each), "
@@ -246,6 +254,7 @@ class Trainer:
         cfg.model.seq_len,
         make_optimizer(cfg),
         cfg.step_batch,
+        tp=cfg.mesh.tp,
       )
     return self._programs[key]
 
