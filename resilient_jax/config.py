@@ -331,6 +331,10 @@ class RunConfig:
         "faults.schedule simulates failures inside one process; with distributed.enabled kill "
         "real processes instead (launch/local.py --kill=STEP:PROCESS)"
       )
+    if self.distributed.enabled and mesh.tp > 1:
+      raise ConfigError(f"mesh.tp={mesh.tp} with distributed.enabled: a multi-process job runs "
+                        "one device per worker so far (mesh.tp=1); tensor parallelism runs in "
+                        "one process")
     policy = self.resilience.policy
     if policy == "bamboo" and mesh.pp < 2:
       raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "

@@ -205,9 +205,6 @@ class Trainer:
     else:
       from resilient_jax.runtime.multiprocess import ProcessTransport
 
-      if tp > 1:
-        raise ConfigError(f"mesh.tp={tp}: a multi-process job runs one device per worker so far "
-                          "(mesh.tp=1); tensor parallelism runs in one process")
       if cluster.num_processes != need:
         raise ConfigError(
           f"mesh.dp * mesh.pp = {need} workers need {need} processes (one worker each), "

@@ -113,3 +113,5 @@ def test_too_few_devices_for_tp(tmp_path):
     Trainer(cfg, tmp_path, log=lambda _: None)
   with pytest.raises(ConfigError, match="mesh.tp must be a positive integer"):
     tiny_config(mesh__tp=0)
+  with pytest.raises(ConfigError, match="mesh.tp=2 with distributed.enabled"):
+    tiny_config(mesh__tp=2, distributed__enabled=True)
