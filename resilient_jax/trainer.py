@@ -291,7 +291,8 @@ class Trainer:
     self.interpreter.import_state(loaded.params, loaded.opt_state)
     lay = loaded.meta["layout"]
     self.log(f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
-             f"pp={lay['pp']}) onto {_describe(self.coordinator.plan)}" + (
+             f"pp={lay['pp']} tp={lay.get('tp', 1)}) onto {_describe(self.coordinator.plan)}"
+             + (f" tp={self.cfg.mesh.tp}" if self.cfg.mesh.tp > 1 else "") + (
                f", {self.cluster.num_processes} processes" if self.cluster else ""))
     return loaded.step
 

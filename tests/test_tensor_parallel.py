@@ -77,7 +77,8 @@ def test_sharded_stage_matches_unsharded(family):
 def test_dp2_pp2_tp2_through_a_failure_matches_single_device(tmp_path):
   """A 2x2 grid of 2-device workers on 8 devices: a worker (its whole sub-mesh) fails between
   steps and another in the middle of a step; every step keeps its samples, and losses and
-  parameters equal the single-device run's. A tp=2 checkpoint then resumes on tp=1."""
+  parameters equal the single-device run's. A tp=2 checkpoint then resumes on tp=1, and a
+  tp=1 checkpoint on tp=2."""
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, mesh__tp=2, train__steps=4,
                     faults__schedule="2:1.0", checkpoint__every_steps=2)
   trainer = Trainer(cfg, tmp_path / "run", log=lambda _: None,
@@ -96,15 +97,19 @@ def test_dp2_pp2_tp2_through_a_failure_matches_single_device(tmp_path):
     assert len(kernel.sharding.device_set) == 2 and not kernel.sharding.device_set & {
       d for d in jax.devices() if d.id in lost}
 
-  # The checkpoint of step 2 (written on sub-meshes) resumes on one device per worker.
+  # The checkpoint of step 2 (written on sub-meshes) resumes on one device per worker for
+  # step 3, and that one's checkpoint on sub-meshes again for step 4.
   shutil.copytree(tmp_path / "run", tmp_path / "resume")
   shutil.rmtree(ckpt.step_dir(tmp_path / "resume" / "checkpoints", 4))
-  cfg1 = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=4)
   lines = []
-  resumed = Trainer(cfg1, tmp_path / "resume", log=lines.append).run()
-  assert any("restored step 2" in x for x in lines), lines
-  assert [m["sample_digest"] for m in resumed.metrics] == expected_digests(cfg1)
-  assert_matches_reference(resumed.metrics, resumed.interpreter.all_params(), cfg1)
+  for tp, restored in ((1, "restored step 2"), (2, "restored step 3")):
+    cfg_tp = tiny_config(mesh__dp=2, mesh__pp=2, mesh__tp=tp, train__steps=4,
+                         train__stop_after=3 if tp == 1 else 0)
+    resumed = Trainer(cfg_tp, tmp_path / "resume", log=lines.append).run()
+    saved_on = f"saved on dp=2 pp=2 tp={3 - tp}"
+    assert any(restored in x and saved_on in x for x in lines), lines
+  assert [m["sample_digest"] for m in resumed.metrics] == expected_digests(cfg)
+  assert_matches_reference(resumed.metrics, resumed.interpreter.all_params(), cfg_tp)
 
 
 def test_too_few_devices_for_tp(tmp_path):
