@@ -74,13 +74,16 @@ def test_sharded_stage_matches_unsharded(family):
     assert mu[up].sharding.spec == P(None, "tp") and len(mu[up].sharding.device_set) == 2
 
 
+@pytest.mark.slow
 def test_dp2_pp2_tp2_through_a_failure_matches_single_device(tmp_path):
   """A 2x2 grid of 2-device workers on 8 devices: a worker (its whole sub-mesh) fails between
   steps and another in the middle of a step; every step keeps its samples, and losses and
-  parameters equal the single-device run's. A tp=2 checkpoint then resumes on tp=1, and a
-  tp=1 checkpoint on tp=2."""
+  parameters (global-norm clipped) equal the single-device run's. A tp=2 checkpoint then
+  resumes on tp=1, and a tp=1 checkpoint on tp=2."""
+  # Clipped to a global norm the gradients exceed: its sum of squares adds up the split ones.
+  clip = {"optimizer__clip_global_norm": 0.5}
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, mesh__tp=2, train__steps=4,
-                    faults__schedule="2:1.0", checkpoint__every_steps=2)
+                    faults__schedule="2:1.0", checkpoint__every_steps=2, **clip)
   trainer = Trainer(cfg, tmp_path / "run", log=lambda _: None,
                     faults=[FaultEvent(3, (0, 1), after_op=Op(F, 1))])
   meshes = {n: trainer.transport.placement(n) for n in range(4)}
@@ -88,6 +91,7 @@ def test_dp2_pp2_tp2_through_a_failure_matches_single_device(tmp_path):
   result = trainer.run()
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert [m["live_workers"] for m in result.metrics] == [4, 3, 2, 2]
+  assert all(m.get("clipped") for m in result.metrics)
   ex = result.interpreter
   assert_matches_reference(result.metrics, ex.all_params(), cfg)
   lost = {d.id for n in (2, 1) for d in meshes[n].devices.flat}  # workers (1, 0) and (0, 1)
@@ -104,12 +108,26 @@ def test_dp2_pp2_tp2_through_a_failure_matches_single_device(tmp_path):
   lines = []
   for tp, restored in ((1, "restored step 2"), (2, "restored step 3")):
     cfg_tp = tiny_config(mesh__dp=2, mesh__pp=2, mesh__tp=tp, train__steps=4,
-                         train__stop_after=3 if tp == 1 else 0)
+                         train__stop_after=3 if tp == 1 else 0, **clip)
     resumed = Trainer(cfg_tp, tmp_path / "resume", log=lines.append).run()
     saved_on = f"saved on dp=2 pp=2 tp={3 - tp}"
     assert any(restored in x and saved_on in x for x in lines), lines
   assert [m["sample_digest"] for m in resumed.metrics] == expected_digests(cfg)
   assert_matches_reference(resumed.metrics, resumed.interpreter.all_params(), cfg_tp)
+
+
+def test_bamboo_replicas_on_sub_meshes(tmp_path):
+  """Bamboo's replica of the successor stage is kept split over the holder's sub-mesh and
+  takes over when that stage's worker fails."""
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, mesh__tp=2, train__steps=3, faults__schedule="2:1.1",
+                    resilience__policy="bamboo")
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  ex = trainer.interpreter
+  params, _ = next(iter(ex.replicas.values()))
+  assert params["blocks.2.mlp.fc.kernel"].sharding.spec == P(None, "tp")
+  result = trainer.run()
+  assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
 def test_too_few_devices_for_tp(tmp_path):
