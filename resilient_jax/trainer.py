@@ -221,6 +221,10 @@ class Trainer:
       self.coordinator.simulated_devices = simulated_cpu_devices()
     self._programs: dict[tuple, list[StagePrograms]] = {}
     self.interpreter = self._interpreter(self.coordinator.plan)
+    if tp > 1 and not any(any(s) for prog in self.programs for s in prog.param_specs.values()):
+      self.log(f"mesh.tp={tp}: no parameter of the model names a logical axis that splits "
+               "(resilient_jax/model/sharding.py), so every worker's stage runs replicated over "
+               f"its {tp} devices: correct, but neither faster nor smaller per device")
     if cluster is not None:
       # Any worker of a neighbouring stage may become this one's producer or consumer; the
       # first transfer over a new connection and the split backward's compile would

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from resilient_jax import checkpoint as ckpt
@@ -127,6 +128,21 @@ def test_bamboo_replicas_on_sub_meshes(tmp_path):
   assert params["blocks.2.mlp.fc.kernel"].sharding.spec == P(None, "tp")
   result = trainer.run()
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
+
+
+def test_a_model_without_annotations_runs_replicated(tmp_path):
+  """Without logical axes a sub-mesh holds the whole stage on each device, and says so."""
+  model = tiny_config().model.build(0)
+  for _, var in nnx.iter_graph(model):
+    if isinstance(var, nnx.Param):
+      var.set_metadata("out_sharding", None)
+  cfg = tiny_config(mesh__dp=1, mesh__pp=1, mesh__tp=2, train__steps=1)
+  lines = []
+  trainer = Trainer(cfg, tmp_path, log=lines.append, model=model)
+  assert any("runs replicated over its 2 devices" in x for x in lines), lines
+  assert all(spec == P() for prog in trainer.programs for spec in prog.param_specs.values())
+  result = trainer.run()
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
