@@ -126,6 +126,13 @@ def test_bamboo_replicas_on_sub_meshes(tmp_path):
   ex = trainer.interpreter
   params, _ = next(iter(ex.replicas.values()))
   assert params["blocks.2.mlp.fc.kernel"].sharding.spec == P(None, "tp")
+  # Each stage program is compiled (or read from disk) for one sub-mesh and loaded on the other
+  # pipeline's: F, B and W of every worker.
+  ex.warm_up()
+  for prog in trainer.programs:
+    ran = [p for p in prog.compiled_programs() if p.devices]
+    assert len(ran) >= 4 and all(p.devices == 2 * p.built for p in ran), \
+      [(p.__name__, p.built, p.devices) for p in ran]
   result = trainer.run()
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
