@@ -121,5 +121,4 @@ def abstract_mesh(tp: int) -> AbstractMesh:
 def constrain(tree: Any, specs: Any) -> Any:
   """`tree`'s leaves constrained to `specs` (a matching tree of `PartitionSpec`s); to be traced
   under `jax.sharding.use_abstract_mesh(abstract_mesh(tp))`."""
-  return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs,
-                      is_leaf=lambda x: x is None)
+  return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs)
