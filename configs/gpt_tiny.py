@@ -27,7 +27,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dtype="float32",  # compute dtype; bfloat16 for mixed precision
     param_dtype="float32",
   )
-  c.mesh = dict(dp=2, pp=2, placement="pipeline")  # placement: multi-process jobs, see README
+  # tp: devices per worker (tensor parallelism in a stage); placement: multi-process jobs (README)
+  c.mesh = dict(dp=2, pp=2, tp=1, placement="pipeline")
   c.pipeline = dict(schedule="1f1b", microbatches=4, partition="")
   c.train = dict(
     steps=20,

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
                "environment was detected; set distributed.coordinator, num_processes and "
                "process_id, or start the job with launch/local.py)")
   else:
-    runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_workers)
+    runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_devices)
   chief = cluster is None or cluster.process_id == 0
   if chief:
     where = f" on {cluster.num_processes} processes" if cluster else ""

@@ -32,13 +32,16 @@ class ConfigError(ValueError):
 class MeshConfig:
   dp: int = 1
   pp: int = 1
+  tp: int = 1
+  """Devices per worker: a worker (dp, stage) is a sub-mesh of `tp` devices over which its
+  stage's blocks are split (tensor parallelism, `resilient_jax/model/sharding.py`)."""
   placement: str = DEFAULT_PLACEMENT
   """How a multi-process job's workers sit on its processes (hosts): "pipeline" (a host holds
   stages of one pipeline) or "stage" (one stage of several pipelines); see
   `resilient_jax/placement.py`."""
 
   def __post_init__(self):
-    for key in ("dp", "pp"):
+    for key in ("dp", "pp", "tp"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         raise ConfigError(f"mesh.{key} must be a positive integer, got {getattr(self, key)!r}")
     try:
@@ -49,6 +52,11 @@ class MeshConfig:
   @property
   def num_workers(self) -> int:
     return self.dp * self.pp
+
+  @property
+  def num_devices(self) -> int:
+    """Devices the grid runs on: `tp` for each of its workers."""
+    return self.dp * self.pp * self.tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +377,10 @@ class RunConfig:
       )
     if train.data == "text" and m.vocab_size < 256:
       raise ConfigError(f"model.vocab_size={m.vocab_size} is below 256, needed by train.data=text")
+    if self.distributed.enabled and mesh.tp > 1:
+      raise ConfigError(f"mesh.tp={mesh.tp} with distributed.enabled: a multi-process job runs "
+                        "one device per worker so far (mesh.tp=1); tensor parallelism runs in "
+                        "one process")
     policy = self.resilience.policy
     if policy == "bamboo" and mesh.pp < 2:
       raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "

@@ -55,6 +55,7 @@ from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.goodput import GoodputLog
 from resilient_jax.logs import info
+from resilient_jax.model.sharding import worker_mesh
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
 from resilient_jax.profiling import StepTraces
 from resilient_jax.progress import reporting
@@ -198,16 +199,20 @@ class Trainer:
         self.log(f"removed {self.ckpt_dir / name}: a save that never committed (its writer "
                  "stopped mid-way)")
     need = cfg.mesh.num_workers
-    pp = cfg.mesh.pp
+    pp, tp = cfg.mesh.pp, cfg.mesh.tp
     if cluster is None:
       devs = list(jax.devices() if devices is None else devices)
-      if len(devs) < need:
+      if len(devs) < need * tp:
+        what = f"mesh.dp * mesh.pp = {need} workers need {need} devices" if tp == 1 else \
+          f"mesh.dp * mesh.pp * mesh.tp = {need * tp} devices needed ({need} workers of {tp})"
         raise ConfigError(
-          f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devs)} (on CPU, "
-          f"call resilient_jax.configure_jax({need}) before any JAX operation, e.g. before "
+          f"{what}, found {len(devs)} (on CPU, call "
+          f"resilient_jax.configure_jax({need * tp}) before any JAX operation, e.g. before "
           "building the model)"
         )
-      transport = Transport(dict(enumerate(devs[:need])))
+      # Worker n: device n, or the n-th run of tp devices (its sub-mesh).
+      transport = Transport({n: devs[n] if tp == 1 else worker_mesh(devs[n * tp:(n + 1) * tp])
+                             for n in range(need)})
       nodes = list(range(need))
     else:
       from resilient_jax.runtime.multiprocess import ProcessLayout, ProcessTransport
@@ -228,6 +233,10 @@ class Trainer:
       self.coordinator.simulated_devices = simulated_cpu_devices()
     self._programs: dict[tuple, list[StagePrograms]] = {}
     self.interpreter = self._interpreter(self.coordinator.plan)
+    if tp > 1 and not any(any(s) for prog in self.programs for s in prog.param_specs.values()):
+      self.log(f"mesh.tp={tp}: no parameter of the model names a logical axis that splits "
+               "(resilient_jax/model/sharding.py), so every worker's stage runs replicated over "
+               f"its {tp} devices: correct, but neither faster nor smaller per device")
     if cluster is not None:
       # Any worker of a neighbouring stage may become this one's producer or consumer; the
       # first transfer over a new connection and the split backward's compile would
@@ -261,6 +270,7 @@ class Trainer:
         cfg.model.seq_len,
         make_optimizer(cfg),
         cfg.step_batch,
+        tp=cfg.mesh.tp,
       )
     return self._programs[key]
 
@@ -300,7 +310,8 @@ class Trainer:
     self.interpreter.import_state(loaded.params, loaded.opt_state)
     lay = loaded.meta["layout"]
     self.log(f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
-             f"pp={lay['pp']}) onto {_describe(self.coordinator.plan)}" + (
+             f"pp={lay['pp']} tp={lay.get('tp', 1)}) onto {_describe(self.coordinator.plan)}"
+             + (f" tp={self.cfg.mesh.tp}" if self.cfg.mesh.tp > 1 else "") + (
                f", {self.cluster.num_processes} processes" if self.cluster else ""))
     return loaded.step
 
