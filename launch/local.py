@@ -5,9 +5,10 @@
 
 starts 2 processes of `launch.train` on 127.0.0.1 (`jax.distributed`, process 0 hosting the
 coordination service), each a host of 4 simulated CPU devices driving 4 workers (which ones:
-`mesh.placement`, `resilient_jax/placement.py`; `mesh.dp * mesh.pp` must equal processes x
-devices), streams their output prefixed with `[pN]`, and at the start of step 3 SIGKILLs
-process 1 from outside: its 4 workers are lost at once. `--kill=STEP:PROCESS[:WHERE]`,
+`mesh.placement`, `resilient_jax/placement.py`; `mesh.dp * mesh.pp * mesh.tp` must equal
+processes x devices: with `--config.mesh.tp=2` a worker is a sub-mesh of 2 of them), streams
+their output prefixed with `[pN]`, and at the start of step 3 SIGKILLs process 1 from outside:
+its 4 workers are lost at once. `--kill=STEP:PROCESS[:WHERE]`,
 comma-separated; WHERE picks the moment within the step: `start` (default, before the step's
 first op), an op of that process such as `F1`, `B0`, `W3`, `BW0` (1F1B's and GPipe's fused
 backward) or `FR2` (right after it was dispatched), or `AR` (inside the gradient all-reduce, the
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 _NUM = flags.DEFINE_integer("num_processes", 2, "Processes (hosts) to start.")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Simulated CPU devices per process: "
-                                "each process drives that many workers.")
+                                "each process drives that many / mesh.tp workers.")
 _KILL = flags.DEFINE_string("kill", "", "STEP:PROCESS[:WHERE],... processes to SIGKILL.")
 _STOP = flags.DEFINE_string("stop", "", "STEP:PROCESS[:WHERE][@SECONDS],... processes to SIGSTOP "
                             "(freeze), each let go after SECONDS (default --stop_s).")
@@ -119,7 +120,7 @@ def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig, flag: str = "
   last = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
   procs = cfg.mesh.num_workers if num_processes is None else num_processes
   slots = process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, procs,
-                        cfg.mesh.num_workers // procs)
+                        cfg.mesh.num_devices // procs, cfg.mesh.tp)
   program = None
   for proc, (step, where) in sorted(kills.items()):
     entry = f"{flag} entry {step}:{proc}" + ("" if where == "start" else f":{where}")
@@ -385,7 +386,7 @@ def main(argv: list[str]) -> None:
   if devices < 1:
     cli.fail(f"--devices_per_process must be >= 1, got {devices}")
   try:
-    process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, num, devices)
+    process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, num, devices, cfg.mesh.tp)
   except ValueError as e:
     cli.fail(f"--num_processes={num} --devices_per_process={devices}: {e}")
   try:

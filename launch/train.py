@@ -1,7 +1,7 @@
 """Train a model on a DP x PP grid: `python -m launch.train --config=configs/gpt_tiny.py ...`.
 
-On a machine without accelerators the launcher creates `mesh.dp * mesh.pp` simulated CPU
-devices itself. A workdir with checkpoints is resumed from, on whatever layout is configured.
+On a machine without accelerators the launcher creates `mesh.dp * mesh.pp * mesh.tp` simulated
+CPU devices itself. A workdir with checkpoints is resumed from, on whatever layout is configured.
 With `--config.distributed.enabled=true` this is one process of a `jax.distributed` job, driving
 all its host's devices and the workers `mesh.placement` puts there (see launch/local.py and
 launch/CLUSTERS.md); the same training loop runs either way. Exit codes
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
     # A process drives all its host's devices; on a CPU host (a rehearsal) it simulates its
     # share of the grid, unless XLA_FLAGS already says how many (launch/local.py sets it).
     procs = cfg.distributed.num_processes
-    runtime_setup.configure_jax(num_cpu_devices=max(cfg.mesh.num_workers // procs, 1)
+    runtime_setup.configure_jax(num_cpu_devices=max(cfg.mesh.num_devices // procs, 1)
                                 if procs else 1)
     from resilient_jax.runtime.cluster import Cluster
 
@@ -56,10 +56,11 @@ def main(argv: list[str]) -> None:
   chief = cluster is None or cluster.process_id == 0
   if chief:
     where = f" on {cluster.num_processes} processes" if cluster else ""
+    grid = (f"{cfg.mesh.dp}x{cfg.mesh.pp} (dp x pp)" if cfg.mesh.tp == 1 else
+            f"{cfg.mesh.dp}x{cfg.mesh.pp}x{cfg.mesh.tp} (dp x pp x tp)")
     logging.info(
-      "training %dx%d (dp x pp)%s, schedule %s, policy %s, %d steps; outputs in %s",
-      cfg.mesh.dp, cfg.mesh.pp, where, cfg.pipeline.schedule, cfg.resilience.policy,
-      cfg.train.steps, workdir,
+      "training %s%s, schedule %s, policy %s, %d steps; outputs in %s",
+      grid, where, cfg.pipeline.schedule, cfg.resilience.policy, cfg.train.steps, workdir,
     )
 
   from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, exit_code_for

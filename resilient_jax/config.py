@@ -377,10 +377,6 @@ class RunConfig:
       )
     if train.data == "text" and m.vocab_size < 256:
       raise ConfigError(f"model.vocab_size={m.vocab_size} is below 256, needed by train.data=text")
-    if self.distributed.enabled and mesh.tp > 1:
-      raise ConfigError(f"mesh.tp={mesh.tp} with distributed.enabled: a multi-process job runs "
-                        "one device per worker so far (mesh.tp=1); tensor parallelism runs in "
-                        "one process")
     policy = self.resilience.policy
     if policy == "bamboo" and mesh.pp < 2:
       raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "

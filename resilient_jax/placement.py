@@ -76,8 +76,10 @@ def process_slots(dp: int, pp: int, placement: str, num_processes: int, local_de
                   devices_per_worker: int = 1) -> dict[int, tuple[int, int]]:
   """Every node's (process, index among the process's workers) in a multi-process job.
 
-  Node `d * pp + s` is worker `(d, s)` (the coordinator's numbering). The rule the launchers
-  and `launch/CLUSTERS.md` state: a process drives all its host's devices, so
+  Node `d * pp + s` is worker `(d, s)` (the coordinator's numbering); a worker is
+  `devices_per_worker` (`mesh.tp`) consecutive devices of its process, so its index `i` holds
+  local devices `i * devices_per_worker ...`. The rule the launchers and `launch/CLUSTERS.md`
+  state: a process drives all its host's devices, so
   `dp * pp * devices_per_worker == num_processes * local_devices`.
 
   Raises:
@@ -86,10 +88,13 @@ def process_slots(dp: int, pp: int, placement: str, num_processes: int, local_de
   workers = dp * pp
   have = num_processes * local_devices
   if workers * devices_per_worker != have or workers % num_processes:
-    each = f"{devices_per_worker} devices each" if devices_per_worker > 1 else "one device each"
+    tp = devices_per_worker
+    grid = (f"mesh.dp * mesh.pp = {dp} * {pp} = {workers} workers (one device each)" if tp == 1
+            else f"mesh.dp * mesh.pp * mesh.tp = {dp} * {pp} * {tp} = {workers * tp} devices "
+            f"({workers} workers of {tp})")
     raise ValueError(
-      f"mesh.dp * mesh.pp = {dp} * {pp} = {workers} workers ({each}) must fill the job's "
-      f"{num_processes} processes x {local_devices} devices = {have} exactly: one process "
-      "drives all its host's devices (launch/CLUSTERS.md)")
+      f"{grid} must fill the job's {num_processes} processes x {local_devices} devices = {have} "
+      "exactly, each process an equal share of the workers: one process drives all its "
+      "host's devices (launch/CLUSTERS.md)")
   grid = host_slots(dp, pp, num_processes, placement)
   return {d * pp + s: where for (d, s), where in grid.items()}

@@ -219,7 +219,7 @@ class Trainer:
 
       try:
         layout = ProcessLayout.of(cfg.mesh.dp, pp, cfg.mesh.placement, cluster.num_processes,
-                                  len(jax.local_devices()))
+                                  len(jax.local_devices()), devices_per_worker=tp)
       except ValueError as e:
         raise ConfigError(str(e)) from None
       transport = ProcessTransport(cluster, layout, pause_hook_from_env())

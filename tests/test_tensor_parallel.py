@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from resilient_jax import checkpoint as ckpt
 from resilient_jax.config import ConfigError
 from resilient_jax.model.sharding import target, worker_mesh
+from resilient_jax.placement import process_slots
 from resilient_jax.schedule.core import F, Op
 from resilient_jax.stages import build_stage_programs
 from resilient_jax.trainer import FaultEvent, Trainer
@@ -162,5 +163,7 @@ def test_too_few_devices_for_tp(tmp_path):
     Trainer(cfg, tmp_path, log=lambda _: None)
   with pytest.raises(ConfigError, match="mesh.tp must be a positive integer"):
     tiny_config(mesh__tp=0)
-  with pytest.raises(ConfigError, match="mesh.tp=2 with distributed.enabled"):
-    tiny_config(mesh__tp=2, distributed__enabled=True)
+  # A multi-process job: the workers' sub-meshes must fill its processes' devices exactly.
+  with pytest.raises(ValueError, match=r"mesh.dp \* mesh.pp \* mesh.tp = 2 \* 2 \* 2 = 8 "
+                     r"devices \(4 workers of 2\) must fill the job's 2 processes x 2 devices"):
+    process_slots(2, 2, "pipeline", num_processes=2, local_devices=2, devices_per_worker=2)

@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
-from resilient_jax.model.sharding import Where
+from resilient_jax.model.sharding import Where, abstract_mesh, opt_entry_spec
 from resilient_jax.schedule.pipelines import LayerRange
 from resilient_jax.schedule.plan import Slot, StepProgram
 
@@ -30,7 +31,9 @@ class StateHandover:
 
   def _state_specs(self, split: tuple[LayerRange, ...], stage: int) -> dict[str, Any]:
     """Every state key a slot of `(split, stage)` holds ("p/" parameter names, "o/" optimizer
-    entries) with its shape and dtype."""
+    entries) with its shape and dtype, and with `mesh.tp > 1` its split over a worker's
+    sub-mesh (a sharding over the abstract sub-mesh: a transfer between processes moves the
+    pieces, `Cluster.offer`)."""
     key = (split, stage)
     if key not in self._specs:
       from resilient_jax.checkpoint import universal
@@ -38,8 +41,15 @@ class StateHandover:
       prog = self.programs(split)[stage]
       params = prog.abstract_params()
       opt = universal.flatten_state(jax.eval_shape(prog.optimizer.init, params))
-      specs = {"p/" + n: v for n, v in params.items()}
-      specs.update({"o/" + k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in opt.items()})
+      shapes = {n: v.shape for n, v in params.items()}
+
+      def spec(value: Any, split: PartitionSpec) -> jax.ShapeDtypeStruct:
+        on = None if prog.tp == 1 else NamedSharding(abstract_mesh(prog.tp), split)
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=on)
+
+      specs = {"p/" + n: spec(v, prog.param_specs[n]) for n, v in params.items()}
+      specs.update({"o/" + k: spec(v, opt_entry_spec(k, v.shape, prog.param_specs, shapes))
+                    for k, v in opt.items()})
       self._specs[key] = specs
     return self._specs[key]
 

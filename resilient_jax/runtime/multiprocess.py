@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from resilient_jax import placement as placement_lib
+from resilient_jax.model.sharding import Where, target, where_key, worker_mesh
 from resilient_jax.runtime.cluster import Cluster
 from resilient_jax.runtime.transport import (
   STATE,
@@ -86,10 +87,13 @@ class ProcessLayout:
   the same map from the config and the job's shape (`of`).
 
   Attributes:
-    slots: node -> (process, index of its device among the process's devices).
+    slots: node -> (process, index of the worker among the process's workers).
+    devices_per_worker: `mesh.tp`: worker `i` of a process drives its local devices
+      `i * devices_per_worker ... (i + 1) * devices_per_worker - 1` (its sub-mesh).
   """
 
   slots: dict[int, tuple[int, int]]
+  devices_per_worker: int = 1
 
   @classmethod
   def of(cls, dp: int, pp: int, placement: str, num_processes: int, local_devices: int,
@@ -101,7 +105,15 @@ class ProcessLayout:
       ValueError: the grid does not fill the job's devices exactly.
     """
     return cls(placement_lib.process_slots(dp, pp, placement, num_processes, local_devices,
-                                           devices_per_worker))
+                                           devices_per_worker), devices_per_worker)
+
+  def placement(self, node: int) -> jax.Device | jax.sharding.Mesh:
+    """The node's device, or with `devices_per_worker > 1` its sub-mesh (the single-process
+    `Transport`'s placements)."""
+    process, index = self.slots[node]
+    tp = self.devices_per_worker
+    devices = _devices_of(process)[index * tp:(index + 1) * tp]
+    return devices[0] if tp == 1 else worker_mesh(devices)
 
   def process_of(self, node: int) -> int:
     return self.slots[node][0]
@@ -118,7 +130,12 @@ class ProcessLayout:
 
 class ProcessTransport(Transport):
   """Nodes are workers placed on processes by `layout`; this process holds its own nodes'
-  slots, each on one of its local devices.
+  slots, each on one of its local devices or on a sub-mesh of them (`mesh.tp > 1`).
+
+  Arrays cross processes in the layout the receiver keeps them in: a whole array (replicated
+  over a sub-mesh) as one replica, pulled onto one device of the receiver's sub-mesh and
+  copied to its others there; a split one (tensor-parallel state) piece by piece onto the
+  receiver's sub-mesh split the same way (`_offered`, `_landing`).
 
   Args:
     cluster: the joined job.
@@ -130,8 +147,11 @@ class ProcessTransport(Transport):
 
   def __init__(self, cluster: Cluster, layout: ProcessLayout, pause: PauseHook | None = None):
     me = cluster.process_id
-    local = _devices_of(me)
-    super().__init__({n: local[i] for n, (p, i) in layout.slots.items() if p == me})
+    super().__init__({n: layout.placement(n) for n, (p, _) in layout.slots.items() if p == me})
+    # Every node's `Where`, built once: a remote node's is compared and hashed in every
+    # reduction (`Interpreter` groups members by it).
+    self._where = {n: self.devices[n] if n in self.devices else target(layout.placement(n))
+                   for n in layout.slots}
     self.cluster = cluster
     self.layout = layout
     self.pause = pause
@@ -140,11 +160,8 @@ class ProcessTransport(Transport):
     """The processes holding the attempt's nodes."""
     self.doomed: list[str] = []
 
-  def device(self, node: int) -> jax.Device:
-    if node in self.devices:
-      return self.devices[node]
-    process, index = self.layout.slots[node]
-    return _devices_of(process)[index]
+  def device(self, node: int) -> Where:
+    return self._where[node]
 
   def process_of(self, node: int) -> int:
     return self.layout.process_of(node)
@@ -167,7 +184,7 @@ class ProcessTransport(Transport):
     else:
       self.cluster.offer(self._tid(key), [value])
 
-  def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: jax.Device):
+  def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: Where):
     if self.is_local(producer):
       return super().recv(key, producer, spec, device)
     process = self.process_of(producer)
@@ -189,8 +206,9 @@ class ProcessTransport(Transport):
     err = self.cluster.wait(local, f"this process's gradients for {what}", self.participants)
     if err is not None:  # computed from a lost peer's data: the attempt cannot commit
       self._failed("gradients", err)
-      # Fresh zeros, not `zeros_like(v)`: that dispatch would queue behind v's pending inputs.
-      local = {d: {n: jnp.zeros(v.shape, v.dtype, device=d) for n, v in g.items()}
+      # Fresh zeros, not `zeros_like(v)`: that dispatch would queue behind v's pending inputs
+      # (its sharding is known without waiting).
+      local = {d: {n: jnp.zeros(v.shape, v.dtype, device=v.sharding) for n, v in g.items()}
                for d, g in local.items()}
     out = super().reduce(index, nodes, devices, local)
     if out is local:
@@ -202,13 +220,15 @@ class ProcessTransport(Transport):
     return out
 
   def _gather(
-    self, index: int, nodes: Sequence[int], devices: Devices, flats: dict[jax.Device, jax.Array]
-  ) -> dict[jax.Device, jax.Array] | None:
-    """This process offers its buffers to every other member process and pulls theirs."""
+    self, index: int, nodes: Sequence[int], devices: Devices, flats: dict[Where, jax.Array]
+  ) -> dict[Where, jax.Array] | None:
+    """This process offers its buffers to every other member process and pulls theirs (one
+    replica of each, `Cluster.offer`), onto the device (or sub-mesh) where `Transport.reduce`
+    sums."""
     me = self.cluster.process_id
     procs = self.layout.processes_of(nodes)
-    mine = [flats[d] for d in sorted(flats, key=lambda d: d.id)]
-    first = min(flats, key=lambda d: d.id)  # where `Transport.reduce` sums
+    mine = [flats[d] for d in sorted(flats, key=where_key)]
+    first = next(iter(flats))  # where `Transport.reduce` sums
     for q in procs:
       if q != me:
         self.cluster.offer(self._reduce_id(index, me, q), mine)
@@ -219,7 +239,7 @@ class ProcessTransport(Transport):
     for q in procs:
       if q == me:
         continue
-      theirs = sorted((d for d in devices if d.process_index == q), key=lambda d: d.id)
+      theirs = sorted((d for d in devices if _process_of(d) == q), key=where_key)
       got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec] * len(theirs), first)
       if got is None:
         self.doomed.append(f"all-reduce {index}: process {q} unreachable")
@@ -279,7 +299,7 @@ class ProcessTransport(Transport):
     uids = [transfer_id(step, attempt, i, 1023 - channel, STATE) for i in range(len(transfers))]
     for uid, (src, dst, keys) in zip(uids, transfers, strict=True):
       if self.is_local(src) and not self.is_local(dst):
-        cl.offer(uid, [lookup(src, k) for k in keys])
+        cl.offer(uid, [lookup(src, k) for k in keys], [specs[k] for k in keys])
     received: dict[int, dict[str, jax.Array]] = {}
     for uid, (src, dst, keys) in zip(uids, transfers, strict=True):
       if not self.is_local(dst) or self.is_local(src):
@@ -412,6 +432,12 @@ def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[
 def _attempt_key(step: int, attempt: int) -> str:
   """Where an attempt's statuses and decisions live in the key-value store."""
   return f"step/{step}/{attempt}"
+
+
+def _process_of(where: Where) -> int:
+  """The process driving a worker's device or sub-mesh."""
+  devices = where.device_set if isinstance(where, jax.sharding.NamedSharding) else {where}
+  return next(iter(devices)).process_index
 
 
 def _devices_of(process: int) -> list[jax.Device]:
