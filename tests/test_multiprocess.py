@@ -155,6 +155,63 @@ def test_sigkill_of_a_host_loses_all_its_workers(tmp_path, tp, pp, lost_device, 
   assert proc.stdout.count("refuses connections: dead") == 1, tail(proc)
 
 
+_SUB_MESH_TRANSFERS = """
+import sys
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from resilient_jax.config import DistributedConfig
+from resilient_jax.model.sharding import abstract_mesh, target, worker_mesh
+from resilient_jax.runtime.cluster import Cluster
+
+pid = int(sys.argv[1])
+cl = Cluster(DistributedConfig(enabled=True, coordinator=sys.argv[2], num_processes=2,
+                               process_id=pid, wait_timeout_s=60))
+local = sorted(jax.local_devices(), key=lambda d: d.id)
+subs = [target(worker_mesh(local[:2])), target(worker_mesh(local[2:]))]  # replicated over each
+x = np.arange(32, dtype=np.float32).reshape(8, 4)
+whole = jax.ShapeDtypeStruct(x.shape, x.dtype)
+split = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(abstract_mesh(2), P("tp")))
+if pid == 0:
+  replicated = jax.device_put(x, subs[0])  # an activation on a sub-mesh
+  pieces = jax.device_put(x, NamedSharding(subs[1].mesh, P("tp")))  # tensor-parallel state
+  cl.offer(1, [replicated])
+  cl.offer(2, [pieces], [split])
+  cl.offer(3, [pieces])  # whole: gathered (a checkpoint's state for process 0)
+  cl.await_key("pulled", 1, "the pulls")
+else:
+  got = [cl.pull(0, 1, [whole], subs[1])[0], cl.pull(0, 2, [split], subs[0])[0],
+         cl.pull(0, 3, [whole])[0]]
+  assert cl.wait(got, "the pulls", [0]) is None
+  want = [subs[1], NamedSharding(subs[0].mesh, P("tp")), SingleDeviceSharding(local[0])]
+  for i, (a, sharding) in enumerate(zip(got, want)):
+    assert a.sharding == sharding, (i, a.sharding)
+    assert np.array_equal(np.asarray(a), x), i
+  print("pieces:", [s.data.shape for s in got[1].addressable_shards], flush=True)
+  cl.kv_set("pulled", True)
+cl.finish(0)
+"""
+
+
+def test_transfers_keep_sub_mesh_layouts():
+  """Arrays cross processes in the layout the receiver keeps them in (`Cluster.offer`,
+  `pull`): an array replicated over a sub-mesh as one replica, copied over the receiver's
+  sub-mesh; a tensor-parallel split piece by piece onto the receiver's sub-mesh split the same
+  way; a split array asked for whole gathered onto one device."""
+  from launch.local import _free_port, simulated_devices_env
+
+  address = f"127.0.0.1:{_free_port()}"
+  env = simulated_devices_env(dict(os.environ), 4)
+  procs = [subprocess.Popen([sys.executable, "-c", _SUB_MESH_TRANSFERS, str(p), address],
+                            cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for p in range(2)]
+  outs = [p.communicate(timeout=120) for p in procs]
+  for p, (out, err) in zip(procs, outs, strict=True):
+    assert p.returncode == 0, (out + err)[-3000:]
+  assert "pieces: [(4, 4), (4, 4)]" in outs[1][0]
+
+
 def test_frozen_processes_then_preemption(tmp_path):
   """SIGSTOP (a hung host: ports open, heartbeat stopped). Process 0, which also hosts the
   coordination service, frozen in step 2 for less than the heartbeat timeout: everyone waits
