@@ -158,7 +158,7 @@ def _run_sbatch(tmp_path, srun_rc: int, *args: str, **env: str) -> subprocess.Co
 
 
 def test_sbatch_runs_entry_point(fake_slurm):
-  proc = _run_sbatch(fake_slurm, 0, "--config.train.steps=7", DP="2", PP="8")
+  proc = _run_sbatch(fake_slurm, 0, "--config.train.steps=7", DP="2", PP="4", TP="2")
   assert proc.returncode == 0, proc.stderr
   args = _lines(fake_slurm / "log" / "srun")
   assert "--kill-on-bad-exit=0" in args  # survivors keep training when one task fails
@@ -166,7 +166,7 @@ def test_sbatch_runs_entry_point(fake_slurm):
   assert args[i + 1] == ENTRY
   assert DISTRIBUTED in args
   assert f"--workdir={fake_slurm / 'run'}" in args
-  assert {"--config.mesh.dp=2", "--config.mesh.pp=8"} <= set(args)
+  assert {"--config.mesh.dp=2", "--config.mesh.pp=4", "--config.mesh.tp=2"} <= set(args)
   assert any(a.startswith("--config.checkpoint.every_steps=") for a in args)
   assert args[-1] == "--config.train.steps=7"  # pass-through, last so it wins
   assert (fake_slurm / "run").is_dir()
@@ -266,7 +266,8 @@ def test_tpu_usage():
 
 
 def test_tpu_runs_entry_point_on_all_workers(fake_tpu):
-  proc = _run_tpu(fake_tpu, "0", "--config.train.steps=7", DP="2", PP="4", PROJECT="proj")
+  proc = _run_tpu(fake_tpu, "0", "--config.train.steps=7", DP="2", PP="4", TP="1",
+                  PROJECT="proj")
   assert proc.returncode == 0, proc.stderr
   calls = _lines(fake_tpu / "log" / "gcloud")
   assert len(calls) == 1
@@ -275,7 +276,8 @@ def test_tpu_runs_entry_point_on_all_workers(fake_tpu):
   args = _lines(fake_tpu / "log" / "train")
   assert args[:2] == ["-m", ENTRY]
   assert DISTRIBUTED in args
-  assert {"--workdir=/mnt/shared/run", "--config.mesh.dp=2", "--config.mesh.pp=4"} <= set(args)
+  assert {"--workdir=/mnt/shared/run", "--config.mesh.dp=2", "--config.mesh.pp=4",
+          "--config.mesh.tp=1"} <= set(args)
   assert args[-1] == "--config.train.steps=7"
   assert _lines(fake_tpu / "log" / "train_cwd") == [str(fake_tpu / "repo")]
   assert len(_lines(fake_tpu / "log" / "pip")) == 1
@@ -445,10 +447,10 @@ def test_container_scripts_pass_bash_and_shellcheck():
 #
 # Each script or manifest is read (and run with fakes) for what a cluster would start: processes,
 # devices per process, the environment, and launch.train's arguments. `check_job` applies the
-# rule the code enforces (`placement.process_slots`: dp * pp = processes x devices), so a
+# rule the code enforces (`placement.process_slots`: dp * pp * tp = processes x devices), so a
 # manifest whose counts do not match its config fails here. `test_rehearse_locally` then runs
 # the same arguments with `launch.local` on that many processes x simulated devices (scaled to
-# at most 2 x 4, keeping pp) to a finished step; jobs of one scaled shape share one run.
+# at most 2 x 4, keeping pp and tp) to a finished step; jobs of one scaled shape share one run.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,17 +468,20 @@ class Job:
     return value
 
   @property
-  def mesh(self) -> tuple[int, int]:
-    return int(self.flag("config.mesh.dp")), int(self.flag("config.mesh.pp"))
+  def mesh(self) -> tuple[int, int, int]:
+    """(dp, pp, tp); tp is 1 unless the script passes it."""
+    tp = [a for a in self.args if a.startswith("--config.mesh.tp=")]
+    return (int(self.flag("config.mesh.dp")), int(self.flag("config.mesh.pp")),
+            int(self.flag("config.mesh.tp")) if tp else 1)
 
 
 def check_job(job: Job) -> None:
   """The job can start: its grid fills its processes' devices exactly (the trainer's rule)."""
   from resilient_jax.placement import DEFAULT_PLACEMENT, process_slots
 
-  dp, pp = job.mesh
+  dp, pp, tp = job.mesh
   try:
-    process_slots(dp, pp, DEFAULT_PLACEMENT, job.processes, job.devices)
+    process_slots(dp, pp, DEFAULT_PLACEMENT, job.processes, job.devices, devices_per_worker=tp)
   except ValueError as e:
     pytest.fail(f"{job.where}: {e}")
 
@@ -567,10 +572,10 @@ def test_a_job_whose_counts_do_not_match_its_config_fails(cluster_jobs):
         check_job(bad)
 
 
-def scaled(job: Job) -> tuple[int, int, int, int]:
-  """(processes, devices, dp, pp) of the local rehearsal: at most 2 processes x 4 devices, dp
-  divided by what was taken away, pp kept."""
-  dp, pp = job.mesh
+def scaled(job: Job) -> tuple[int, int, int, int, int]:
+  """(processes, devices, dp, pp, tp) of the local rehearsal: at most 2 processes x 4 devices,
+  dp divided by what was taken away, pp and tp kept."""
+  dp, pp, tp = job.mesh
   processes, devices, factor = job.processes, job.devices, 1
   if devices > 4:
     assert devices % 4 == 0, job
@@ -579,17 +584,18 @@ def scaled(job: Job) -> tuple[int, int, int, int]:
     assert processes % 2 == 0, job
     factor, processes = factor * processes // 2, 2
   assert dp % factor == 0, job
-  return processes, devices, dp // factor, pp
+  return processes, devices, dp // factor, pp, tp
 
 
 @pytest.mark.slow
 def test_rehearse_locally(cluster_jobs, tmp_path):
   """Every script's launch.train arguments, run by launch.local to a finished step (one run per
-  distinct scaled shape and config: today all four share one)."""
+  distinct scaled shape and config: today all four share one, 2 x 4 devices at dp=2 pp=2
+  tp=2)."""
   runs: dict[tuple, list[Job]] = {}
   for job in cluster_jobs:
     runs.setdefault((*scaled(job), job.flag("config")), []).append(job)
-  for i, ((processes, devices, dp, pp, config), jobs) in enumerate(sorted(runs.items())):
+  for i, ((processes, devices, dp, pp, tp, config), jobs) in enumerate(sorted(runs.items())):
     job = jobs[0]
     keep = [a for a in job.args if not a.startswith(("--workdir=", "--config=",
             "--config.mesh.", "--config.distributed.coordinator", "--config.distributed.num_",
@@ -600,10 +606,12 @@ def test_rehearse_locally(cluster_jobs, tmp_path):
       [sys.executable, "-m", "launch.local", f"--num_processes={processes}",
        f"--devices_per_process={devices}", "--",
        f"--config={config}:runlocal", f"--workdir={workdir}", *keep,
-       f"--config.mesh.dp={dp}", f"--config.mesh.pp={pp}", "--config.train.steps=1"],
+       f"--config.mesh.dp={dp}", f"--config.mesh.pp={pp}", f"--config.mesh.tp={tp}",
+       "--config.train.steps=1"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     where = ", ".join(j.where for j in jobs)
     assert proc.returncode == 0, (where, (proc.stdout + proc.stderr)[-3000:])
-    assert f"on {processes} processes" in proc.stdout, where
+    grid = f"{dp}x{pp} (dp x pp)" if tp == 1 else f"{dp}x{pp}x{tp} (dp x pp x tp)"
+    assert f"training {grid} on {processes} processes" in proc.stdout, where
     assert "done: 1 steps" in proc.stdout, where
     assert (workdir / "checkpoints" / "1").is_dir(), where  # every state handed to process 0

@@ -7,8 +7,9 @@
 # launch.train unchanged. The workers find each other through JAX's TPU VM detection
 # (jax.distributed.initialize() with no arguments reads the worker list and this worker's index
 # from the VM metadata; the coordinator is worker 0, port 8482). Each host's process drives all
-# its chips and holds DP*PP / HOSTS workers: DP * PP must equal HOSTS * CHIPS_PER_HOST, the
-# slice's shape (launch/CLUSTERS.md); the script checks that before it starts anything.
+# its chips and holds DP*PP / HOSTS workers of TP chips each (tensor parallelism inside the host):
+# DP * PP * TP must equal HOSTS * CHIPS_PER_HOST, the slice's shape (launch/CLUSTERS.md); the
+# script checks that before it starts anything.
 #
 # If process 0 (the coordination service) is lost, the other processes exit with code 5 and this
 # script starts the run again on all workers (up to MAX_RESTARTS times); it resumes from the newest
@@ -40,7 +41,8 @@ Optional:
   CONFIG        config file, relative to REPO_DIR (default: configs/gpt_tiny.py)
   HOSTS         TPU VM hosts (workers) in the slice (default: 2, e.g. v4-16 or v5p-16)
   CHIPS_PER_HOST  chips each host drives (default: 4)
-  DP, PP        mesh; DP * PP = HOSTS * CHIPS_PER_HOST (default: 2, 4)
+  DP, PP, TP    mesh; DP * PP * TP = HOSTS * CHIPS_PER_HOST (default: 2, 2, 2; TP chips per
+                worker, which split its stage's blocks)
   CKPT_EVERY    steps between checkpoints (default: 50)
   HEARTBEAT_TIMEOUT_S  seconds until a silent process counts as dead (default: 10)
   MAX_RESTARTS  restarts after exit code 5 (default: 10)
@@ -74,7 +76,8 @@ CONFIG="${CONFIG:-configs/gpt_tiny.py}"
 HOSTS="${HOSTS:-2}"
 CHIPS_PER_HOST="${CHIPS_PER_HOST:-4}"
 DP="${DP:-2}"
-PP="${PP:-4}"
+PP="${PP:-2}"
+TP="${TP:-2}"
 CKPT_EVERY="${CKPT_EVERY:-50}"
 HEARTBEAT_TIMEOUT_S="${HEARTBEAT_TIMEOUT_S:-10}"
 MAX_RESTARTS="${MAX_RESTARTS:-10}"
@@ -83,8 +86,9 @@ LOG_DIR="${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/resilient_jax_tpu.XXXXXX")}"
 PIDFILE="${PIDFILE:-/tmp/resilient_jax_train.pid}"  # on each worker
 EXIT_MARK="RESILIENT_JAX_EXIT"
 
-if ((DP * PP != HOSTS * CHIPS_PER_HOST)); then
-  echo "error: DP * PP = $DP * $PP must equal HOSTS * CHIPS_PER_HOST = $HOSTS * $CHIPS_PER_HOST" \
+if ((DP * PP * TP != HOSTS * CHIPS_PER_HOST)); then
+  echo "error: DP * PP * TP = $DP * $PP * $TP must equal HOSTS * CHIPS_PER_HOST =" \
+    "$HOSTS * $CHIPS_PER_HOST" \
     "(one process per host drives all its chips; see launch/CLUSTERS.md)" >&2
   exit 2
 fi
@@ -95,6 +99,7 @@ train_args=(
   --workdir="$WORKDIR"
   --config.mesh.dp="$DP"
   --config.mesh.pp="$PP"
+  --config.mesh.tp="$TP"
   --config.checkpoint.every_steps="$CKPT_EVERY"
   --config.distributed.enabled=true
   --config.distributed.heartbeat_timeout_s="$HEARTBEAT_TIMEOUT_S"
