@@ -178,7 +178,6 @@ if pid == 0:
   cl.offer(1, [replicated])
   cl.offer(2, [pieces], [split])
   cl.offer(3, [pieces])  # whole: gathered (a checkpoint's state for process 0)
-  cl.await_key("pulled", 1, "the pulls")
 else:
   got = [cl.pull(0, 1, [whole], subs[1])[0], cl.pull(0, 2, [split], subs[0])[0],
          cl.pull(0, 3, [whole])[0]]
@@ -189,6 +188,28 @@ else:
     assert np.array_equal(np.asarray(a), x), i
   print("pieces:", [s.data.shape for s in got[1].addressable_shards], flush=True)
   cl.kv_set("pulled", True)
+
+# A reduction over 4 workers of 2 devices, 2 in each process (dp=4 pp=1 tp=2): their gradients
+# (split over their sub-meshes) summed on both of this process's workers.
+from resilient_jax.model.sharding import where_key
+from resilient_jax.runtime.multiprocess import ProcessLayout, ProcessTransport
+
+transport = ProcessTransport(cl, ProcessLayout.of(4, 1, "pipeline", 2, 4, devices_per_worker=2))
+nodes = [0, 1, 2, 3]
+transport.begin(1, 0, nodes)
+members = tuple(sorted((transport.device(n) for n in nodes), key=where_key))
+grads = {transport.device(n): {"w": jax.device_put(np.full((4, 2), n + 1.0, np.float32),
+                                                   NamedSharding(transport.placement(n), P("tp")))}
+         for n in nodes if transport.is_local(n)}
+assert len(grads) == 2
+summed = transport.reduce(0, nodes, members, grads)
+assert not transport.doomed, transport.doomed
+assert sorted(summed, key=where_key) == sorted(grads, key=where_key)
+for g in summed.values():
+  assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
+print("reduced", flush=True)
+if pid == 0:
+  cl.await_key("pulled", 1, "the pulls")
 cl.finish(0)
 """
 
@@ -197,7 +218,8 @@ def test_transfers_keep_sub_mesh_layouts():
   """Arrays cross processes in the layout the receiver keeps them in (`Cluster.offer`,
   `pull`): an array replicated over a sub-mesh as one replica, copied over the receiver's
   sub-mesh; a tensor-parallel split piece by piece onto the receiver's sub-mesh split the same
-  way; a split array asked for whole gathered onto one device."""
+  way; a split array asked for whole gathered onto one device. Then a gradient reduction whose
+  members are sub-meshes, two in each process."""
   from launch.local import _free_port, simulated_devices_env
 
   address = f"127.0.0.1:{_free_port()}"
@@ -210,6 +232,7 @@ def test_transfers_keep_sub_mesh_layouts():
   for p, (out, err) in zip(procs, outs, strict=True):
     assert p.returncode == 0, (out + err)[-3000:]
   assert "pieces: [(4, 4), (4, 4)]" in outs[1][0]
+  assert all("reduced" in out for out, _ in outs)
 
 
 def test_frozen_processes_then_preemption(tmp_path):

@@ -203,7 +203,10 @@ class ProcessTransport(Transport):
     """`Transport.reduce` across processes (see `runtime.transport`'s docstring); if a member
     is lost, keeps the local values and marks the attempt doomed."""
     what = f"all-reduce {index}"
-    err = self.cluster.wait(local, f"this process's gradients for {what}", self.participants)
+    # Lists, not the dicts: a pytree's dict keys are sorted, and sub-meshes' shardings have no
+    # order.
+    err = self.cluster.wait(list(local.values()), f"this process's gradients for {what}",
+                            self.participants)
     if err is not None:  # computed from a lost peer's data: the attempt cannot commit
       self._failed("gradients", err)
       # Fresh zeros, not `zeros_like(v)`: that dispatch would queue behind v's pending inputs
@@ -213,7 +216,7 @@ class ProcessTransport(Transport):
     out = super().reduce(index, nodes, devices, local)
     if out is local:
       return local
-    err = self.cluster.wait(out, what, self.layout.processes_of(nodes))
+    err = self.cluster.wait(list(out.values()), what, self.layout.processes_of(nodes))
     if err is not None:
       self._failed(what, err)
       return local
