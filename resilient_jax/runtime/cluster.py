@@ -26,13 +26,9 @@ is bounded:
 * **Transfers.** Activations and activation gradients move between processes with
   `jax.experimental.transfer`: the producer registers an array under an integer id
   (`offer`), the consumer pulls it (`pull`). Both calls return at once; the pulled array is
-  filled asynchronously and turns into an error if the producer dies first. A pull copies the
-  offered array's device buffers one by one, in order, into the buffers of the sharding it
-  asks for, so both sides must agree on the layout: a whole array (on one device, or
-  replicated over a worker's sub-mesh) travels as one replica, landing on one device and
-  copied to the receiver's other devices there; a split one (`mesh.tp` state) travels piece
-  by piece onto the same split of the receiver's sub-mesh, named by its spec's sharding over
-  the abstract sub-mesh (`_offered`, `_landing`).
+  filled asynchronously and turns into an error if the producer dies first. An array on a
+  worker's sub-mesh crosses in the layout its receiver keeps it in (`runtime.wire`): one
+  replica of a whole array, the pieces of a tensor-parallel split.
 * **Watchdogs.** `wait` blocks on device results in a helper thread with a deadline, and `poll`
   (under every wait for keys) has the same deadline; a survivor that waits past
   `distributed.wait_timeout_s` exits with `EXIT_WAIT_TIMEOUT` instead of hanging. Process 0
@@ -53,12 +49,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from resilient_jax.config import DistributedConfig
 from resilient_jax.exit_codes import EXIT_COORDINATOR_LOST, EXIT_DECLARED_DEAD, EXIT_WAIT_TIMEOUT
 from resilient_jax.logs import info
 from resilient_jax.model.sharding import Where
+from resilient_jax.runtime.wire import landing, offered, split_of
 
 PROBE_TIMEOUT_S = 0.25
 """A probe that gets no answer within this proves nothing (a silent host: left to heartbeats)."""
@@ -72,41 +68,6 @@ POLL_MIN_S, POLL_MAX_S = 0.002, 0.02
 T = TypeVar("T")
 
 Logger = Callable[[str], None]
-
-
-def _split_of(spec: jax.ShapeDtypeStruct | None) -> PartitionSpec | None:
-  """How `spec` splits its array over a worker's sub-mesh (a `NamedSharding` over the abstract
-  sub-mesh, `model.sharding.abstract_mesh`); None for a whole array."""
-  sharding = None if spec is None else spec.sharding
-  if isinstance(sharding, NamedSharding) and any(sharding.spec):
-    return sharding.spec
-  return None
-
-
-def _offered(x: jax.Array, spec: jax.ShapeDtypeStruct | None) -> jax.Array:
-  """What crosses the network for `x`, which a receiver pulls with `spec`: `x` itself on one
-  device; a split array as `spec` splits it over its sub-mesh (no copy when it already is);
-  else one replica (no copy when `x` is replicated; a gather onto one device when not)."""
-  devices = x.sharding.device_set
-  if len(devices) == 1:
-    return x
-  split = _split_of(spec)
-  if split is not None:
-    return jax.device_put(x, NamedSharding(x.sharding.mesh, split))
-  if x.sharding.is_fully_replicated:
-    return x.addressable_shards[0].data
-  return jax.device_put(x, min(devices, key=lambda d: d.id))
-
-
-def _landing(spec: jax.ShapeDtypeStruct, where: Where) -> jax.sharding.Sharding:
-  """Where a pull puts the array `_offered` sends for `spec`: its split over the sub-mesh of
-  `where`, else `where`'s first device (one replica)."""
-  if isinstance(where, jax.Device):
-    return jax.sharding.SingleDeviceSharding(where)
-  split = _split_of(spec)
-  if split is not None:
-    return NamedSharding(where.mesh, split)
-  return jax.sharding.SingleDeviceSharding(min(where.device_set, key=lambda d: d.id))
 
 
 def exit_now(code: int, message: str) -> None:
@@ -523,7 +484,7 @@ class Cluster:
         docstring); None: every array is whole.
     """
     specs = [None] * len(arrays) if specs is None else specs
-    self._server.await_pull(uid, [_offered(x, s) for x, s in zip(arrays, specs, strict=True)])
+    self._server.await_pull(uid, [offered(x, s) for x, s in zip(arrays, specs, strict=True)])
 
   def pull(
     self, process: int, uid: int, specs: Sequence[jax.ShapeDtypeStruct],
@@ -539,7 +500,7 @@ class Cluster:
     if process in self._dead:
       return None
     where = device or self.device
-    wire = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=_landing(s, where)) for s in specs]
+    wire = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=landing(s, where)) for s in specs]
     try:
       if process not in self._connections:
         self._connections[process] = self._server.connect(self._address(process))
@@ -549,7 +510,7 @@ class Cluster:
       return None
     # A whole array landed on one device of a sub-mesh: the copies to its other devices run
     # on this host, after the one replica has crossed the network.
-    return [x if isinstance(where, jax.Device) or _split_of(s) is not None
+    return [x if isinstance(where, jax.Device) or split_of(s) is not None
             else jax.device_put(x, where) for x, s in zip(got, specs, strict=True)]
 
   def connect(self, peers: Iterable[int]) -> None:
