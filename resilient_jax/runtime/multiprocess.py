@@ -135,7 +135,7 @@ class ProcessTransport(Transport):
   Arrays cross processes in the layout the receiver keeps them in: a whole array (replicated
   over a sub-mesh) as one replica, pulled onto one device of the receiver's sub-mesh and
   copied to its others there; a split one (tensor-parallel state) piece by piece onto the
-  receiver's sub-mesh split the same way (`_offered`, `_landing`).
+  receiver's sub-mesh split the same way (`runtime.wire`).
 
   Args:
     cluster: the joined job.
