@@ -64,6 +64,7 @@ from resilient_jax.recipe import (
   sample_seeds,
   step_batch,
 )
+from resilient_jax.rejoin import Rejoins
 from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.core import AR, Op, Worker
@@ -133,8 +134,12 @@ class TrainResult:
   last_step: StepResult | None
 
 
-class Trainer:
+class Trainer(Rejoins):
   """Owns the coordinator and interpreter of one run (or one process's share of it).
+
+  In a multi-process job a process relaunched into the running job (`Cluster.relaunched`)
+  starts by being admitted (`Rejoins.join`) instead of from a checkpoint, and every process
+  admits relaunched ones between steps (`Rejoins.admit`).
 
   Args:
     cfg: the validated run configuration.
@@ -208,6 +213,8 @@ class Trainer:
       transport = ProcessTransport(cluster, pause_hook_from_env())
       nodes = list(range(cluster.num_processes))
     self.transport = transport
+    self.nodes = nodes
+    self.membership = []
     self.coordinator = RunCoordinator(cfg, nodes, log=self.log)
     if cluster is None:
       from resilient_jax.profiling import simulated_cpu_devices
@@ -221,7 +228,8 @@ class Trainer:
       # first transfer over a new connection and the split backward's compile would
       # otherwise land inside a recovery.
       me = cluster.process_id
-      cluster.connect(n for n in nodes if abs(n % pp - me % pp) == 1)
+      if not cluster.relaunched:  # a joiner's neighbours are inside a step: `admit` connects
+        cluster.connect(n for n in nodes if abs(n % pp - me % pp) == 1)
       self.interpreter.warm_up()
     events = [FaultEvent(f.step, (f.dp, f.stage)) for f in cfg.faults.schedule] + list(faults)
     self.faults = [(f, f.worker[0] * pp + f.worker[1]) for f in events]
@@ -343,6 +351,7 @@ class Trainer:
       steps after it), else None.
     """
     lost = sorted(nodes)
+    self.membership.append({"kind": "fail", "nodes": lost, "step": step, "mid_step": mid_step})
     try:
       decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
     except (StageLost, NoDevicesLeft) as e:
@@ -395,8 +404,10 @@ class Trainer:
       return plan.nodes
     return sorted(plan.nodes[w] for w in plan.schedule.ops)
 
-  def _kill_times(self) -> dict[int, float]:
-    return {r["process"]: r["time"] for r in read_jsonl(self.workdir / KILLS_FILE)}
+  def _kill_times(self, relaunches: bool = False) -> dict[int, float]:
+    """When `launch/local.py` killed (or, with `relaunches`, relaunched) each process."""
+    return {r["process"]: r["time"] for r in read_jsonl(self.workdir / KILLS_FILE)
+            if (r.get("signal") == "relaunch") == relaunches}
 
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
     """Attempts 1-based `step` until an attempt commits, whatever fails during it.
@@ -412,9 +423,9 @@ class Trainer:
         restored = self._fail({node}, step, mid_step=False)
         if restored is not None:
           raise _Restored(restored)
+    pending: list[dict] = self.admit(step)  # relaunched processes come back between steps
     hook = self._fault_hook(step)
     attempt = 0
-    pending: list[dict] = []
     while True:
       n = num_microbatches(self.coordinator.plan)
       mb_ids, inputs, targets = step_batch(self.cfg, self.source, self.plan, step, n)
@@ -461,6 +472,9 @@ class Trainer:
       # a recovery should find every program it needs already built.
       event["xla_compiles"] = Counts.xla - event["xla_compiles"]
       self.recovery.append(event)
+      if event.get("kind") == "rejoin":
+        self._rejoined(event, step, done_at)
+        continue
       self.board.text(step, "recovery", f"step {step} committed {event['detect_to_next_step_s']}s "
                       f"after the loss of node {event['node']} was detected")
       if "kill_to_next_step_s" in event:
@@ -545,7 +559,10 @@ class Trainer:
     if self.chief:
       write_json_atomic(self.workdir / "config.json", dataclasses.asdict(cfg))
     metrics_path = self.workdir / "metrics.jsonl"
-    start = self._load("start") + 1
+    if self.cluster is not None and self.cluster.relaunched:
+      start = self.join()  # into the running job, with state from live peers
+    else:
+      start = self._load("start") + 1
     metrics = []
     if self.chief:
       earlier = read_jsonl(metrics_path, log=self.log)
@@ -689,6 +706,9 @@ class Trainer:
     if not self.chief:
       cl.kv_set(f"{key}/{me}", True)
       return
+    from resilient_jax.runtime.admission import ENDED_KEY
+
+    cl.kv_set(ENDED_KEY, key)  # a relaunched process still waiting to be admitted leaves too
     others = set(self.coordinator.live) - {me}
     for p in sorted(others):
       cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")

@@ -1,0 +1,122 @@
+"""The training loop's side of a multi-process rejoin (`runtime/admission.py` has the protocol).
+
+`Trainer` mixes this in. A relaunched process starts with `join` instead of a checkpoint: it
+announces itself, waits to be admitted, replays the agreed membership history on its own
+coordinator and returns the step it starts at. Every live process calls `admit` before each
+step (the trainer's step-boundary hook); when the agreed decision admits someone, every process,
+the joiner included, applies it the same way: the policy's `RunCoordinator.rejoin` gives the new
+plan, and `Interpreter.place` moves the joiners' state from live data-parallel peers over the
+transfer server (the hand-over a failure uses).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from resilient_jax.compiled import Counts
+from resilient_jax.runtime import admission
+from resilient_jax.runtime.admission import Admission, Event
+
+
+class Rejoins:
+  """The rejoin part of `Trainer` (which provides `cluster`, `nodes`, `coordinator`,
+  `interpreter`, `transport`, `attempts`, `log`, `board`, `_interpreter`, `_load` and
+  `_kill_times`)."""
+
+  membership: list[Event]
+  """Every failure and admission so far, in order: the same in every live process (each comes
+  from an agreed decision); a joiner replays it to derive the survivors' plan."""
+  _boundary: int = 0
+  """The last step whose boundary was decided (a step redone after a restore is not one)."""
+
+  def join(self) -> int:
+    """This relaunched process: announces itself and waits to be admitted; returns the step it
+    starts at (its state arrives when that step's boundary is applied, in `admit`)."""
+    cl = self.cluster
+    me = cl.process_id
+    token = admission.announce(cl)
+    cl.log(f"process {me}: announced itself to the running job; waiting to be admitted at a "
+           "step boundary")
+    if self.transport.pause is not None:  # `launch/local.py --relaunch` waits for this point
+      self.transport.pause(0, "joined")
+    adm = admission.await_admission(cl, token)
+    if adm is None:
+      cl.log(f"process {me}: the job ended before it could admit this process")
+      cl.finish(0)
+    admission.replay(self.coordinator, adm.history)
+    self.membership = list(adm.history)
+    self.attempts = adm.attempts
+    # This process holds nothing yet: the survivors' plan, without a slot here.
+    self.interpreter = self._interpreter(self.coordinator.plan)
+    self._boundary = adm.step - 1
+    return adm.step
+
+  def admit(self, step: int) -> list[dict[str, Any]]:
+    """The step-boundary hook: applies the agreed admission before `step`, if any; returns the
+    recovery events of the processes admitted (completed when the step commits).
+
+    Raises:
+      _Restored: the policy grows the layout by restoring the latest checkpoint onto it.
+    """
+    if self.cluster is None or step <= self._boundary:
+      return []
+    self._boundary = step
+    adm = admission.decide(self.cluster, step, self.coordinator.live, self.nodes, self.attempts,
+                           self.membership)
+    return [] if adm is None else self._apply_admission(adm)
+
+  def _apply_admission(self, adm: Admission) -> list[dict[str, Any]]:
+    cl = self.cluster
+    joiners = sorted(adm.joiners)
+    self.attempts = adm.attempts + 1  # the hand-over's transfers are named after its own attempt
+    for p in joiners:
+      j = adm.joiners[p]
+      if p == cl.process_id:
+        cl.admitted(j["generation"])
+      else:
+        cl.readmit(p, j["generation"], j["address"])
+    admitted_at = time.time()
+    compiles = Counts.xla
+    decision = self.coordinator.rejoin(joiners, adm.step)
+    self.membership.append(adm.event())
+    names = ", ".join(map(str, joiners))
+    if decision.restore:
+      self.log(f"REJOIN: process(es) {names} admitted before step {adm.step}; "
+               f"{decision.reason}; restoring the latest checkpoint onto the new layout")
+      self.interpreter = self._interpreter(decision.plan)
+      from resilient_jax.trainer import _Restored
+
+      raise _Restored(self._load(f"admit/{adm.step}"))
+    self.interpreter.place(decision.plan, self.interpreter.sources(set(joiners)),
+                           dead=set(joiners), tag=(adm.step, self.attempts))
+    moves = [m for m in self.interpreter.handed_over if m[1] in adm.joiners]
+    where = admission.describe_moves(moves, adm.joiners)
+    self.log(f"REJOIN: process(es) {names} admitted before step {adm.step}, now "
+             f"{self.coordinator.plan_name} on {self.coordinator.live_count} live workers; {where}")
+    if cl.process_id in adm.joiners:
+      cl.log(f"process {cl.process_id}: admitted before step {adm.step}; {where}")
+    relaunched = self._kill_times(relaunches=True)
+    events = []
+    for p in joiners:
+      j = adm.joiners[p]
+      event = {"kind": "rejoin", "node": p, "process": p, "step": adm.step,
+               "generation": j["generation"], "announced_at": j["time"],
+               "detected_at": admitted_at, "xla_compiles": compiles,
+               "state_from": {str(src): n for src, dst, n in moves if dst == p},
+               "bytes": sum(n for _, dst, n in moves if dst == p)}
+      if p in relaunched:
+        event["relaunched_at"] = relaunched[p]
+      events.append(event)
+    return events
+
+  def _rejoined(self, event: dict[str, Any], step: int, done_at: float) -> None:
+    """Completes a rejoin's recovery event once its first step committed (`done_at`)."""
+    if "relaunched_at" in event:
+      event["relaunch_to_next_step_s"] = round(done_at - event["relaunched_at"], 3)
+    self.board.text(step, "rejoin", f"step {step} committed {event['detect_to_next_step_s']}s "
+                    f"after process {event['node']} was admitted")
+    since = (f", {event['relaunch_to_next_step_s']:.2f}s after its relaunch"
+             if "relaunch_to_next_step_s" in event else "")
+    self.log(f"  process {event['node']} trains again: step {step} committed "
+             f"{event['detect_to_next_step_s']:.2f}s after its admission{since}")
