@@ -22,6 +22,7 @@ from resilient_jax.policy.base import (
   Transition,
   usable_policies,
 )
+from resilient_jax.policy.rejoin import steps_until_next_event
 from resilient_jax.schedule.core import Worker
 
 AUTO_TIE = 0.01
@@ -98,6 +99,11 @@ class AutoPolicy:
     """The candidate in force during a run (None before its first step time)."""
     return self._current
 
+  def revert(self, policy: Policy | None) -> None:
+    """Puts `policy` back in force: a rejoin `recovery` chose a move for was declined
+    (`rejoin.rejoin_choice`), so the candidate that was running goes on."""
+    self._current = policy
+
   def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts):
     """The plan of the candidate in force (during a run) or of the fastest one."""
     policy = self._current if self._running and self._current else self.choice(grid, failed, costs)
@@ -125,9 +131,8 @@ class AutoPolicy:
     best, best_value, best_rec = None, -math.inf, None
     for policy in self.usable(t.grid, t.costs):
       rec = self._switch(old, policy, t)
-      lost = self.params.checkpoint_interval_s / 2 if rec.rollback else 0.0
       step = policy.step_time(t.grid, t.after, t.costs)
-      steps = max(self.horizon_s - rec.pause_s - lost, 0.0) / step if math.isfinite(step) else 0.0
+      steps = steps_until_next_event(self.horizon_s, rec, step, self.params.checkpoint_interval_s)
       # Ties (within AUTO_TIE) keep the policy in force, then the first listed.
       if best is None or steps > best_value * (1 + AUTO_TIE) or (
         policy is old and steps >= best_value * (1 - AUTO_TIE)

@@ -35,6 +35,7 @@ from resilient_jax.policy.base import Grid, Policy, Transition
 from resilient_jax.policy.costs import analytic_costs, even_partition, recovery_params
 from resilient_jax.policy.phases import Phase, PhaseLog
 from resilient_jax.policy.registry import build_policies
+from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.policy.restart import NoDevicesLeft, restore_layout
 from resilient_jax.schedule import oobleck
 from resilient_jax.schedule.core import Worker
@@ -69,7 +70,8 @@ class Decision:
 
   Attributes:
     plan: the plan to run (every node in it is live).
-    restore: load the latest checkpoint onto `plan` and redo the steps since.
+    restore: load the latest checkpoint onto `plan` and redo the steps since. After a rejoin
+      it is a planned restart: the caller saves the committed state first, so nothing is redone.
     reason: one line for the log when `restore`.
   """
 
@@ -92,11 +94,17 @@ class RunCoordinator(PhaseLog):
     self.log = log
     self.live: set[int] = set(nodes)
     self.failed: list[tuple[int, int]] = []
+    self.rejoined: list[tuple[int, int]] = []
+    self.nodes = list(nodes)
     self.base = cfg.pipeline.schedule
     self.configured = cfg.resilience.policy
     self._layout(cfg.mesh.dp, cfg.mesh.pp, list(nodes)[: cfg.mesh.num_workers])
     self.fault_free_makespan = self.predicted_makespan()
     self.phases: list[Phase] = [Phase(self.plan_name, self.live_count, 1.0)]
+    # The configured grid, kept for pricing a rejoin that would grow a restored layout back:
+    # restart's own step times and recovery on it, as the simulator prices the same move.
+    self._origin = (self.grid, self.costs, self.policies["restart"], self._horizon,
+                    {n: w for w, n in self._node_of().items()})
 
   # ---------------------------------------------------------------- layouts
 
@@ -129,7 +137,8 @@ class RunCoordinator(PhaseLog):
       min_pipeline_nodes=cfg.resilience.min_pipeline_nodes,
     )
     auto = self.policies["auto"]
-    auto.reset(cfg.resilience.mean_steps_between_failures * fault_free)
+    self._horizon = cfg.resilience.mean_steps_between_failures * fault_free
+    auto.reset(self._horizon)
     if self.configured == "auto":
       auto.step_time(self.grid, self.dead, self.costs)  # chooses the fault-free candidate
       self.active: Policy = auto.current
@@ -256,6 +265,107 @@ class RunCoordinator(PhaseLog):
     self.log(f"  predicted step time x{after / before:.2f}")
     self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step)
     return Decision(self.plan, False)
+
+  # ---------------------------------------------------------------- rejoins
+
+  @property
+  def down_nodes(self) -> set[int]:
+    """The run's nodes that are not live now (failed, not rejoined)."""
+    return set(self.nodes) - self.live
+
+  def rejoin(self, nodes: Collection[int], step: int) -> Decision:
+    """Marks `nodes` live again at the start of `step` and decides what runs next (the mirror
+    of `fail`; the rule is `rejoin.rejoin_choice`, the simulator's too).
+
+    A node of the current grid goes back to the policy in force: recycle/naive replan for the
+    failures that remain (the fault-free plan when none do), oobleck re-instantiates from its
+    fault-free instance without the remaining failures (so on every live node it can cover),
+    bamboo drops the failovers it no longer needs, auto re-decides. A node outside the current
+    grid (the layout shrank at a restore) grows the layout back with a planned restart
+    (`Decision.restore`) when restart's pricing on the configured grid says that pays back
+    before the next expected failure; otherwise it stays idle (live, in no plan), which the log
+    says, until a later event re-lays the job out.
+
+    Raises:
+      ValueError: a node that is not one of the run's.
+    """
+    unknown = sorted(set(nodes) - set(self.nodes))
+    if unknown:
+      raise ValueError(f"nodes {unknown} are not nodes of this run {self.nodes}")
+    new = sorted(n for n in nodes if n not in self.live)
+    if not new:
+      return Decision(self.plan, False)
+    position = {n: w for w, n in self._node_of().items()}
+    origin = self._origin[4]
+    for n in new:
+      self.live.add(n)
+      self.rejoined.append((step, n))
+      d, s = position.get(n, origin.get(n, (None, None)))
+      self.log(f"REJOIN: worker (dp={d}, stage={s}) rejoined at the start of step {step}")
+    workers = frozenset(position[n] for n in new if n in position) & self.dead
+    outside = [n for n in new if n not in position]
+    decision = Decision(self.plan, False)
+    if workers:
+      decision = self._take_back(workers, step)
+    if outside and not decision.restore:
+      decision = self._grow(outside, step)
+    return decision
+
+  def _take_back(self, workers: frozenset[Worker], step: int) -> Decision:
+    """The policy in force takes `workers` (dead positions of the current grid) back."""
+    before = self.predicted_makespan()
+    old_dead, self.dead = self.dead, self.dead - workers
+    t = Transition(self.grid, old_dead, self.dead, self.costs, before)
+    deciding = self.policies["auto"] if self.configured == "auto" else self.active
+    choice = rejoin_choice(deciding, t, self._horizon)
+    if self.configured == "auto":
+      self.log(f"  auto: {choice.describe()}; {deciding.current.name} in force")
+      self.active = deciding.current
+    if not choice.take:
+      self.dead = old_dead
+      self.log(f"  workers {sorted(workers)} stay idle: {choice.describe()}")
+      return Decision(self.plan, False)
+    planned = self._plan_of(self.active, switched=True)
+    if planned is None:  # auto chose restart while failures remain: a planned re-layout
+      return self._restore(f"auto chose restart at the rejoin at step {step}", step)
+    self._apply(planned)
+    if self.policy == "oobleck":
+      self._report(workers)
+    elif self.policy not in PIPELINE_SET_POLICIES:
+      left = self.grid.workers - len(self.dead)
+      self.log(f"  replanned with the {self.schedule.name} planner on {left} live workers of "
+               f"{self.grid.pp} stages" + ("" if self.dead else " (the fault-free schedule)"))
+    else:
+      self.log(f"  bamboo: {len(self.dead)} failover(s) left; stages of the returned workers "
+               "run on them again, with their successors' replicas")
+    after = self.predicted_makespan()
+    self.log(f"  predicted step time x{after / before:.2f}")
+    self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step,
+                    event="rejoin")
+    return Decision(self.plan, False)
+
+  def _grow(self, outside: list[int], step: int) -> Decision:
+    """`outside` (live nodes in no plan) grow the layout back, or stay idle (see `rejoin`)."""
+    grid0, costs0, restart, horizon0, origin = self._origin
+    after = frozenset(origin[n] for n in self.nodes if n not in self.live and n in origin)
+    idle = set(self.live) - set(self.grid_nodes)
+    before = after | frozenset(origin[n] for n in idle if n in origin)
+    t = Transition(grid0, before, after, costs0, restart.step_time(grid0, before, costs0))
+    choice = rejoin_choice(restart, t, horizon0)
+    alive = [n for n in self.nodes if n in self.live]
+    dp, pp = restore_layout(grid0, len(alive), self.cfg.model.num_layers,
+                            min_pp=2 if self.configured == "bamboo" else 1)
+    if not choice.take or dp * pp <= self.grid.workers:
+      why = choice.describe() if not choice.take else "no larger layout fits the live nodes"
+      self.log(f"  nodes {outside} stay idle outside the dp={self.grid.dp} pp={self.grid.pp} "
+               f"layout: {why}")
+      return Decision(self.plan, False)
+    self._layout(dp, pp, alive[: dp * pp])
+    ratio = self.predicted_makespan() / self.fault_free_makespan
+    self.log(f"  {choice.describe()} (restart's step times on the configured grid)")
+    self._new_phase(self.plan_name, self.live_count, ratio, step, event="rejoin")
+    return Decision(self.plan, True, f"growing the layout to dp={dp} pp={pp} with the nodes "
+                    f"that rejoined at step {step}")
 
   def _lost_stage(self, workers: frozenset[Worker], step: int) -> str | None:
     """Why re-routing cannot go on (a stage lost every worker), or None.

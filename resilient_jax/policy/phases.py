@@ -26,7 +26,10 @@ class Phase:
   first_step: int | None = None
   warm_times: list[float] = dataclasses.field(default_factory=list)
   failure_step: int | None = None
-  """The step of the failure that started this stretch (None for the fault-free one)."""
+  """The step of the failure (or rejoin) that started this stretch (None for the fault-free
+  one)."""
+  event: str = "failure"
+  """What started this stretch: "failure" or "rejoin"."""
   replayed: tuple[int, float] | None = None
   """`(step, seconds)`: a profiled step of this stretch (not its first, which compiles),
   replayed from its measured op times."""
@@ -46,8 +49,10 @@ class PhaseLog:
   """Simulated CPU devices sharing this host's cores (set by the runtime); 0: wall time is
   the step time (real accelerators, or one CPU device per process)."""
 
-  def _new_phase(self, name: str, live: int, ratio: float, failure_step: int | None = None):
-    self.phases.append(Phase(name, live, ratio, report_pending=True, failure_step=failure_step))
+  def _new_phase(self, name: str, live: int, ratio: float, failure_step: int | None = None,
+                 event: str = "failure"):
+    self.phases.append(Phase(name, live, ratio, report_pending=True, failure_step=failure_step,
+                             event=event))
 
   def _shared_cores(self) -> str:
     return (f"wall-clock times are not meaningful on {self.simulated_devices} simulated CPU "
@@ -86,7 +91,7 @@ class PhaseLog:
 
   def _failure(self, phase: Phase) -> str:
     at = phase.failure_step
-    return "the failure" if at is None else f"the failure at step {at}"
+    return f"the {phase.event}" if at is None else f"the {phase.event} at step {at}"
 
   def _report_replayed(self, phase: Phase) -> None:
     """The report of a failure on simulated devices: replayed step times first."""
