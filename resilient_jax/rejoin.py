@@ -82,7 +82,7 @@ class Rejoins:
     self.membership.append(adm.event())
     names = ", ".join(map(str, joiners))
     if decision.restore:
-      self.log(f"REJOIN: process(es) {names} admitted before step {adm.step}; "
+      self.log(f"  process(es) {names} admitted before step {adm.step}; "
                f"{decision.reason}; restoring the latest checkpoint onto the new layout")
       self.interpreter = self._interpreter(decision.plan)
       from resilient_jax.trainer import _Restored
@@ -92,7 +92,7 @@ class Rejoins:
                            dead=set(joiners), tag=(adm.step, self.attempts))
     moves = [m for m in self.interpreter.handed_over if m[1] in adm.joiners]
     where = admission.describe_moves(moves, adm.joiners)
-    self.log(f"REJOIN: process(es) {names} admitted before step {adm.step}, now "
+    self.log(f"  process(es) {names} admitted before step {adm.step}, now "
              f"{self.coordinator.plan_name} on {self.coordinator.live_count} live workers; {where}")
     if cl.process_id in adm.joiners:
       cl.log(f"process {cl.process_id}: admitted before step {adm.step}; {where}")
