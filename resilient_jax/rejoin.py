@@ -20,7 +20,7 @@ from resilient_jax.runtime.admission import Admission, Event
 
 
 class Rejoins:
-  """The rejoin part of `Trainer` (which provides `cluster`, `nodes`, `coordinator`,
+  """The rejoin part of `Trainer` (which provides `cfg`, `cluster`, `nodes`, `coordinator`,
   `interpreter`, `transport`, `attempts`, `log`, `board`, `_interpreter`, `_load` and
   `_kill_times`)."""
 
@@ -90,6 +90,15 @@ class Rejoins:
       raise _Restored(self._load(f"admit/{adm.step}"))
     self.interpreter.place(decision.plan, self.interpreter.sources(set(joiners)),
                            dead=set(joiners), tag=(adm.step, self.attempts))
+    # The first transfer over a new connection costs a large fraction of a second: the joiners
+    # and every live process of their own or a neighbouring stage pay it here, not in the step.
+    pp = self.cfg.mesh.pp
+    near = {n for n in self.coordinator.live
+            if any(abs(n % pp - j % pp) <= 1 for j in joiners) and n not in adm.joiners}
+    if cl.process_id in adm.joiners:
+      cl.connect(near | set(joiners), salt=adm.step)
+    elif cl.process_id in near:
+      cl.connect(joiners, salt=adm.step)
     moves = [m for m in self.interpreter.handed_over if m[1] in adm.joiners]
     where = admission.describe_moves(moves, adm.joiners)
     self.log(f"  process(es) {names} admitted before step {adm.step}, now "

@@ -230,7 +230,7 @@ class Trainer(Rejoins):
       me = cluster.process_id
       if not cluster.relaunched:  # a joiner's neighbours are inside a step: `admit` connects
         cluster.connect(n for n in nodes if abs(n % pp - me % pp) == 1)
-      self.interpreter.warm_up()
+      self.interpreter.warm_up(everything=cluster.relaunched)
     events = [FaultEvent(f.step, (f.dp, f.stage)) for f in cfg.faults.schedule] + list(faults)
     self.faults = [(f, f.worker[0] * pp + f.worker[1]) for f in events]
     self.recovery: list[dict] = []

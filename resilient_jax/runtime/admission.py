@@ -159,10 +159,14 @@ def describe_moves(moves: Sequence[tuple[int, int, int]], joiners: Mapping[int, 
     if not got:
       parts.append(f"process {p} needed no state from another process")
       continue
-    srcs = ", ".join(f"process {src} ({n / 2**20:.2f} MiB)" for src, n in got)
+    srcs = ", ".join(f"process {src} ({_size(n)})" for src, n in got)
     parts.append(f"process {p} received its parameters and optimizer state from {srcs} over "
                  "the transfer server")
   return "; ".join(parts)
+
+
+def _size(n: int) -> str:
+  return f"{n / 2**20:.2f} MiB" if n >= 2**14 else f"{n} bytes"
 
 
 def _decision_key(step: int) -> str:

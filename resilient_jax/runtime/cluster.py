@@ -538,17 +538,19 @@ class Cluster:
       self._connections.pop(process, None)
       return None
 
-  def connect(self, peers: Iterable[int]) -> None:
+  def connect(self, peers: Iterable[int], salt: int = 0) -> None:
     """Opens the transfer connections to `peers` now, with one tiny transfer each way.
 
     The first transfer over a new connection costs a large fraction of a second; a survivor
     that takes over a failed worker's micro-batches would otherwise pay it inside the
-    recovery. Every listed peer must call this with this process among its peers.
+    recovery. Every listed peer must call this with this process among its peers, and the
+    same `salt` (0 at the start; the admission's step when a relaunched process is admitted:
+    its transfers' ids must differ from those its predecessor already pulled).
     """
     peers = sorted(set(peers) - {self.process_id})
     token = jax.device_put(jax.numpy.zeros((1,), jax.numpy.float32), self.device)
     spec = jax.ShapeDtypeStruct((1,), jax.numpy.float32)
-    base = 1 << 61
+    base = (1 << 61) + (salt << 33)
     for p in peers:
       self.offer(base + self.process_id * 65536 + p, [token])
     pulled = [self.pull(p, base + p * 65536 + self.process_id, [spec]) for p in peers]

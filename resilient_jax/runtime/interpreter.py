@@ -343,11 +343,14 @@ class Interpreter(StateHandover):
     """Every local parameter by global name, fetched to the host."""
     return {k: np.asarray(v) for k, v in self.export_state()[0].items()}
 
-  def warm_up(self) -> None:
-    """Compiles every local slot's split backward (`B`, `W`) by running it once on zeros.
+  def warm_up(self, everything: bool = False) -> None:
+    """Compiles every local slot's split backward (`B`, `W`) by running it once on zeros; with
+    `everything`, its fused backward and optimizer step too.
 
     Fault-free schedules may use only the fused backward; the replanned schedule after a
-    failure splits it, and compiling then would add to the recovery time.
+    failure splits it, and compiling then would add to the recovery time. A process relaunched
+    into a running job builds everything before it announces itself, so that its first step is
+    not its slowest.
     """
     outs = []
     for slot in self.local_slots:
@@ -358,9 +361,13 @@ class Interpreter(StateHandover):
         if prog.uses_rng else None
       _, res, saved = prog.forward(self.params[slot], zeros(prog.input_spec), tgt, seeds)
       scalar = jax.ShapeDtypeStruct((), jnp.float32)
-      _, taps = prog.backward_input(res, zeros(scalar if prog.info.last else prog.output_spec))
-      outs.append(prog.backward_weight(self.params[slot], saved, taps,
-                                       prog.zero_grads(self.params[slot], dev)))
+      g = zeros(scalar if prog.info.last else prog.output_spec)
+      _, taps = prog.backward_input(res, g)
+      params = self.params[slot]
+      outs.append(prog.backward_weight(params, saved, taps, prog.zero_grads(params, dev)))
+      if everything:
+        _, grads = prog.backward_fused(res, saved, params, g, prog.zero_grads(params, dev))
+        outs.append(prog.optimizer_step(params, self.opt_state[slot], grads, self._owned[slot]))
     self.transport.wait(outs, "the warm-up of the split backward")
 
   # ---------------------------------------------------------------- one step
