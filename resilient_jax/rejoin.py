@@ -88,8 +88,12 @@ class Rejoins:
       from resilient_jax.trainer import _Restored
 
       raise _Restored(self._load(f"admit/{adm.step}"))
+    t0 = time.perf_counter()
     self.interpreter.place(decision.plan, self.interpreter.sources(set(joiners)),
                            dead=set(joiners), tag=(adm.step, self.attempts))
+    if cl.process_id in adm.joiners:  # it waited for every array it pulled: the transfer time
+      cl.kv_set(_handover_key(cl.process_id, adm.joiners[cl.process_id]["generation"]),
+                time.perf_counter() - t0)
     # The first transfer over a new connection costs a large fraction of a second: the joiners
     # and every live process of their own or a neighbouring stage pay it here, not in the step.
     pp = self.cfg.mesh.pp
@@ -123,9 +127,18 @@ class Rejoins:
     """Completes a rejoin's recovery event once its first step committed (`done_at`)."""
     if "relaunched_at" in event:
       event["relaunch_to_next_step_s"] = round(done_at - event["relaunched_at"], 3)
+    # The joiner wrote how long it took to receive its state before it ran this step.
+    took = self.cluster.kv_try_get(_handover_key(event["process"], event["generation"]))
+    if took is not None:
+      event["transfer_s"] = round(took, 4)
+      event["transfer_MiB_per_s"] = round(event["bytes"] / 2**20 / max(took, 1e-9), 2)
     self.board.text(step, "rejoin", f"step {step} committed {event['detect_to_next_step_s']}s "
                     f"after process {event['node']} was admitted")
     since = (f", {event['relaunch_to_next_step_s']:.2f}s after its relaunch"
              if "relaunch_to_next_step_s" in event else "")
     self.log(f"  process {event['node']} trains again: step {step} committed "
              f"{event['detect_to_next_step_s']:.2f}s after its admission{since}")
+
+
+def _handover_key(process: int, generation: int) -> str:
+  return f"rejoin/{process}/{generation}"
