@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from resilient_jax import data
@@ -144,20 +144,26 @@ class OptimizerConfig:
         raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)!r}")
 
 
-_FAULT_RE = re.compile(r"^(\d+):(\d+)\.(\d+)$")
+_FAULT_RE = re.compile(r"^(\d+):(\+?)(\d+)\.(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-  """Worker `(dp, stage)` fails permanently at the start of 1-based `step`."""
+  """Worker `(dp, stage)` of the configured grid fails at the start of 1-based `step`, or with
+  `rejoin` comes back then (a repaired device; it must have failed at an earlier step)."""
 
   step: int
   dp: int
   stage: int
+  rejoin: bool = False
+
+  def __str__(self) -> str:
+    return f"{self.step}:{'+' if self.rejoin else ''}{self.dp}.{self.stage}"
 
 
 def parse_faults(spec: str) -> tuple[Fault, ...]:
-  """Parses `STEP:DP.STAGE[,STEP:DP.STAGE...]`, e.g. `2:1.1,4:0.3`.
+  """Parses `STEP:DP.STAGE` failures and `STEP:+DP.STAGE` rejoins, comma-separated, e.g.
+  `3:1.1,6:+1.1` (worker (1, 1) fails at the start of step 3 and comes back at step 6).
 
   Raises:
     ConfigError: a malformed entry.
@@ -166,9 +172,32 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
   for part in filter(None, (p.strip() for p in spec.split(","))):
     m = _FAULT_RE.match(part)
     if not m:
-      raise ConfigError(f"faults.schedule entry {part!r} is not STEP:DP.STAGE (e.g. 2:1.1)")
-    faults.append(Fault(*(int(g) for g in m.groups())))
+      raise ConfigError(f"faults.schedule entry {part!r} is neither STEP:DP.STAGE (a failure, "
+                        "e.g. 2:1.1) nor STEP:+DP.STAGE (a rejoin, e.g. 5:+1.1)")
+    step, plus, dp, stage = m.groups()
+    faults.append(Fault(int(step), int(dp), int(stage), rejoin=bool(plus)))
   return tuple(faults)
+
+
+def check_rejoins(events: Iterable[tuple[int, tuple[int, int], bool]]) -> None:
+  """Checks that every rejoin `(step, worker, True)` is of a worker that failed at an earlier
+  step and has not come back since; failures are `(step, worker, False)`.
+
+  Raises:
+    ConfigError: the first rejoin that is not (one line, naming it).
+  """
+  down: dict[tuple[int, int], int] = {}  # worker -> the step it failed in
+  # At one step, failures come before rejoins: a worker cannot fail and return in one step.
+  for step, worker, rejoin in sorted(events, key=lambda e: (e[0], e[2])):
+    if not rejoin:
+      down.setdefault(worker, step)
+      continue
+    failed = down.get(worker)
+    if failed is None or failed >= step:
+      d, s = worker
+      raise ConfigError(f"faults.schedule rejoin {step}:+{d}.{s}: worker ({d}, {s}) has not "
+                        f"failed before step {step}, so it cannot rejoin then")
+    del down[worker]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,9 +366,10 @@ class RunConfig:
     for f in self.faults.schedule:
       if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
         raise ConfigError(
-          f"faults.schedule entry {f.step}:{f.dp}.{f.stage} is outside steps 1..{train.steps} "
+          f"faults.schedule entry {f} is outside steps 1..{train.steps} "
           f"or the {mesh.dp}x{mesh.pp} grid"
         )
+    check_rejoins((f.step, (f.dp, f.stage), f.rejoin) for f in self.faults.schedule)
 
   @property
   def microbatch_size(self) -> int:

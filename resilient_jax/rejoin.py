@@ -6,7 +6,8 @@ coordinator and returns the step it starts at. Every live process calls `admit` 
 step (the trainer's step-boundary hook); when the agreed decision admits someone, every process,
 the joiner included, applies it the same way: the policy's `RunCoordinator.rejoin` gives the new
 plan, and `Interpreter.place` moves the joiners' state from live data-parallel peers over the
-transfer server (the hand-over a failure uses).
+transfer server (the hand-over a failure uses): `rejoining.apply_rejoin`, which in-process
+rejoins use too, with `remote=True`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import time
 from typing import Any
 
 from resilient_jax.compiled import Counts
+from resilient_jax.rejoining import apply_rejoin
 from resilient_jax.runtime import admission
 from resilient_jax.runtime.admission import Admission, Event
 
 
 class Rejoins:
-  """The rejoin part of `Trainer` (which provides `cfg`, `cluster`, `nodes`, `coordinator`,
-  `interpreter`, `transport`, `attempts`, `log`, `board`, `_interpreter`, `_load` and
-  `_kill_times`)."""
+  """The multi-process rejoin part of `Trainer` (mixed into it; it uses the trainer's cluster,
+  coordinator, interpreter and logs, and `rejoining.apply_rejoin`, the one way a rejoin is
+  applied, in one process or many)."""
 
   membership: list[Event]
   """Every failure and admission so far, in order: the same in every live process (each comes
@@ -54,11 +56,7 @@ class Rejoins:
 
   def admit(self, step: int) -> list[dict[str, Any]]:
     """The step-boundary hook: applies the agreed admission before `step`, if any; returns the
-    recovery events of the processes admitted (completed when the step commits).
-
-    Raises:
-      _Restored: the policy grows the layout by restoring the latest checkpoint onto it.
-    """
+    recovery events of the processes admitted (completed when the step commits)."""
     if self.cluster is None or step <= self._boundary:
       return []
     self._boundary = step
@@ -78,22 +76,17 @@ class Rejoins:
         cl.readmit(p, j["generation"], j["address"])
     admitted_at = time.time()
     compiles = Counts.xla
-    decision = self.coordinator.rejoin(joiners, adm.step)
-    self.membership.append(adm.event())
-    names = ", ".join(map(str, joiners))
-    if decision.restore:
-      self.log(f"  process(es) {names} admitted before step {adm.step}; "
-               f"{decision.reason}; restoring the latest checkpoint onto the new layout")
-      self.interpreter = self._interpreter(decision.plan)
-      from resilient_jax.trainer import _Restored
-
-      raise _Restored(self._load(f"admit/{adm.step}"))
     t0 = time.perf_counter()
-    self.interpreter.place(decision.plan, self.interpreter.sources(set(joiners)),
-                           dead=set(joiners), tag=(adm.step, self.attempts))
+    apply_rejoin(self, set(joiners), adm.step, remote=True)  # the policy, then the hand-over
+    took = time.perf_counter() - t0
+    event = self.goodput.events[-1]
+    event.extra.update(relaunched=True, generations=adm.event()["generations"])
+    self.log(f"  process(es) {', '.join(map(str, joiners))} relaunched and admitted before step "
+             f"{adm.step}, now {self.coordinator.plan_name} on {self.coordinator.live_count} "
+             "live workers")
     if cl.process_id in adm.joiners:  # it waited for every array it pulled: the transfer time
-      cl.kv_set(_handover_key(cl.process_id, adm.joiners[cl.process_id]["generation"]),
-                time.perf_counter() - t0)
+      cl.kv_set(_handover_key(cl.process_id, adm.joiners[cl.process_id]["generation"]), took)
+    self.membership.append(adm.event())
     # The first transfer over a new connection costs a large fraction of a second: the joiners
     # and every live process of their own or a neighbouring stage pay it here, not in the step.
     pp = self.cfg.mesh.pp
@@ -103,10 +96,10 @@ class Rejoins:
       cl.connect(near | set(joiners), salt=adm.step)
     elif cl.process_id in near:
       cl.connect(joiners, salt=adm.step)
-    moves = [m for m in self.interpreter.handed_over if m[1] in adm.joiners]
+    from_checkpoint = event.extra.get("state_from") == "checkpoint"  # a planned restart
+    moves = [] if from_checkpoint else [m for m in self.interpreter.handed_over
+                                        if m[1] in adm.joiners]
     where = admission.describe_moves(moves, adm.joiners)
-    self.log(f"  process(es) {names} admitted before step {adm.step}, now "
-             f"{self.coordinator.plan_name} on {self.coordinator.live_count} live workers; {where}")
     if cl.process_id in adm.joiners:
       cl.log(f"process {cl.process_id}: admitted before step {adm.step}; {where}")
     relaunched = self._kill_times(relaunches=True)
@@ -132,8 +125,6 @@ class Rejoins:
     if took is not None:
       event["transfer_s"] = round(took, 4)
       event["transfer_MiB_per_s"] = round(event["bytes"] / 2**20 / max(took, 1e-9), 2)
-    self.board.text(step, "rejoin", f"step {step} committed {event['detect_to_next_step_s']}s "
-                    f"after process {event['node']} was admitted")
     since = (f", {event['relaunch_to_next_step_s']:.2f}s after its relaunch"
              if "relaunch_to_next_step_s" in event else "")
     self.log(f"  process {event['node']} trains again: step {step} committed "

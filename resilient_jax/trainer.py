@@ -51,6 +51,7 @@ from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_d
 from resilient_jax.compiled import Built, Counts, built
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
+from resilient_jax.goodput import GoodputLog
 from resilient_jax.logs import info
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
 from resilient_jax.profiling import StepTraces
@@ -65,6 +66,7 @@ from resilient_jax.recipe import (
   step_batch,
 )
 from resilient_jax.rejoin import Rejoins
+from resilient_jax.rejoining import apply_rejoin, check_fault_events
 from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.core import AR, Op, Worker
@@ -86,7 +88,8 @@ KILLS_FILE = "kills.jsonl"
 @dataclasses.dataclass(frozen=True)
 class FaultEvent:
   """Worker `worker` of the initial grid fails in 1-based `step`: at its start, or right after
-  `after_op` was dispatched on it (the interrupted step is then re-run on the survivors).
+  `after_op` was dispatched on it (the interrupted step is then re-run on the survivors). With
+  `rejoin`, the failed worker comes back at the start of `step` instead (no `after_op`).
 
   The failure is of the worker's node (device), so it keeps its meaning after the layout
   changed. If that node does not run `after_op` in that step (a replanned layout gave it other
@@ -95,6 +98,7 @@ class FaultEvent:
   step: int
   worker: Worker
   after_op: Op | None = None
+  rejoin: bool = False
 
 
 def pause_hook_from_env() -> Callable[[int, str], None] | None:
@@ -165,6 +169,7 @@ class Trainer(Rejoins):
     cluster=None,
     model: Any = None,
   ):
+    check_fault_events(faults, cfg)
     self.cfg = cfg
     self.workdir = Path(workdir)
     self.cluster = cluster
@@ -231,8 +236,10 @@ class Trainer(Rejoins):
       if not cluster.relaunched:  # a joiner's neighbours are inside a step: `admit` connects
         cluster.connect(n for n in nodes if abs(n % pp - me % pp) == 1)
       self.interpreter.warm_up(everything=cluster.relaunched)
-    events = [FaultEvent(f.step, (f.dp, f.stage)) for f in cfg.faults.schedule] + list(faults)
+    events = [FaultEvent(f.step, (f.dp, f.stage), rejoin=f.rejoin)
+              for f in cfg.faults.schedule] + list(faults)
     self.faults = [(f, f.worker[0] * pp + f.worker[1]) for f in events]
+    self.goodput = GoodputLog()
     self.recovery: list[dict] = []
     self.attempts = 0
     self.stop_signal = ""
@@ -297,9 +304,10 @@ class Trainer(Rejoins):
                f", {self.cluster.num_processes} processes" if self.cluster else ""))
     return loaded.step
 
-  def _save(self, step: int) -> None:
-    """Writes a checkpoint of `step` (process 0; the others hand their state over)."""
-    plan = self.coordinator.plan
+  def _save(self, step: int, plan: Plan | None = None) -> None:
+    """Writes a checkpoint of `step` (process 0; the others hand their state over); `plan`:
+    the layout the state is on, when not the coordinator's (it has already moved on)."""
+    plan = plan or self.coordinator.plan
     if self.cluster is None:
       state = self.interpreter.export_state()
     else:
@@ -343,7 +351,8 @@ class Trainer(Rejoins):
 
     return hook
 
-  def _fail(self, nodes: set[int], step: int, *, mid_step: bool) -> int | None:
+  def _fail(self, nodes: set[int], step: int, *, mid_step: bool,
+            detect_s: float | None = 0.0) -> int | None:
     """Hands the loss of `nodes` to the policy and applies its decision.
 
     Returns:
@@ -352,6 +361,8 @@ class Trainer(Rejoins):
     """
     lost = sorted(nodes)
     self.membership.append({"kind": "fail", "nodes": lost, "step": step, "mid_step": mid_step})
+    event = self.goodput.add("failure", step, lost, detect_s=detect_s, mid_step=mid_step)
+    event.steps_rerun = 1 if mid_step else 0  # the step in flight is attempted again
     try:
       decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
     except (StageLost, NoDevicesLeft) as e:
@@ -377,6 +388,8 @@ class Trainer(Rejoins):
       self.board.rewind(restored + 1)  # the steps redone replace their first points
       self._board_failure(lost, step, mid_step, f"{decision.reason}; going on from step "
                           f"{restored + 1} on {where}")
+      event.steps_rerun = step - restored - (0 if mid_step else 1)
+      event.extra["outcome"] = decision.reason
       if restored:
         self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
       elif committed_steps(self.ckpt_dir):
@@ -385,7 +398,7 @@ class Trainer(Rejoins):
       return restored
     self._board_failure(lost, step, mid_step, f"now {self.coordinator.plan_name} on "
                         f"{self.coordinator.live_count} live workers")
-    dead = {n for _, n in self.coordinator.failed}
+    dead = self.coordinator.down_nodes
     copied = self.interpreter.place(decision.plan, self.interpreter.sources(dead), dead=dead,
                                     tag=(step, self.attempts))
     if copied:
@@ -418,8 +431,12 @@ class Trainer(Rejoins):
     Raises:
       _Restored: the policy restored a checkpoint; the caller goes on after its step.
     """
+    back = {n for f, n in self.faults if f.step == step and f.rejoin}
+    if back - self.coordinator.live:
+      apply_rejoin(self, back - self.coordinator.live, step)
     for f, node in self.faults:
-      if f.step == step and f.after_op is None and node in self.coordinator.live:
+      if (f.step == step and f.after_op is None and not f.rejoin
+          and node in self.coordinator.live):
         restored = self._fail({node}, step, mid_step=False)
         if restored is not None:
           raise _Restored(restored)
@@ -458,11 +475,15 @@ class Trainer(Rejoins):
           event["killed_at"] = kills[p]
           event["kill_to_detect_s"] = round(result.detected_at - kills[p], 3)
         pending.append(event)
-      restored = self._fail(set(result.lost), step, mid_step=True)
+      known = [e.get("kill_to_detect_s") for e in pending[-len(result.lost):]]
+      detect = None if self.cluster is not None and None in known else max(
+        [k for k in known if k is not None], default=0.0)
+      restored = self._fail(set(result.lost), step, mid_step=True, detect_s=detect)
       if restored is not None:
         raise _Restored(restored)
       attempt += 1
     done_at = time.time()
+    self.goodput.committed(step, done_at)
     for event in pending:
       event["recovered_at"] = done_at
       if "killed_at" in event:
@@ -499,7 +520,8 @@ class Trainer(Rejoins):
     plan = self.coordinator.plan
     at = {}
     for fstep, node in self.coordinator.failed:
-      at.setdefault(node, fstep)
+      if node not in self.coordinator.live:  # a rejoined node runs again
+        at.setdefault(node, fstep)
     failed = {w: at[n] for w, n in plan.nodes.items() if n in at}
     tl = self.timelines
     stem = f"timeline_step{step}" if kind else "timeline"
@@ -677,6 +699,11 @@ class Trainer(Rejoins):
         for line in self.coordinator.summary():
           self.log(line)
       write_text_atomic(self.workdir / "schedule.txt", "\n\n".join(schedules_seen) + "\n")
+      if self.goodput.events:
+        run = self.goodput.write(self.workdir / "goodput.json", metrics)["run"]
+        self.log(f"goodput: effective training time {run['effective_fraction']:.1%} of the "
+                 f"wall time ({run['failures']} failure(s), {run['rejoins']} rejoin(s), "
+                 f"{run['steps_rerun']} step(s) re-run): {self.workdir / 'goodput.json'}")
       if result is not None and "timeline.png" not in self.timelines.written:
         why = ("steps of a multi-process job are not profiled" if self.cluster else
                f"timelines replay grid schedules, and {self.coordinator.plan_name} runs pipeline "

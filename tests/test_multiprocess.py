@@ -202,7 +202,8 @@ def test_a_relaunched_process_rejoins(tmp_path):
                    extra=[f"--config.train.steps={steps}", "--config.checkpoint.every_steps=0"])
   assert proc.returncode == 0, tail(proc)
   assert "exit codes: p0=0, p1=0 (relaunched), p2=0, p3=0" in proc.stdout, tail(proc)
-  assert "process(es) 1 admitted before step 6, now 1f1b on 4 live workers" in proc.stdout
+  assert "process(es) 1 relaunched and admitted before step 6, now 1f1b on 4 live workers" \
+    in proc.stdout, tail(proc)
   assert "no heartbeat from process" not in proc.stdout, tail(proc)
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=steps)
   ref = train(cfg, tmp_path / "in_process", log=lambda _: None)
@@ -231,7 +232,12 @@ def test_a_relaunched_process_rejoins(tmp_path):
   state = [*interp.params[slot].values(), *universal.flatten_state(interp.opt_state[slot]).values()]
   assert rejoin["bytes"] == sum(x.nbytes for x in state)
   assert max(rejoin["state_from"], key=rejoin["state_from"].get) == "3"
-  assert "received its parameters and optimizer state from" in proc.stdout
+  assert re.search(r"process 1: its parameters and optimizer state came from .*process 3 \("
+                   r".* over the transfer server", proc.stdout), tail(proc)
+  goodput = json.loads((workdir / "goodput.json").read_text())
+  back = next(e for e in goodput["events"] if e["kind"] == "rejoin")
+  assert back["step"] == 6 and back["nodes"] == [1] and back["bytes_copied"] == rejoin["bytes"]
+  assert back["state_from"] == {"1": rejoin["state_from"]}
 
 
 def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path):

@@ -31,6 +31,7 @@ from resilient_jax.policy.costs import (
   stage_costs,
 )
 from resilient_jax.policy.registry import POLICY_NAMES, build_policies
+from resilient_jax.policy.rejoin import RejoinChoice, rejoin_choice, steps_until_next_event
 from resilient_jax.policy.restart import NoDevicesLeft, largest_layout, restore_layout
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
   "PolicyUnavailableError",
   "Recovery",
   "RecoveryParams",
+  "RejoinChoice",
   "RunCoordinator",
   "StageLost",
   "Transition",
@@ -54,7 +56,9 @@ __all__ = [
   "build_policies",
   "largest_layout",
   "layer_profile",
+  "rejoin_choice",
   "restore_layout",
   "stage_costs",
+  "steps_until_next_event",
   "usable_policies",
 ]

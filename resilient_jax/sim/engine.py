@@ -28,6 +28,7 @@ import numpy as np
 
 from resilient_jax.policy.base import Grid, Policy, Transition
 from resilient_jax.policy.registry import build_policies
+from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.routing import relative_throughput_bound
 from resilient_jax.sim.cost_model import CostModel, load_profile
@@ -241,12 +242,14 @@ def _run_policy(
   checkpoint_interval_s: float,
 ) -> PolicyTrace:
   out = PolicyTrace(policy.name)
+  horizon_s = duration_s / max(len(states) - 1, 1)
   reset = getattr(policy, "reset", None)
   if reset is not None:  # a policy that chooses by what it expects until the next event
-    reset(duration_s / max(len(states) - 1, 1))
+    reset(horizon_s)
   step = policy.step_time(grid, frozenset(), costs)
   out.fault_free_throughput = samples_per_step / step
-  failed = frozenset()
+  failed = frozenset()  # what the policy runs without: the trace's failed set and idle workers
+  down = frozenset()  # the trace's failed set
   resume = 0.0  # training (re)starts here after a pause
   ckpt_base = 0.0  # the state at this time is safe; checkpoints follow every interval
 
@@ -280,7 +283,17 @@ def _run_policy(
     prev = t
     if after is None:
       break
-    rec = policy.recovery(Transition(grid, failed, after, costs, step))
+    if after < down:
+      # A rejoin: the runtime coordinator's rule (`policy/rejoin.py`) on every worker back
+      # (those idle since an earlier declined rejoin too); declined, they stay idle and the
+      # policy goes on without them until the next event.
+      choice = rejoin_choice(policy, Transition(grid, failed, after, costs, step), horizon_s)
+      rec, down = choice.recovery, after
+      if not choice.take:
+        continue
+    else:
+      rec = policy.recovery(Transition(grid, failed, after, costs, step))
+      down = after
     if rec.rollback:
       since = max(t - ckpt_base, 0.0)
       roll_back(ckpt_base + math.floor(since / checkpoint_interval_s) * checkpoint_interval_s)
