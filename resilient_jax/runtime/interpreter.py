@@ -368,6 +368,10 @@ class Interpreter(StateHandover):
       if everything:
         _, grads = prog.backward_fused(res, saved, params, g, prog.zero_grads(params, dev))
         outs.append(prog.optimizer_step(params, self.opt_state[slot], grads, self._owned[slot]))
+        for group in self._groups:  # the gradient all-reduce's own programs
+          if slot in group.holders and len({self.device(h) for h in group.holders}) > 1:
+            zero = prog.zero_grads(params, dev)
+            outs += self.transport.prepare_reduce({dev: {n: zero[n] for n in group.names}})
     self.transport.wait(outs, "the warm-up of the split backward")
 
   # ---------------------------------------------------------------- one step
