@@ -48,6 +48,8 @@ class Rejoins:
       cl.finish(0)
     admission.replay(self.coordinator, adm.history)
     self.membership = list(adm.history)
+    # Processes admitted back before this one: their death marks name their generation.
+    cl.generations.update({p: g for p, g in admission.generations(adm.history).items() if p != me})
     self.attempts = adm.attempts
     # This process holds nothing yet: the survivors' plan, without a slot here.
     self.interpreter = self._interpreter(self.coordinator.plan)
