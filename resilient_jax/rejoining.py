@@ -66,7 +66,7 @@ def state_origins(trainer: Trainer, sources: Sequence[Source], nodes: Sequence[i
 def apply_rejoin(trainer: Trainer, nodes: set[int], step: int, *, remote: bool = False) -> None:
   """`nodes` come back at the start of `step` (see the module docstring).
 
-  With `remote` (processes admitted back into a multi-process job, `rejoin.Rejoins.admit`),
+  With `remote` (processes admitted back into a multi-process job, `relaunch.Relaunches.admit`),
   every process calls this: `nodes` hold nothing, and `place` hands each key they lack over
   from the lowest live node that holds it, across processes (`StateHandover`); the log and
   the event name those processes and bytes.

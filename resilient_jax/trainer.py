@@ -65,8 +65,8 @@ from resilient_jax.recipe import (
   sample_seeds,
   step_batch,
 )
-from resilient_jax.rejoin import Rejoins
 from resilient_jax.rejoining import apply_rejoin, check_fault_events
+from resilient_jax.relaunch import Relaunches
 from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.core import AR, Op, Worker
@@ -138,12 +138,12 @@ class TrainResult:
   last_step: StepResult | None
 
 
-class Trainer(Rejoins):
+class Trainer(Relaunches):
   """Owns the coordinator and interpreter of one run (or one process's share of it).
 
   In a multi-process job a process relaunched into the running job (`Cluster.relaunched`)
-  starts by being admitted (`Rejoins.join`) instead of from a checkpoint, and every process
-  admits relaunched ones between steps (`Rejoins.admit`).
+  starts by being admitted (`Relaunches.join`) instead of from a checkpoint, and every process
+  admits relaunched ones between steps (`Relaunches.admit`).
 
   Args:
     cfg: the validated run configuration.

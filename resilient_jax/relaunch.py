@@ -1,4 +1,5 @@
-"""The training loop's side of a multi-process rejoin (`runtime/admission.py` has the protocol).
+"""The training loop's side of a relaunched process's rejoin (`runtime/admission.py`: the
+protocol).
 
 `Trainer` mixes this in. A relaunched process starts with `join` instead of a checkpoint: it
 announces itself, waits to be admitted, replays the agreed membership history on its own
@@ -21,7 +22,7 @@ from resilient_jax.runtime import admission
 from resilient_jax.runtime.admission import Admission, Event
 
 
-class Rejoins:
+class Relaunches:
   """The multi-process rejoin part of `Trainer` (mixed into it; it uses the trainer's cluster,
   coordinator, interpreter and logs, and `rejoining.apply_rejoin`, the one way a rejoin is
   applied, in one process or many)."""
