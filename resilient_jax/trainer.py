@@ -11,14 +11,16 @@ Order of a run:
      injected in-process, or processes that died) commits nothing: the policy decides what
      runs next — a new plan on the survivors (state placed from surviving replicas) or a
      restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
-     again with the same samples;
+     again with the same samples. A step with a scheduled rejoin starts with it: the policy
+     takes the worker back and its state is placed from live replicas (`rejoining.py`);
   4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
      `checkpoint.every_steps`; the last step, the last fault-free step before the first injected
      failure and the first step after each run in profile mode for their timelines and the
      failure report's replayed step times (in-process; `profiling.RunTimelines`).
 
 Workdir outputs (process 0): `metrics.jsonl`, `recovery.json` (per failure: detection and time
-to the next committed step), `timeline*.json/png`, `schedule.txt`, `profile.json`,
+to the next committed step), `goodput.json` (per failure and rejoin, and the run's effective
+training time: `goodput.py`), `timeline*.json/png`, `schedule.txt`, `profile.json`,
 `config.json`, `checkpoints/`, `tb/` (TensorBoard events: `resilient_jax.tensorboard`); every
 process: `profile/stepN/` (`jax.profiler` traces of `profile.trace_steps`).
 
@@ -352,8 +354,13 @@ class Trainer(Relaunches):
     return hook
 
   def _fail(self, nodes: set[int], step: int, *, mid_step: bool,
-            detect_s: float | None = 0.0) -> int | None:
+            detect_s: float | None = 0.0, detected_at: float | None = None) -> int | None:
     """Hands the loss of `nodes` to the policy and applies its decision.
+
+    Args:
+      detect_s: from the fault to its detection, for `goodput.json` (in-process: 0, the
+        injected failure is known at once; None: not known).
+      detected_at: when it was detected (None: now).
 
     Returns:
       The step restored from when the policy restored a checkpoint (the caller redoes the
@@ -361,7 +368,8 @@ class Trainer(Relaunches):
     """
     lost = sorted(nodes)
     self.membership.append({"kind": "fail", "nodes": lost, "step": step, "mid_step": mid_step})
-    event = self.goodput.add("failure", step, lost, detect_s=detect_s, mid_step=mid_step)
+    event = self.goodput.add("failure", step, lost, detect_s=detect_s, at=detected_at,
+                             mid_step=mid_step)
     event.steps_rerun = 1 if mid_step else 0  # the step in flight is attempted again
     try:
       decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
@@ -478,7 +486,8 @@ class Trainer(Relaunches):
       known = [e.get("kill_to_detect_s") for e in pending[-len(result.lost):]]
       detect = None if self.cluster is not None and None in known else max(
         [k for k in known if k is not None], default=0.0)
-      restored = self._fail(set(result.lost), step, mid_step=True, detect_s=detect)
+      restored = self._fail(set(result.lost), step, mid_step=True, detect_s=detect,
+                            detected_at=result.detected_at)
       if restored is not None:
         raise _Restored(restored)
       attempt += 1
@@ -602,7 +611,8 @@ class Trainer(Relaunches):
     every = cfg.checkpoint.every_steps
     from resilient_jax.profiling import RunTimelines, replay_records
 
-    self.timelines = RunTimelines((f.step for f, _ in self.faults), end, cfg.train.steps)
+    self.timelines = RunTimelines((f.step for f, _ in self.faults if not f.rejoin), end,
+                                  cfg.train.steps)
     schedules_seen: list[str] = []
     result = None
     step = start

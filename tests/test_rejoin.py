@@ -27,6 +27,7 @@ from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.traces import Event, Trace
 from resilient_jax.trainer import FaultEvent, Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
+from tests.test_tensorboard import texts
 
 FAULTS = "3:1.1,6:+1.1"
 PROFILE = {"f": [1.0] * 4, "b": [1.1] * 4, "w": [0.9] * 4, "ar": 0.3, "opt": 0.05, "comm": 0.02}
@@ -55,10 +56,17 @@ def test_every_in_place_policy_returns_to_the_fault_free_plan(policy):
   assert "REJOIN: worker (dp=1, stage=1) rejoined at the start of step 6" in lines
   assert lines[-1].startswith("  predicted step time x")
   assert coord.phases[-1].event == "rejoin" and coord.phases[-1].failure_step == 6
-  # A worker already live, again: nothing changes.
-  assert coord.rejoin({NODE}, 7).plan is decision.plan or coord.plan_text() == fault_free
+  # A worker already live, again: nothing changes, nothing is logged.
+  logged = len(lines)
+  assert not coord.rejoin({NODE}, 7).restore
+  assert coord.plan_text() == fault_free and len(lines) == logged
   with pytest.raises(ValueError, match="not nodes of this run"):
     coord.rejoin({8}, 7)
+  # It can fail again: the same plan as at its first failure.
+  again, _ = _coordinator(policy)
+  again.fail({NODE}, 3)
+  coord.fail({NODE}, 8)
+  assert coord.plan_text() == again.plan_text()
 
 
 @pytest.mark.parametrize("policy", ["recycle", "bamboo", "oobleck"])
@@ -183,11 +191,14 @@ def test_faults_schedule_parses_rejoins_and_checks_them():
 # --- in-process runs ----------------------------------------------------------------------------
 
 
-def _run_with_rejoin(tmp_path, policy, **overrides):
-  cfg = tiny_config(mesh__dp=2, mesh__pp=4, train__steps=7, faults__schedule=FAULTS,
+def _run_with_rejoin(tmp_path, policy, *, programmatic=False, **overrides):
+  # `programmatic`: the rejoin comes as a `FaultEvent`, the failure from the config.
+  schedule, faults = ("3:1.1", [FaultEvent(6, (1, 1), rejoin=True)]) if programmatic else (
+    FAULTS, [])
+  cfg = tiny_config(mesh__dp=2, mesh__pp=4, train__steps=7, faults__schedule=schedule,
                     resilience__policy=policy, **overrides)
   lines = []
-  trainer = Trainer(cfg, tmp_path, log=lines.append)
+  trainer = Trainer(cfg, tmp_path, log=lines.append, faults=faults)
   result = trainer.run()
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
@@ -209,7 +220,8 @@ def _run_with_rejoin(tmp_path, policy, **overrides):
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["recycle", "oobleck", "bamboo"])
 def test_rejoin_in_process_keeps_every_step_and_takes_the_capacity_back(tmp_path, policy):
-  trainer, result, lines, rejoin, fault_free = _run_with_rejoin(tmp_path, policy)
+  trainer, result, lines, rejoin, fault_free = _run_with_rejoin(
+    tmp_path, policy, programmatic=policy == "bamboo")
   coord = trainer.coordinator
   if policy == "oobleck":
     assert sorted(coord.plan.nodes) == list(range(8))  # every live device
@@ -219,6 +231,8 @@ def test_rejoin_in_process_keeps_every_step_and_takes_the_capacity_back(tmp_path
   [source] = [line for line in lines if "its state came from" in line]
   assert f"(node {NODE})" in source and rejoin["state_from"][str(NODE)] in source
   assert any("copied" in line and "device to device" in line for line in lines)
+  [(step, text)] = texts(tmp_path / "tb", "rejoin")
+  assert step == 6 and f"node(s) [{NODE}] rejoined at the start of step 6" in text
 
 
 @pytest.mark.slow

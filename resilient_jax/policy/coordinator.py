@@ -17,6 +17,10 @@ or a host's several at once) `fail` asks the policy in force and returns the `De
   switch costs included (`auto.py`), with recovery costs from the `resilience` keys in
   fault-free steps (`costs.recovery_params`).
 
+`rejoin` is the mirror of `fail`: a worker back at a step's start returns to the policy in force
+(`rejoin.py`: in place always; a restored, smaller layout grows back with a planned restart
+only when that pays back before the next expected failure, else the node stays idle).
+
 When the policy in force cannot go on (a stage lost every worker, a layer lost every replica,
 two neighbouring Bamboo stages died) the decision is a restore onto a fresh layout of the
 survivors: Oobleck's templates on all of them, else `restart.restore_layout`. Planning inputs
@@ -326,8 +330,11 @@ class RunCoordinator(PhaseLog):
       self.log(f"  workers {sorted(workers)} stay idle: {choice.describe()}")
       return Decision(self.plan, False)
     planned = self._plan_of(self.active, switched=True)
-    if planned is None:  # auto chose restart while failures remain: a planned re-layout
-      return self._restore(f"auto chose restart at the rejoin at step {step}", step)
+    if planned is None:  # restart in force (auto's choice) while failures remain, or oobleck's
+      # layers still lack a replica: a fresh layout on the live nodes, entered as a planned
+      # restart (the caller checkpoints first)
+      return self._restore(f"{self.policy} re-lays the job out on the live nodes at the rejoin "
+                           f"at step {step}", step)
     self._apply(planned)
     if self.policy == "oobleck":
       self._report(workers)

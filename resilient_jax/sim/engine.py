@@ -7,6 +7,11 @@ pause and, for checkpoint-based recovery, the loss of everything since the last 
 the engine steps from event to event, not from op to op; what happens inside a step is the cost
 model's replay of the real schedule. That is what makes a day on 16384 devices take seconds.
 
+A rejoin goes through `policy/rejoin.py`'s `rejoin_choice`, the rule the runtime's coordinator
+applies: taken back in place, or with a planned restart only when that pays back before the
+next event; a declined rejoin leaves the workers idle (the policy's failed set keeps them)
+until a later event.
+
 Public entry points:
 
 * `sweep`: relative throughput against the number of concurrent failures, per policy, with
