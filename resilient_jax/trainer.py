@@ -5,14 +5,16 @@ Order of a run:
      process's slots (every slot in one process; its own node's in a `jax.distributed` job);
   2. resume: the newest checkpoint in `WORKDIR/checkpoints` that verifies (any layout; in a
      multi-process job process 0 picks it and every process loads that one), else the initial
-     parameters from the seed;
+     parameters from the seed; a process relaunched into a running job instead waits to be
+     admitted and takes its state from live peers (`relaunch.py`);
   3. each step is *attempted*: the sample ids of the step (a pure function of seed and step),
      split into micro-batches and run by the interpreter. An attempt that loses nodes (a fault
      injected in-process, or processes that died) commits nothing: the policy decides what
      runs next — a new plan on the survivors (state placed from surviving replicas) or a
      restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
      again with the same samples. A step with a scheduled rejoin starts with it: the policy
-     takes the worker back and its state is placed from live replicas (`rejoining.py`);
+     takes the worker back and its state is placed from live replicas (`rejoining.py`); in a
+     job, every step starts by admitting the relaunched processes the live ones agree on;
   4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
      `checkpoint.every_steps`; the last step, the last fault-free step before the first injected
      failure and the first step after each run in profile mode for their timelines and the
@@ -28,7 +30,8 @@ Test hook for multi-process jobs: `RESILIENT_JAX_PAUSE=STEP:WHERE` makes this pr
 time to the file named by `RESILIENT_JAX_PAUSE_FILE` and wait at that point of that step
 (`start`, an op such as `F1` or `B0` right after it was dispatched, or `AR` inside the gradient
 all-reduce) until the file is gone, so that `launch/local.py` can SIGKILL it (`--kill`) or
-SIGSTOP it (`--stop`) at exactly that moment.
+SIGSTOP it (`--stop`) at exactly that moment; a relaunched process pauses at `0:joined` once it
+has announced itself (`--relaunch`).
 """
 
 from __future__ import annotations
