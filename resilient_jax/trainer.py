@@ -273,7 +273,8 @@ class Trainer(Relaunches):
     self.microbatch_size = self.cfg.step_batch // num_microbatches(plan)
     return Interpreter(self._programs_for, self.transport, plan,
                        clip_global_norm=self.cfg.optimizer.clip_global_norm,
-                       nonfinite=self.cfg.faults.nonfinite)
+                       nonfinite=self.cfg.faults.nonfinite,
+                       replicas=self.cluster is None or not self.cluster.relaunched)
 
   @property
   def programs(self) -> list[StagePrograms]:
@@ -740,19 +741,22 @@ class Trainer(Relaunches):
     """Called by every surviving process before it leaves: process 0, which hosts the
     key-value store, waits until every other live process of the plan has reached this point
     too (or is proven dead), so that none of them loses the store while still reading a
-    decision (it would exit 5 instead of reaching the same end). The others go at once."""
+    decision (it would exit 5 instead of reaching the same end); then it writes `{key}/all`,
+    which the others wait for before they go: a peer may still be pulling what this process
+    offered in the last step (Bamboo's replica of its stage), which its exit would cut off."""
+    from resilient_jax.runtime.admission import ENDED_KEY
+
     cl = self.cluster
     me = cl.process_id
     if not self.chief:
       cl.kv_set(f"{key}/{me}", True)
+      cl.await_key(f"{key}/all", 0, f"every process to reach {key}")
       return
-    from resilient_jax.runtime.admission import ENDED_KEY
-
     cl.kv_set(ENDED_KEY, key)  # a relaunched process still waiting to be admitted leaves too
     others = set(self.coordinator.live) - {me}
     for p in sorted(others):
       cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
-
+    cl.kv_set(f"{key}/all", True)
 
 def _describe(plan: Plan) -> str:
   if isinstance(plan, GridPlan):

@@ -125,6 +125,9 @@ class Interpreter(StateHandover):
     clip_global_norm: clip the gradients to this global norm (0: off).
     nonfinite: (step, stage) pairs whose gradients are made NaN on every replica before the
       optimizer step (`faults.nonfinite`: rehearses a diverging step, which the step skips).
+    replicas: take the replicas a slot keeps of another stage (Bamboo) now, from other
+      processes too; False in a process relaunched into a running job, whose peers offer
+      nothing until they admit it (`place` takes them then).
   """
 
   def __init__(
@@ -135,6 +138,7 @@ class Interpreter(StateHandover):
     state: Sequence[Source] | None = None,
     clip_global_norm: float = 0.0,
     nonfinite: Collection[tuple[int, int]] = (),
+    replicas: bool = True,
   ):
     self._programs_for = programs_for
     self.transport = transport
@@ -152,7 +156,8 @@ class Interpreter(StateHandover):
       prog, dev = self.program(slot), self.device(slot)
       self.params[slot] = prog.initial_params(dev)
       self.opt_state[slot] = prog.init_opt_state(self.params[slot], dev)
-    self._refresh_replicas()
+    if replicas:
+      self._refresh_replicas()
 
   # ---------------------------------------------------------------- layout
 
