@@ -738,12 +738,13 @@ class Trainer(Relaunches):
     return "another process of the job received a stop signal"
 
   def leave_together(self, key: str) -> None:
-    """Called by every surviving process before it leaves: process 0, which hosts the
-    key-value store, waits until every other live process of the plan has reached this point
-    too (or is proven dead), so that none of them loses the store while still reading a
-    decision (it would exit 5 instead of reaching the same end); then it writes `{key}/all`,
-    which the others wait for before they go: a peer may still be pulling what this process
-    offered in the last step (Bamboo's replica of its stage), which its exit would cut off."""
+    """Called by every surviving process before it leaves, a barrier in three steps: every
+    other live process writes `{key}/{pid}`; process 0, which hosts the key-value store, waits
+    for them all (or their death) and writes `{key}/all`; each writes `{key}/left/{pid}` once it
+    read that, and process 0 waits for those before it goes. So no process loses the store
+    while still reading a decision (it would exit 5 instead of reaching the same end), and none
+    leaves while a peer may still be pulling what it offered in the last step (Bamboo's replica
+    of its stage), which its exit would cut off."""
     from resilient_jax.runtime.admission import ENDED_KEY
 
     cl = self.cluster
@@ -751,12 +752,15 @@ class Trainer(Relaunches):
     if not self.chief:
       cl.kv_set(f"{key}/{me}", True)
       cl.await_key(f"{key}/all", 0, f"every process to reach {key}")
+      cl.kv_set(f"{key}/left/{me}", True)
       return
     cl.kv_set(ENDED_KEY, key)  # a relaunched process still waiting to be admitted leaves too
-    others = set(self.coordinator.live) - {me}
-    for p in sorted(others):
+    others = sorted(set(self.coordinator.live) - {me})
+    for p in others:
       cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
     cl.kv_set(f"{key}/all", True)
+    for p in others:
+      cl.await_key(f"{key}/left/{p}", p, f"process {p} to leave at {key}")
 
 def _describe(plan: Plan) -> str:
   if isinstance(plan, GridPlan):
