@@ -116,3 +116,16 @@ def test_replaying_the_history_gives_the_survivors_plan():
   for c in (survivor, joiner):  # both apply the admission the same way: recycle takes it back
     assert not c.rejoin([1], 6).restore
     assert c.plan_text() == fault_free
+
+
+def test_a_readmitted_process_is_silent_only_from_its_admission():
+  """Its predecessor's heartbeat counter stopped long ago (it may even equal the new one's):
+  after `forget` the silence counts from the admission, not from the predecessor's death."""
+  from resilient_jax.runtime.cluster import HeartbeatMonitor
+
+  m = HeartbeatMonitor(0, timeout_s=1.0, min_beats=1)
+  m.observe({0: 1, 1: 5}, 0.0)
+  assert m.observe({0: 9, 1: 5}, 2.0) == {1}
+  m.forget(1)
+  assert m.observe({0: 10, 1: 5}, 2.1) == set()
+  assert m.observe({0: 20, 1: 5}, 3.2) == {1}  # and silent again after the timeout

@@ -164,6 +164,10 @@ class HeartbeatMonitor:
     self.min_beats = min_beats
     self._since: dict[int, tuple[int | None, float, int]] = {}
 
+  def forget(self, process: int) -> None:
+    """Drops what was seen of `process` (admitted back: its silence counts from now on)."""
+    self._since.pop(process, None)
+
   def observe(self, counters: Mapping[int, int], now: float,
               processes: Iterable[int] = ()) -> set[int]:
     """Records one reading of the counters; returns the processes that are silent.
@@ -331,6 +335,8 @@ class Cluster:
     """Forgets the verdict on `process`: it was admitted back as `generation`, its transfer
     server at `address` (its predecessor's connection and address are dropped)."""
     self._dead.discard(process)
+    # Its predecessor's counter stopped long ago: the new one's silence counts from now.
+    self._heartbeats.forget(process)
     self._cut_off(process)
     self._next_probe.pop(process, None)
     self._addresses[process] = address
