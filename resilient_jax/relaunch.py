@@ -102,7 +102,9 @@ class Relaunches:
     from_checkpoint = event.extra.get("state_from") == "checkpoint"  # a planned restart
     moves = [] if from_checkpoint else [m for m in self.interpreter.handed_over
                                         if m[1] in adm.joiners]
-    where = admission.describe_moves(moves, adm.joiners)
+    where = ("every process restored the checkpoint of step "
+             f"{adm.step - 1} onto the grown layout (a planned restart)" if from_checkpoint
+             else admission.describe_moves(moves, adm.joiners))
     if cl.process_id in adm.joiners:
       cl.log(f"process {cl.process_id}: admitted before step {adm.step}; {where}")
     relaunched = self._kill_times(relaunches=True)
