@@ -21,11 +21,13 @@ it; with 0 it stays frozen and is killed once the others are done. `--term` take
 point: when that process reaches it, every running process gets SIGTERM (a preemption).
 
 `--relaunch=STEP:PROCESS` starts a process named in `--kill` (or `--stop`) again, with the same
-command, when the job reaches step STEP: process 0 holds at the start of that step until the new
-process has joined the job and announced itself, so the live processes admit it at the next
-step boundary (before step STEP+1) and it trains from there with state from a live peer
-(`resilient_jax/runtime/admission.py`). STEP must come after the kill and before the last step;
-process 0 cannot be relaunched (its death ends the job) and takes no other point then.
+command, when the job reaches step STEP: process 0 holds before that step (its admission already
+decided, its timing not yet begun) until the new process has joined the job and announced
+itself, while the other processes are inside the step waiting for process 0; the live processes
+admit it at the next step boundary (before step STEP+1) and it trains from there with state
+from a live peer (`resilient_jax/runtime/admission.py`). STEP must come after the kill and
+before the last step; process 0 cannot be relaunched (its death ends the job) and takes no other
+point then.
 
 The arguments after `--` are `launch.train`'s (`python -m launch.train --help` lists them; absl's
 logging flags there apply to every worker, e.g. `--log_dir=D`: one log file per process). They
@@ -304,7 +306,7 @@ def launch(
     for i in range(num_processes):
       pause = f"{events[i][0]}:{events[i][1]}" if i in events else None
       if relaunch is not None and i == 0:
-        pause = f"{relaunch[0]}:start"
+        pause = f"{relaunch[0]}:boundary"
       procs.append(start(i, pause, f"p{i}"))
     killed: set[int] = set()
     frozen: dict[int, float] = {}  # process -> when to let it go (inf: never)

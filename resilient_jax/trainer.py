@@ -30,8 +30,9 @@ Test hook for multi-process jobs: `RESILIENT_JAX_PAUSE=STEP:WHERE` makes this pr
 time to the file named by `RESILIENT_JAX_PAUSE_FILE` and wait at that point of that step
 (`start`, an op such as `F1` or `B0` right after it was dispatched, or `AR` inside the gradient
 all-reduce) until the file is gone, so that `launch/local.py` can SIGKILL it (`--kill`) or
-SIGSTOP it (`--stop`) at exactly that moment; a relaunched process pauses at `0:joined` once it
-has announced itself (`--relaunch`).
+SIGSTOP it (`--stop`) at exactly that moment. For `--relaunch`, process 0 pauses at `boundary`
+(after the step's admission was decided, before the step is timed) and the relaunched process at
+`0:joined` once it has announced itself.
 """
 
 from __future__ import annotations
@@ -453,6 +454,8 @@ class Trainer(Relaunches):
         if restored is not None:
           raise _Restored(restored)
     pending: list[dict] = self.admit(step)  # relaunched processes come back between steps
+    if self.cluster is not None and self.transport.pause is not None:
+      self.transport.pause(step, "boundary")  # where `launch.local --relaunch` holds process 0
     hook = self._fault_hook(step)
     attempt = 0
     while True:

@@ -194,9 +194,9 @@ def test_tied_head_and_a_nan_step_across_processes(tmp_path):
 def test_a_relaunched_process_rejoins(tmp_path, policy, plan, source):
   """Process 1 is SIGKILLed at the start of step 3 and started again, with the same command,
   when the job reaches step 5: it joins the job and announces itself while step 5 is in flight
-  (process 0 holds at its start until then), which leaves step 5 as it was; it is admitted
-  before step 6 with its stage's parameters and optimizer state from a live peer over the
-  transfer server (not from a checkpoint: there is none): recycle's from process 3, its
+  (process 0 holds just before it, the others wait inside it), which leaves step 5 as it was;
+  it is admitted before step 6 with its stage's parameters and optimizer state from a live peer
+  over the transfer server (not from a checkpoint: there is none): recycle's from process 3, its
   data-parallel peer, Bamboo's from process 0, whose replica of stage 1 ran it meanwhile (and
   which takes its replica back from the returned process). The policy takes it back on the
   fault-free plan, and every step trains what the fault-free run does."""
