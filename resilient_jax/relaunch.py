@@ -84,6 +84,9 @@ class Relaunches:
     took = time.perf_counter() - t0
     event = self.goodput.events[-1]
     event.extra.update(relaunched=True, generations=adm.event()["generations"])
+    # Detection of a return: from its announcement to its admission (clocks of one host here;
+    # of NTP-synchronised hosts on a cluster).
+    event.detect_s = round(max(0.0, admitted_at - min(j["time"] for j in adm.joiners.values())), 3)
     self.log(f"  process(es) {', '.join(map(str, joiners))} relaunched and admitted before step "
              f"{adm.step}, now {self.coordinator.plan_name} on {self.coordinator.live_count} "
              "live workers")
