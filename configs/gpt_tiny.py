@@ -27,7 +27,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dtype="float32",  # compute dtype; bfloat16 for mixed precision
     param_dtype="float32",
   )
-  c.mesh = dict(dp=2, pp=2)
+  # tp: devices per worker (tensor parallelism in a stage); placement: multi-process jobs (README)
+  c.mesh = dict(dp=2, pp=2, tp=1, placement="pipeline")
   c.pipeline = dict(schedule="1f1b", microbatches=4, partition="")
   c.train = dict(
     steps=20,
@@ -64,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     regroup_steps=1.0,
     restore_on_stage_loss=True,
   )
-  c.checkpoint = dict(every_steps=0, keep=3, init_from="")
+  c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="")
   c.profile = dict(trace_steps="")  # e.g. "3,4": jax.profiler traces of steps 3 and 4
   # Multi-process runs (launch/local.py, launch/slurm, launch/tpu, launch/gke) set enabled=true.
   c.distributed = dict(

@@ -1,18 +1,20 @@
 """Run a multi-process job on this machine, optionally killing processes with SIGKILL.
 
-  python -m launch.local --num_processes=4 --kill=3:2 -- \\
-      --config=configs/gpt_tiny.py --workdir=/tmp/run --config.mesh.dp=2 --config.mesh.pp=2
+  python -m launch.local --num_processes=2 --devices_per_process=4 --kill=3:1 -- \\
+      --config=configs/gpt_tiny.py --workdir=/tmp/run --config.mesh.dp=2 --config.mesh.pp=4
 
-starts 4 processes of `launch.train` on 127.0.0.1 (one worker each, `jax.distributed` with
-process 0 hosting the coordination service), streams their output prefixed with `[pN]`, and
-at the start of step 3 SIGKILLs process 2 from outside. `--kill=STEP:PROCESS[:WHERE]`,
+starts 2 processes of `launch.train` on 127.0.0.1 (`jax.distributed`, process 0 hosting the
+coordination service), each a host of 4 simulated CPU devices driving 4 workers (which ones:
+`mesh.placement`, `resilient_jax/placement.py`; `mesh.dp * mesh.pp` must equal processes x
+devices), streams their output prefixed with `[pN]`, and at the start of step 3 SIGKILLs
+process 1 from outside: its 4 workers are lost at once. `--kill=STEP:PROCESS[:WHERE]`,
 comma-separated; WHERE picks the moment within the step: `start` (default, before the step's
 first op), an op of that process such as `F1`, `B0`, `W3`, `BW0` (1F1B's and GPipe's fused
 backward) or `FR2` (right after it was dispatched), or `AR` (inside the gradient all-reduce, the
-peers already waiting in it). Process `p` runs worker `(p // mesh.pp, p % mesh.pp)`, and a kill
-point that process does not reach in the configured schedule is an error before anything
-starts. The victim stops at that point and announces it; the launcher then kills it and appends
-the kill time to `WORKDIR/kills.jsonl`, which the survivors use for `recovery.json`.
+peers already waiting in it): the first of the process's workers to reach it stops it. A kill
+point none of that process's workers reaches in the configured schedule is an error before
+anything starts. The victim stops at that point and announces it; the launcher then kills it
+and appends the kill time to `WORKDIR/kills.jsonl`, which the survivors use for `recovery.json`.
 
 `--stop` takes points the same way and freezes the process there with SIGSTOP instead (a hung
 host: its ports stay open, only its heartbeat stops); `--stop_s=S` lets it go again (SIGCONT)
@@ -66,7 +68,9 @@ if TYPE_CHECKING:
   from resilient_jax.model.config import ModelConfig
   from resilient_jax.schedule.plan import SlotProgram
 
-_NUM = flags.DEFINE_integer("num_processes", 2, "Processes to start (one worker each).")
+_NUM = flags.DEFINE_integer("num_processes", 2, "Processes (hosts) to start.")
+_DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Simulated CPU devices per process: "
+                                "each process drives that many workers.")
 _KILL = flags.DEFINE_string("kill", "", "STEP:PROCESS[:WHERE],... processes to SIGKILL.")
 _STOP = flags.DEFINE_string("stop", "", "STEP:PROCESS[:WHERE][@SECONDS],... processes to SIGSTOP "
                             "(freeze), each let go after SECONDS (default --stop_s).")
@@ -108,22 +112,26 @@ def parse_kills(spec: str, num_processes: int, flag: str = "--kill"
   return kills
 
 
-def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig, flag: str = "--kill"
-                ) -> None:
+def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig, flag: str = "--kill",
+                num_processes: int | None = None) -> None:
   """Checks that every kill point is reached by the run `cfg` when nothing has failed yet.
 
-  Process `p` runs worker `(p // mesh.pp, p % mesh.pp)` of the grid (the coordinator's node
-  order); its ops are those of the plan the configured policy starts with, so this builds that
-  plan (pure Python, no JAX). A later kill in a run that has already lost a process may find
-  the plan re-routed.
+  Process `p` runs the workers `mesh.placement` puts on it (`placement.process_slots`); their
+  ops are those of the plan the configured policy starts with, so this builds that plan (pure
+  Python, no JAX). A later kill in a run that has already lost a process may find the plan
+  re-routed.
 
   Raises:
     ValueError: a step past the run's last step, or an op the process does not run.
   """
+  from resilient_jax.placement import process_slots
   from resilient_jax.policy.coordinator import RunCoordinator
   from resilient_jax.schedule.plan import step_program
 
   last = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
+  procs = cfg.mesh.num_workers if num_processes is None else num_processes
+  slots = process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, procs,
+                        cfg.mesh.num_workers // procs)
   program = None
   for proc, (step, where) in sorted(kills.items()):
     entry = f"{flag} entry {step}:{proc}" + ("" if where == "start" else f":{where}")
@@ -134,11 +142,13 @@ def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig, flag: str = "
     if program is None:
       coordinator = RunCoordinator(cfg, range(cfg.mesh.num_workers), log=lambda _: None)
       program = step_program(coordinator.plan)
-    mine = [p for p in program.slots.values() if p.node == proc]
-    worker = f"process {proc} (worker dp {proc // cfg.mesh.pp}, stage {proc % cfg.mesh.pp})"
+    nodes = {n for n, (p, _) in slots.items() if p == proc}
+    mine = [p for p in program.slots.values() if p.node in nodes]
+    held = ", ".join(f"dp {n // cfg.mesh.pp} stage {n % cfg.mesh.pp}" for n in sorted(nodes))
+    worker = f"process {proc} (worker{'s' if len(nodes) > 1 else ''} {held})"
     if where == AR:
       if not any(_shares_parameters(a, b, cfg.model) for a in mine
-                 for b in program.slots.values() if b.node != proc):
+                 for b in program.slots.values() if b.node not in nodes):
         raise ValueError(f"{entry}: {worker} reduces its gradients with no other process, so "
                          "it never enters an all-reduce")
       continue
@@ -222,6 +232,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def simulated_devices_env(env: dict[str, str], devices: int) -> dict[str, str]:
+  """`env` with XLA_FLAGS simulating `devices` CPU devices (any other count there replaced)."""
+  flags_ = [f for f in env.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+  return {**env, "XLA_FLAGS": " ".join([*flags_,
+                                        f"--xla_force_host_platform_device_count={devices}"])}
+
+
 def worker_args(train_args: list[str], num_processes: int, process: int, port: int) -> list[str]:
   """`launch.train`'s arguments for one process of the job."""
   return [
@@ -254,11 +272,12 @@ def launch(
   relaunch: tuple[int, int] | None = None,
   port: int = 0,
   timeout_s: float = 1800,
+  devices_per_process: int = 1,
 ) -> int:
   """Runs the job; returns its exit code (see the module docstring).
 
   Args:
-    num_processes: processes to start, one worker each.
+    num_processes: processes (hosts) to start.
     train_args: `launch.train`'s arguments, the same for every process.
     kills: `parse_kills`'s result.
     stops: processes to freeze (SIGSTOP) instead, at points given the same way.
@@ -269,6 +288,7 @@ def launch(
     workdir: the `--workdir` of `train_args` (created).
     port: the coordinator's port; 0 picks a free one.
     timeout_s: kill everything after this long (exit code 124).
+    devices_per_process: simulated CPU devices of each process.
   """
   workdir = Path(workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
@@ -276,7 +296,7 @@ def launch(
   kills_log.unlink(missing_ok=True)
   port = port or _free_port()
   pause_dir = Path(tempfile.mkdtemp(prefix="resilient_jax_pause_"))
-  env_base = dict(os.environ)
+  env_base = simulated_devices_env(dict(os.environ), devices_per_process)
   env_base.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   env_base["PYTHONUNBUFFERED"] = "1"
   procs: list[subprocess.Popen] = []
@@ -458,20 +478,27 @@ def main(argv: list[str]) -> None:
   # Every process's arguments as launch.train will read them (process 0's stand for all: they
   # differ only in the id), so a mistake is one line here rather than one per process later.
   cfg, workdir = cli.parse_train_args(["launch.train", *worker_args(train_args, num, 0, port)])
-  if cfg.mesh.num_workers != num:
-    cli.fail(f"--num_processes={num}: mesh.dp * mesh.pp = {cfg.mesh.dp} * {cfg.mesh.pp} "
-             f"workers need {cfg.mesh.num_workers} processes (one worker each)")
+  from resilient_jax.placement import process_slots
+
+  devices = _DEVICES.value
+  if devices < 1:
+    cli.fail(f"--devices_per_process must be >= 1, got {devices}")
+  try:
+    process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, num, devices)
+  except ValueError as e:
+    cli.fail(f"--num_processes={num} --devices_per_process={devices}: {e}")
   try:
     last = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
     relaunch = parse_relaunch(_RELAUNCH.value, num, last, {**kills, **stops},
                               set(kills) | set(stops) | set(term))
-    check_kills(kills, cfg)
-    check_kills(stops, cfg, flag="--stop")
-    check_kills(term, cfg, flag="--term")
+    check_kills(kills, cfg, num_processes=num)
+    check_kills(stops, cfg, flag="--stop", num_processes=num)
+    check_kills(term, cfg, flag="--term", num_processes=num)
   except ValueError as e:
     cli.fail(str(e))
   sys.exit(launch(num, train_args, kills, workdir, stops=stops, stop_s=holds, term=term,
-                  relaunch=relaunch, port=port, timeout_s=_TIMEOUT.value))
+                  relaunch=relaunch, port=port, timeout_s=_TIMEOUT.value,
+                  devices_per_process=devices))
 
 
 def run() -> None:

@@ -2,8 +2,9 @@
 
 On a machine without accelerators the launcher creates `mesh.dp * mesh.pp` simulated CPU
 devices itself. A workdir with checkpoints is resumed from, on whatever layout is configured.
-With `--config.distributed.enabled=true` this is one process of a `jax.distributed` job (see
-launch/local.py and launch/CLUSTERS.md); the same training loop runs either way. Exit codes
+With `--config.distributed.enabled=true` this is one process of a `jax.distributed` job, driving
+all its host's devices and the workers `mesh.placement` puts there (see launch/local.py and
+launch/CLUSTERS.md); the same training loop runs either way. Exit codes
 (`resilient_jax/exit_codes.py`): 0 done, 2 bad configuration or flags, 3 failures left no
 device to continue on (or a whole stage, with resilience.restore_on_stage_loss=false), 4 a
 checkpoint could not be written, 8 too many non-finite steps in a row, 9 preempted (SIGTERM or
@@ -37,7 +38,11 @@ def main(argv: list[str]) -> None:
 
   cluster = None
   if cfg.distributed.enabled:
-    runtime_setup.configure_jax(num_cpu_devices=1)
+    # A process drives all its host's devices; on a CPU host (a rehearsal) it simulates its
+    # share of the grid, unless XLA_FLAGS already says how many (launch/local.py sets it).
+    procs = cfg.distributed.num_processes
+    runtime_setup.configure_jax(num_cpu_devices=max(cfg.mesh.num_workers // procs, 1)
+                                if procs else 1)
     from resilient_jax.runtime.cluster import Cluster
 
     try:
@@ -47,7 +52,7 @@ def main(argv: list[str]) -> None:
                "environment was detected; set distributed.coordinator, num_processes and "
                "process_id, or start the job with launch/local.py)")
   else:
-    runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_workers)
+    runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_devices)
   chief = cluster is None or cluster.process_id == 0
   if chief:
     where = f" on {cluster.num_processes} processes" if cluster else ""

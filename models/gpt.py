@@ -4,6 +4,13 @@
 With `tied_head` the head projects onto the token embedding (`Embed.attend`): the first and
 last stages then hold the same weight under one name (`embed.wte.embedding`), and the runtime
 sums its two gradients, as Megatron does.
+
+Every matrix names its axes (`logical`, Flax NNX sharding metadata) so a stage on a sub-mesh
+(`mesh.tp > 1`, `resilient_jax.model.sharding`) splits the blocks Megatron-style: the fused
+QKV and the MLP's first layer by columns (`heads`, `mlp`), the attention and MLP output
+projections by rows. The fused QKV's columns are `[q | k | v]`, so a split of them is not
+aligned with heads: the partitioner moves q, k and v between the devices once per block (a
+model with separate Q, K and V projections, `models/llama.py`, splits along heads exactly).
 """
 
 from __future__ import annotations
@@ -73,18 +80,25 @@ def tokens(layer: Callable[[Array], Array], x: Array) -> Array:
   return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _dense(cfg: GPTConfig, din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02
-           ) -> nnx.Linear:
-  return nnx.Linear(din, dout, kernel_init=nnx.initializers.normal(std), rngs=rngs,
+def logical(init: Callable, *axes: str | None) -> Callable:
+  """`init` with the parameter's logical axis names as metadata (placed nowhere when built)."""
+  return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+def _dense(cfg: GPTConfig, din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02,
+           axes: tuple[str | None, str | None] = ("embed", "embed")) -> nnx.Linear:
+  return nnx.Linear(din, dout, kernel_init=logical(nnx.initializers.normal(std), *axes),
+                    bias_init=logical(nnx.initializers.zeros_init(), axes[1]), rngs=rngs,
                     **cfg.precision)
 
 
 class Attention(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     self.num_heads = cfg.num_heads
-    self.qkv = _dense(cfg, cfg.d_model, 3 * cfg.d_model, rngs)
+    self.qkv = _dense(cfg, cfg.d_model, 3 * cfg.d_model, rngs, axes=("embed", "heads"))
     # GPT-2's residual-projection scaling keeps the residual stream's variance depth-independent.
-    self.proj = _dense(cfg, cfg.d_model, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.proj = _dense(cfg, cfg.d_model, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5,
+                       axes=("heads", "embed"))
 
   def __call__(self, x: Array) -> Array:
     b, t, d = x.shape
@@ -102,8 +116,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     hidden = cfg.mlp_ratio * cfg.d_model
-    self.fc = _dense(cfg, cfg.d_model, hidden, rngs)
-    self.proj = _dense(cfg, hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.fc = _dense(cfg, cfg.d_model, hidden, rngs, axes=("embed", "mlp"))
+    self.proj = _dense(cfg, hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5,
+                       axes=("mlp", "embed"))
 
   def __call__(self, x: Array) -> Array:
     return tokens(self.proj, jax.nn.gelu(tokens(self.fc, x)))
@@ -142,7 +157,8 @@ class Head(nnx.Module):
   def __init__(self, cfg: GPTConfig, wte: nnx.Embed, *, rngs: nnx.Rngs):
     self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, rngs=rngs, **cfg.precision)
     self.tied = wte if cfg.tied_head else None
-    self.proj = None if cfg.tied_head else _dense(cfg, cfg.d_model, cfg.vocab_size, rngs)
+    self.proj = None if cfg.tied_head else _dense(cfg, cfg.d_model, cfg.vocab_size, rngs,
+                                                  axes=("embed", "vocab"))
 
   def __call__(self, h: Array) -> Array:
     h = self.ln_f(h)

@@ -4,6 +4,10 @@ RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention and n
 config keys GPT shares (`vocab_size`, `seq_len`, `num_layers`, `num_heads`, `d_model`,
 `mlp_ratio`, `tied_head`) mean the same here, so `--config.model.name=llama` works on a GPT
 config too.
+
+Parameters name their logical axes (`models.gpt.logical`): Q, K and V split by heads and the
+SwiGLU's gate and up by hidden units on a sub-mesh (`mesh.tp > 1`), the output projections by
+rows (Megatron-LM's split; K/V stay whole where `tp` does not divide their heads).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.gpt import tokens
+from models.gpt import logical, tokens
 from resilient_jax.model.config import ModelConfig, ModelCosts
 from resilient_jax.model.staging import whole
 
@@ -77,10 +81,11 @@ class LlamaConfig(ModelConfig):
     return Llama(self, rngs=nnx.Rngs(params=seed))
 
 
-def _linear(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02
-            ) -> nnx.Linear:
-  return nnx.Linear(din, dout, use_bias=False, kernel_init=nnx.initializers.normal(std),
-                    rngs=rngs, **cfg.precision)
+def _linear(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02,
+            axes: tuple[str | None, str | None] = ("embed", "embed")) -> nnx.Linear:
+  return nnx.Linear(din, dout, use_bias=False,
+                    kernel_init=logical(nnx.initializers.normal(std), *axes), rngs=rngs,
+                    **cfg.precision)
 
 
 def rotary(x: Array, theta: float) -> Array:
@@ -100,10 +105,11 @@ class Attention(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d, hd = cfg.d_model, cfg.head_dim
-    self.q = _linear(cfg, d, cfg.num_heads * hd, rngs)
-    self.k = _linear(cfg, d, cfg.num_kv_heads * hd, rngs)
-    self.v = _linear(cfg, d, cfg.num_kv_heads * hd, rngs)
-    self.o = _linear(cfg, cfg.num_heads * hd, d, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.q = _linear(cfg, d, cfg.num_heads * hd, rngs, axes=("embed", "heads"))
+    self.k = _linear(cfg, d, cfg.num_kv_heads * hd, rngs, axes=("embed", "kv_heads"))
+    self.v = _linear(cfg, d, cfg.num_kv_heads * hd, rngs, axes=("embed", "kv_heads"))
+    self.o = _linear(cfg, cfg.num_heads * hd, d, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5,
+                     axes=("heads", "embed"))
 
   def __call__(self, x: Array) -> Array:
     cfg = self.cfg
@@ -123,9 +129,10 @@ class Attention(nnx.Module):
 
 class SwiGLU(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-    self.gate = _linear(cfg, cfg.d_model, cfg.hidden, rngs)
-    self.up = _linear(cfg, cfg.d_model, cfg.hidden, rngs)
-    self.down = _linear(cfg, cfg.hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.gate = _linear(cfg, cfg.d_model, cfg.hidden, rngs, axes=("embed", "mlp"))
+    self.up = _linear(cfg, cfg.d_model, cfg.hidden, rngs, axes=("embed", "mlp"))
+    self.down = _linear(cfg, cfg.hidden, cfg.d_model, rngs, std=0.02 / (2 * cfg.num_layers) ** 0.5,
+                        axes=("mlp", "embed"))
 
   def __call__(self, x: Array) -> Array:
     return tokens(self.down, jax.nn.silu(tokens(self.gate, x)) * tokens(self.up, x))
@@ -147,7 +154,8 @@ class Head(nnx.Module):
   def __init__(self, cfg: LlamaConfig, tok: nnx.Embed, *, rngs: nnx.Rngs):
     self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs, **cfg.precision)
     self.tied = tok if cfg.tied_head else None
-    self.out = None if cfg.tied_head else _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)
+    self.out = None if cfg.tied_head else _linear(cfg, cfg.d_model, cfg.vocab_size, rngs,
+                                                  axes=("embed", "vocab"))
 
   def __call__(self, h: Array) -> Array:
     h = self.norm(h)

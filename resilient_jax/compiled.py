@@ -22,6 +22,12 @@ device like `jax.jit`; the library's launchers leave it off and use this cache i
 
 If loading fails (a backend or JAX version without executable serialization), that device gets
 an executable compiled for it: slower to start, never wrong.
+
+A worker may be a sub-mesh of devices (tensor parallelism, `model/sharding.py`): its arguments
+are then `NamedSharding`s over a mesh, and the program, traced against the mesh's shape rather
+than its devices, is the same on every sub-mesh of that shape. It is compiled once and loaded
+on each sub-mesh with the devices mapped by their position in the mesh (a kept file records
+the devices it was compiled for, to map from).
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ from jax.experimental import serialize_executable
 log = logging.getLogger(__name__)
 
 _Signature = tuple[Any, ...]
+Placement = tuple[jax.Device, ...]
+"""The devices a program runs on: one, or a sub-mesh's in its order."""
+_MESH_BLOB = b"resilient_jax mesh program\n"
+"""Starts a kept file of a program for several devices (their ids follow, then the program)."""
 _cache_dir: str | None = None
 
 
@@ -59,7 +69,8 @@ def set_cache_dir(path: str | None) -> None:
 def _jax_cache_on() -> bool:
   """Whether JAX's own persistent compilation cache may serve compiles in this process."""
   return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_enable_compilation_cache
-_Blob = tuple[bytes, Any, Any]  # serialized executable, in_tree, out_tree
+_Blob = tuple[bytes, Any, Any, tuple[int, ...]]
+"""Serialized executable, in_tree, out_tree, ids of the devices it was compiled for."""
 
 
 class Counts:
@@ -128,16 +139,21 @@ jax.monitoring.register_event_duration_secs_listener(_count_xla)
 
 
 class OnEachDevice:
-  """`jax.jit(fn)`, compiled once and loaded on each device its (committed) arguments live on.
+  """`jax.jit(fn)`, compiled once and loaded on each device (or sub-mesh) its (committed)
+  arguments live on.
 
   Args:
     fn: the function to jit.
     donate_argnums: as for `jax.jit`.
+    keep_unused: as for `jax.jit`: a program whose outputs do not read its arguments' values
+      (an initializer) then still runs where they live, so it can be loaded on another
+      sub-mesh (otherwise jit drops them and places it on the default device).
   """
 
-  def __init__(self, fn: Callable, donate_argnums: int | Sequence[int] = ()):
-    self._jit = jax.jit(fn, donate_argnums=donate_argnums)
-    self._programs: dict[tuple[jax.Device, _Signature], Callable] = {}
+  def __init__(self, fn: Callable, donate_argnums: int | Sequence[int] = (),
+               keep_unused: bool = False):
+    self._jit = jax.jit(fn, donate_argnums=donate_argnums, keep_unused=keep_unused)
+    self._programs: dict[tuple[Placement, _Signature], Callable] = {}
     self._blobs: dict[_Signature, _Blob | None] = {}
     self._lock = threading.Lock()
     self.__name__ = getattr(fn, "__name__", "program")
@@ -156,10 +172,11 @@ class OnEachDevice:
   def __call__(self, *args: Any) -> Any:
     leaves, treedef = jax.tree.flatten(args)
     # No arguments (an initializer): the default device, where jit would place it.
-    device = _device(leaves) if leaves else _default_device()
+    device = _placement(leaves) if leaves else (_default_device(),)
     if device is None:  # nothing committed: jit places it
       return self._jit(*args)
-    sig = (treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves))
+    sig = (treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False), _layout(x))
+                          for x in leaves))
     program = self._programs.get((device, sig))
     if program is None:
       with self._lock:
@@ -174,9 +191,9 @@ class OnEachDevice:
             Counts.build_s += time.perf_counter() - t0
     return program(*args)
 
-  def _build(self, device: jax.Device, sig: _Signature, args: tuple) -> Callable:
-    """The program of `sig` on `device`: loaded when compiled before (here or on disk), else
-    compiled for `device`."""
+  def _build(self, device: Placement, sig: _Signature, args: tuple) -> Callable:
+    """The program of `sig` on `device` (one or a sub-mesh's): loaded when compiled before (here
+    or on disk), else compiled for `device`."""
     program = None
     if sig not in self._blobs:
       lowered = self._jit.lower(*args)
@@ -188,15 +205,15 @@ class OnEachDevice:
         self._programs[(device, sig)] = program
         return program
       path = _disk_path(lowered)
-      data = _read(path)
-      if data is not None:
-        self._blobs[sig] = (data, lowered.in_tree, lowered.out_tree)
+      kept = _read(path)
+      if kept is not None:
+        self._blobs[sig] = (kept[0], lowered.in_tree, lowered.out_tree, kept[1])
         program = _load(self._blobs[sig], device)
         Counts.from_disk += program is not None
       if program is None:
         program = lowered.compile()
         Counts.compiled += 1
-        self._blobs[sig] = _serialize(program, path)
+        self._blobs[sig] = _serialize(program, path, device)
       self.built += 1
     else:
       blob = self._blobs[sig]
@@ -216,12 +233,29 @@ def _default_device() -> jax.Device:
   return chosen if isinstance(chosen, jax.Device) else jax.local_devices()[0]
 
 
-def _device(leaves: list[Any]) -> jax.Device | None:
-  """The device of the first committed single-device array among `leaves`."""
+def _placement(leaves: list[Any]) -> Placement | None:
+  """The devices of the first committed array among `leaves`: its one device, or its mesh's
+  (in the mesh's order); None for other multi-device layouts (then jit places the program)."""
   for x in leaves:
     if isinstance(x, jax.Array) and getattr(x, "committed", False):
       devices = x.sharding.device_set
-      return next(iter(devices)) if len(devices) == 1 else None
+      if len(devices) == 1:
+        return (next(iter(devices)),)
+      if isinstance(x.sharding, jax.sharding.NamedSharding):
+        return tuple(x.sharding.mesh.devices.flat)
+      return None
+  return None
+
+
+def _layout(x: Any) -> Any:
+  """How an argument is split over a sub-mesh (part of a program's signature); None on one
+  device."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
+    spec = list(sharding.spec)
+    while spec and spec[-1] is None:  # P("tp", None) splits as P("tp"): one program
+      spec.pop()
+    return tuple(spec)
   return None
 
 
@@ -250,63 +284,81 @@ def _scopes(lowered: jax.stages.Lowered) -> str:
   return "\n".join(sorted(set(_SCOPED_LOC.findall(lowered.as_text(debug_info=True)))))
 
 
-def _read(path: str | None) -> bytes | None:
+def _read(path: str | None) -> tuple[bytes, tuple[int, ...]] | None:
+  """A kept program and the ids of the devices it was compiled for (empty: one device)."""
   if path is None:
     return None
   try:
     with open(path, "rb") as f:
-      return f.read()
+      data = f.read()
   except OSError:
     return None
+  if not data.startswith(_MESH_BLOB):
+    return data, ()
+  ids, _, rest = data[len(_MESH_BLOB):].partition(b"\n")
+  return rest, tuple(int(i) for i in ids.split(b","))
 
 
-def _serialize(program: jax.stages.Compiled, path: str | None) -> _Blob | None:
+def _serialize(program: jax.stages.Compiled, path: str | None, devices: Placement
+               ) -> _Blob | None:
   """The program's loadable bytes (also written to `path`), or None if it has none."""
   try:
     data, in_tree, out_tree = serialize_executable.serialize(program)
   except Exception as err:  # noqa: BLE001 - any backend limit: compile per device instead
     log.debug("cannot serialize a program: %s", err)
     return None
+  ids = tuple(d.id for d in devices) if len(devices) > 1 else ()
   if path is not None:
     try:
       os.makedirs(os.path.dirname(path), exist_ok=True)
       tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
       with open(tmp, "wb") as f:
+        if ids:
+          f.write(_MESH_BLOB + ",".join(map(str, ids)).encode() + b"\n")
         f.write(data)
       os.replace(tmp, path)  # readers see a whole file or none
     except OSError as err:
       log.debug("cannot keep a compiled program in %s: %s", path, err)
-  return data, in_tree, out_tree
+  return data, in_tree, out_tree, ids
 
 
 class _Retarget(pickle.Unpickler):
   """Reads `serialize_executable.serialize`'s output with every device reference (and the
-  executable's device assignment) moved to `device`."""
+  executable's device assignment) moved to `devices`: a one-device program's to that device,
+  a sub-mesh program's device `origin[i]` to `devices[i]`."""
 
-  def __init__(self, data: bytes, device: jax.Device):
+  def __init__(self, data: bytes, devices: Placement, origin: tuple[int, ...]):
     super().__init__(io.BytesIO(data))
-    self.device = device
-    self.client = device.client
+    self.devices = devices
+    self.moved = dict(zip(origin, devices, strict=True)) if len(devices) > 1 else {}
+    self.client = devices[0].client
 
   def persistent_load(self, pid: Any) -> Any:
     kind = pid[0]
     if kind == "exec":
       options = xla_client.CompileOptions()
-      options.device_assignment = xla_client.DeviceAssignment.create(np.array([[self.device.id]]))
+      options.device_assignment = xla_client.DeviceAssignment.create(
+        np.array([[d.id for d in self.devices]]))
+      if len(self.devices) > 1:  # one replica partitioned over the sub-mesh
+        options.executable_build_options.num_partitions = len(self.devices)
+        options.executable_build_options.use_spmd_partitioning = True
       return self.client.deserialize_executable(
-        pid[1], executable_devices=xla_client.DeviceList((self.device,)), compile_options=options)
+        pid[1], executable_devices=xla_client.DeviceList(self.devices), compile_options=options)
     if kind == "device":
-      return self.device
+      return self.moved[pid[1]] if self.moved else self.devices[0]
     if kind == "client":
       return self.client
     raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
 
 
-def _load(blob: _Blob, device: jax.Device) -> Callable | None:
-  """The serialized program, loaded on `device`; None if this JAX cannot."""
-  data, in_tree, out_tree = blob
+def _load(blob: _Blob, device: Placement) -> Callable | None:
+  """The serialized program, loaded on `device` (one or a sub-mesh's); None if this JAX
+  cannot."""
+  data, in_tree, out_tree, origin = blob
+  if len(origin) != (len(device) if len(device) > 1 else 0):
+    return None  # compiled for another number of devices
   try:
-    unloaded, args_info_flat, no_kwargs = _Retarget(data, device).load()
+    unloaded, args_info_flat, no_kwargs = _Retarget(data, device, origin).load()
     return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree,
                                no_kwargs=no_kwargs)
   except Exception as err:  # noqa: BLE001 - fall back to compiling for this device

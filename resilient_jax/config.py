@@ -17,6 +17,7 @@ from typing import Any
 from resilient_jax import data
 from resilient_jax.checks import is_int, require_ints, require_numbers
 from resilient_jax.model.config import ModelConfig, family, partition_layers
+from resilient_jax.placement import DEFAULT_PLACEMENT, check_placement
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 DATA_KINDS = data.SOURCE_KINDS
@@ -31,15 +32,31 @@ class ConfigError(ValueError):
 class MeshConfig:
   dp: int = 1
   pp: int = 1
+  tp: int = 1
+  """Devices per worker: a worker (dp, stage) is a sub-mesh of `tp` devices over which its
+  stage's blocks are split (tensor parallelism, `resilient_jax/model/sharding.py`)."""
+  placement: str = DEFAULT_PLACEMENT
+  """How a multi-process job's workers sit on its processes (hosts): "pipeline" (a host holds
+  stages of one pipeline) or "stage" (one stage of several pipelines); see
+  `resilient_jax/placement.py`."""
 
   def __post_init__(self):
-    for key in ("dp", "pp"):
+    for key in ("dp", "pp", "tp"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         raise ConfigError(f"mesh.{key} must be a positive integer, got {getattr(self, key)!r}")
+    try:
+      check_placement(self.placement)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
   @property
   def num_workers(self) -> int:
     return self.dp * self.pp
+
+  @property
+  def num_devices(self) -> int:
+    """Devices the grid runs on: `tp` for each of its workers."""
+    return self.dp * self.pp * self.tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,10 +220,15 @@ def check_rejoins(events: Iterable[tuple[int, tuple[int, int], bool]]) -> None:
 @dataclasses.dataclass(frozen=True)
 class FaultsConfig:
   schedule: tuple[Fault, ...] = ()
-  """Workers to fail in-process (`STEP:DP.STAGE,...`); in a job, kill processes instead."""
+  """Workers to fail at the start of a step (`STEP:DP.STAGE,...`): a device lost inside a live
+  process, which loses that worker only (in a job every process applies the same schedule;
+  `launch/local.py --kill` loses whole processes)."""
   nonfinite: tuple[tuple[int, int], ...] = ()
   """`STEP:STAGE,...`: that stage's gradients turn NaN at that step on every replica, in-process
   or in a job, to rehearse a diverging step (skipped, see `train.max_nonfinite_steps`)."""
+
+
+IF_BUSY = ("wait", "defer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +237,11 @@ class CheckpointConfig:
   """Save every this many steps (and at the end of the run); 0: only when stopping early."""
   keep: int = 3
   """Committed checkpoints to keep; 0 keeps all."""
+  if_busy: str = "wait"
+  """A save that comes due while the previous one is still being written: `wait` for it (every
+  due step is saved, as orbax's manager does; training stalls when writes outlast the
+  interval), or `defer` it to the first step at which the writer is free (training never waits
+  for the disk; the latest checkpoint may be up to one write older)."""
   init_from: str = ""
   """Start from the parameters of this checkpoint (universal, or a plain orbax NNX state of the
   same model); seed, data, optimizer and steps are this run's. A workdir holding checkpoints
@@ -223,6 +250,8 @@ class CheckpointConfig:
   def __post_init__(self):
     require_ints("checkpoint.", {"every_steps": self.every_steps, "keep": self.keep}, 0,
                  ConfigError)
+    if self.if_busy not in IF_BUSY:
+      raise ConfigError(f"checkpoint.if_busy={self.if_busy!r} is not one of {', '.join(IF_BUSY)}")
     if not isinstance(self.init_from, str):
       raise ConfigError(f"checkpoint.init_from must be a path, got {self.init_from!r}")
 
@@ -270,7 +299,8 @@ class ResilienceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  """Multi-process training on `jax.distributed`: one worker per process."""
+  """Multi-process training on `jax.distributed`: one process per host, driving all its devices
+  (`mesh.placement` says which workers)."""
 
   enabled: bool = False
   """Run as one process of a multi-process job. With no other key set, the coordinator,
@@ -347,11 +377,10 @@ class RunConfig:
       )
     if train.data == "text" and m.vocab_size < 256:
       raise ConfigError(f"model.vocab_size={m.vocab_size} is below 256, needed by train.data=text")
-    if self.distributed.enabled and self.faults.schedule:
-      raise ConfigError(
-        "faults.schedule simulates failures inside one process; with distributed.enabled kill "
-        "real processes instead (launch/local.py --kill=STEP:PROCESS)"
-      )
+    if self.distributed.enabled and mesh.tp > 1:
+      raise ConfigError(f"mesh.tp={mesh.tp} with distributed.enabled: a multi-process job runs "
+                        "one device per worker so far (mesh.tp=1); tensor parallelism runs in "
+                        "one process")
     policy = self.resilience.policy
     if policy == "bamboo" and mesh.pp < 2:
       raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "

@@ -97,12 +97,17 @@ def apply_rejoin(trainer: Trainer, nodes: set[int], step: int, *, remote: bool =
   if remote:
     interp = trainer.interpreter
     interp.place(decision.plan, interp.sources(nodes), dead=nodes, tag=(step, trainer.attempts))
+    process_of = trainer.transport.process_of
     moves = [m for m in interp.handed_over if m[1] in nodes]
-    state_from = {str(n): {str(src): size for src, dst, size in moves if dst == n} for n in taken}
-    copied = sum(size for _, dst, size in moves)
+    state_from = {str(n): {} for n in taken}
+    for src, dst, size in moves:  # by source process (its workers' shares added up)
+      got = state_from.setdefault(str(dst), {})
+      got[str(process_of(src))] = got.get(str(process_of(src)), 0) + size
+    copied = sum(size for _, _, size in moves)
     for n in taken:
       where = ", ".join(f"process {src} ({size} bytes)" for src, size in state_from[str(n)].items())
-      trainer.log(f"  process {n}: its parameters and optimizer state came from "
+      trainer.log(f"  worker {position(decision.plan, n)} of process {process_of(n)}: its "
+                  f"parameters and optimizer state came from "
                   f"{where or 'nowhere (it needed none)'} over the transfer server")
   else:
     copied, state_from = _place_locally(trainer, taken, step, old_plan)

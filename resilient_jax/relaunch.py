@@ -63,13 +63,16 @@ class Relaunches:
     if self.cluster is None or step <= self._boundary:
       return []
     self._boundary = step
-    adm = admission.decide(self.cluster, step, self.coordinator.live, self.nodes, self.attempts,
-                           self.membership)
+    layout = self.transport.layout
+    adm = admission.decide(self.cluster, step, layout.processes_of(sorted(self.coordinator.live)),
+                           range(self.cluster.num_processes), self.attempts, self.membership)
     return [] if adm is None else self._apply_admission(adm)
 
   def _apply_admission(self, adm: Admission) -> list[dict[str, Any]]:
     cl = self.cluster
-    joiners = sorted(adm.joiners)
+    layout = self.transport.layout
+    joiners = sorted(adm.joiners)  # processes; they come back with all their workers (nodes)
+    back = layout.nodes_of(joiners)
     self.attempts = adm.attempts + 1  # the hand-over's transfers are named after its own attempt
     for p in joiners:
       j = adm.joiners[p]
@@ -80,7 +83,7 @@ class Relaunches:
     admitted_at = time.time()
     compiles = Counts.xla
     t0 = time.perf_counter()
-    apply_rejoin(self, set(joiners), adm.step, remote=True)  # the policy, then the hand-over
+    apply_rejoin(self, set(back), adm.step, remote=True)  # the policy, then the hand-over
     took = time.perf_counter() - t0
     event = self.goodput.events[-1]
     event.extra.update(relaunched=True, generations=adm.event()["generations"])
@@ -96,15 +99,21 @@ class Relaunches:
     # The first transfer over a new connection costs a large fraction of a second: the joiners
     # and every live process of their own or a neighbouring stage pay it here, not in the step.
     pp = self.cfg.mesh.pp
-    near = {n for n in self.coordinator.live
-            if any(abs(n % pp - j % pp) <= 1 for j in joiners) and n not in adm.joiners}
+    near = set(layout.processes_of([n for n in self.coordinator.live
+                                    if any(abs(n % pp - j % pp) <= 1 for j in back)]))
+    near -= set(joiners)
     if cl.process_id in adm.joiners:
       cl.connect(near | set(joiners), salt=adm.step)
     elif cl.process_id in near:
       cl.connect(joiners, salt=adm.step)
     from_checkpoint = event.extra.get("state_from") == "checkpoint"  # a planned restart
-    moves = [] if from_checkpoint else [m for m in self.interpreter.handed_over
-                                        if m[1] in adm.joiners]
+    # Node to node, added up by processes (a joiner's workers may each get state).
+    by_process: dict[tuple[int, int], int] = {}
+    for src, dst, size in [] if from_checkpoint else self.interpreter.handed_over:
+      if dst in back:
+        key = (layout.process_of(src), layout.process_of(dst))
+        by_process[key] = by_process.get(key, 0) + size
+    moves = [(src, dst, size) for (src, dst), size in sorted(by_process.items())]
     where = ("every process restored the checkpoint of step "
              f"{adm.step - 1} onto the grown layout (a planned restart)" if from_checkpoint
              else admission.describe_moves(moves, adm.joiners))
@@ -114,7 +123,8 @@ class Relaunches:
     events = []
     for p in joiners:
       j = adm.joiners[p]
-      event = {"kind": "rejoin", "node": p, "process": p, "step": adm.step,
+      event = {"kind": "rejoin", "node": layout.nodes_of([p])[0], "process": p,
+               "nodes": layout.nodes_of([p]), "step": adm.step,
                "generation": j["generation"], "announced_at": j["time"],
                "detected_at": admitted_at, "xla_compiles": compiles,
                "state_from": {str(src): n for src, dst, n in moves if dst == p},
@@ -135,7 +145,7 @@ class Relaunches:
       event["transfer_MiB_per_s"] = round(event["bytes"] / 2**20 / max(took, 1e-9), 2)
     since = (f", {event['relaunch_to_next_step_s']:.2f}s after its relaunch"
              if "relaunch_to_next_step_s" in event else "")
-    self.log(f"  process {event['node']} trains again: step {step} committed "
+    self.log(f"  process {event['process']} trains again: step {step} committed "
              f"{event['detect_to_next_step_s']:.2f}s after its admission{since}")
 
 

@@ -44,7 +44,10 @@ import optax
 from flax import nnx
 from jax.extend import core as jcore
 
+from resilient_jax.checkpoint import universal
 from resilient_jax.compiled import OnEachDevice
+from resilient_jax.model import sharding
+from resilient_jax.model.sharding import Where
 from resilient_jax.model.split import split_backward
 from resilient_jax.model.staging import (
   Binder,
@@ -88,6 +91,7 @@ class StagePrograms:
       over the loss elements of the global batch, so summing micro-batch losses and gradients
       gives the step's mean loss.
     names: global variable names of `model` (`model.variable_names`), computed once per model.
+    tp: devices of a worker's sub-mesh (tensor parallelism inside the stage).
   """
 
   def __init__(
@@ -99,14 +103,23 @@ class StagePrograms:
     optimizer: optax.GradientTransformation,
     global_batch: int,
     names: dict[int, str] | None = None,
+    tp: int = 1,
   ):
     self.info = info
+    self.tp = tp
     self.optimizer = optimizer
     module = cut(model, info.layers, first=info.first, last=info.last)
     names = variable_names(model) if names is None else names
     self._binder = Binder(module, names)
     self._initial = {n: np.asarray(v) for n, v in flat_params(module, names).items()}
     self.param_names: tuple[str, ...] = tuple(sorted(self._initial))
+    self._shapes = shapes = {n: v.shape for n, v in self._initial.items()}
+    self.param_specs = sharding.partition_specs(sharding.logical_axes(module, names), shapes, tp)
+    """Each parameter's split over the worker's sub-mesh (all replicated when `tp` is 1)."""
+    opt_template = jax.eval_shape(optimizer.init, self.abstract_params())
+    self.opt_specs = universal.unflatten_state(opt_template, {
+      k: sharding.opt_entry_spec(k, v.shape, self.param_specs, shapes)
+      for k, v in universal.flatten_state(opt_template).items()})
     self.input_spec = input_spec
     self.target_spec = target_spec
     self.uses_rng = self._binder.uses_rng
@@ -197,10 +210,13 @@ class StagePrograms:
       dx, handover = split.backward_input(residuals, [g])
       return (dx[0] if dx else None), tuple(handover)
 
+    pin = self._pin  # outputs constrained to the sub-mesh split (identity when tp is 1)
+
     def weight_grads(params, saved, handover, acc):
       del params  # W reads what it needs of the parameters among the residuals
       grads = split.backward_weight(saved, handover)
-      return {n: acc[n] + g for n, g in zip(self.param_names, grads, strict=True)}
+      return pin({n: acc[n] + g for n, g in zip(self.param_names, grads, strict=True)},
+                 self.param_specs)
 
     def backward_fused(residuals, saved, params, g, acc):
       dx, handover = backward_input(residuals, g)
@@ -214,21 +230,31 @@ class StagePrograms:
       if scale is not None:  # the global-norm clip factor (`Interpreter`)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
       updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, sumsq
+      return (pin(optax.apply_updates(params, updates), self.param_specs),
+              pin(opt_state, self.opt_specs), sumsq)
 
     self.forward: Callable = forward
     self._forward_program = forward_program
     # Each program is compiled once for the stage and loaded on every replica's device.
-    self.backward_input: Callable = OnEachDevice(_scoped(f"B_stage{stage}", backward_input))
-    self.backward_weight: Callable = OnEachDevice(_scoped(f"W_stage{stage}", weight_grads),
+    scoped = functools.partial(_scoped, tp=tp)
+    self.backward_input: Callable = OnEachDevice(scoped(f"B_stage{stage}", backward_input))
+    self.backward_weight: Callable = OnEachDevice(scoped(f"W_stage{stage}", weight_grads),
                                                   donate_argnums=(3,))
-    self.backward_fused: Callable = OnEachDevice(_scoped(f"BW_stage{stage}", backward_fused),
+    self.backward_fused: Callable = OnEachDevice(scoped(f"BW_stage{stage}", backward_fused),
                                                  donate_argnums=(4,))
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
-    self.optimizer_step: Callable = OnEachDevice(_scoped(f"OPT_stage{stage}", optimizer_step))
-    self._init_opt = OnEachDevice(optimizer.init)
-    self._zeros = OnEachDevice(lambda p: jax.tree.map(jnp.zeros_like, p))
+    self.optimizer_step: Callable = OnEachDevice(scoped(f"OPT_stage{stage}", optimizer_step))
+    # On a sub-mesh they run there and make their outputs split (`keep_unused`); on one device
+    # they stay the programs they were (their outputs are placed afterwards).
+    self._init_opt = OnEachDevice(_on_submesh(
+      lambda p: pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1)
+    self._zeros = OnEachDevice(_on_submesh(
+      lambda p: pin(jax.tree.map(jnp.zeros_like, p), self.param_specs), tp), keep_unused=tp > 1)
+
+  def _pin(self, tree: Any, specs: Any) -> Any:
+    """`tree` constrained to `specs` on a sub-mesh; unchanged when `tp` is 1."""
+    return tree if self.tp == 1 else sharding.constrain(tree, specs)
 
   def compiled_programs(self) -> list[OnEachDevice]:
     """The stage's jitted programs (each compiled once, loaded on every other device)."""
@@ -242,32 +268,69 @@ class StagePrograms:
   def abstract_params(self) -> dict[str, jax.ShapeDtypeStruct]:
     return {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self._initial.items()}
 
-  def initial_params(self, device: jax.Device) -> Params:
-    return {n: jax.device_put(v, device) for n, v in self._initial.items()}
+  # `where` is a worker's `model.sharding.Where`: its device (tp=1), or its sub-mesh, over
+  # which whole arrays are replicated and parameter-shaped ones split by `param_specs`.
+
+  def param_shardings(self, where: Where) -> dict[str, Where]:
+    """Where each parameter (and its gradient) lives on the worker at `where`."""
+    return {n: sharding.sharding_of(where, s) for n, s in self.param_specs.items()}
+
+  def opt_shardings(self, where: Where) -> Any:
+    """Where each optimizer state leaf lives on the worker at `where` (a tree like the state)."""
+    return jax.tree.map(lambda s: sharding.sharding_of(where, s), self.opt_specs,
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+  def place_param(self, name: str, value: Any, where: Where) -> jax.Array:
+    return jax.device_put(value, sharding.sharding_of(where, self.param_specs[name]))
+
+  def place_opt_entry(self, key: str, value: Any, where: Where) -> jax.Array:
+    """An optimizer entry (universal key) on the worker at `where`."""
+    spec = sharding.opt_entry_spec(key, value.shape, self.param_specs, self._shapes)
+    return jax.device_put(value, sharding.sharding_of(where, spec))
+
+  def initial_params(self, where: Where) -> Params:
+    return jax.device_put(self._initial, self.param_shardings(where))
 
   # Outputs that do not depend on input values come back uncommitted; placing them on the
   # worker's device keeps every later call on the same compiled program.
-  def init_opt_state(self, params: Params, device: jax.Device) -> Any:
-    return jax.device_put(self._init_opt(params), device)
+  def init_opt_state(self, params: Params, where: Where) -> Any:
+    return jax.device_put(self._init_opt(params), self.opt_shardings(where))
 
-  def norm_weights(self, owned: Iterable[str], device: jax.Device) -> dict[str, jax.Array]:
+  def norm_weights(self, owned: Iterable[str], where: Where) -> dict[str, jax.Array]:
     """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm."""
     names = set(owned)
-    return {n: jax.device_put(jnp.float32(n in names), device) for n in self.param_names}
+    return {n: jax.device_put(jnp.float32(n in names), where) for n in self.param_names}
 
-  def zero_grads(self, params: Params, device: jax.Device) -> Params:
-    return jax.device_put(self._zeros(params), device)
+  def zero_grads(self, params: Params, where: Where) -> Params:
+    return jax.device_put(self._zeros(params), self.param_shardings(where))
 
 
-def _scoped(name: str, fn: Callable) -> Callable:
-  """`fn`, traced under `jax.named_scope(name)` (same name for `jax.jit`)."""
+def _scoped(name: str, fn: Callable, tp: int = 1) -> Callable:
+  """`fn`, traced under `jax.named_scope(name)` (same name for `jax.jit`) and, with `tp > 1`,
+  against the shape of a worker's sub-mesh."""
 
   @functools.wraps(fn)
   def scoped(*args):
     with jax.named_scope(name):
       return fn(*args)
 
-  return scoped
+  return _on_submesh(scoped, tp)
+
+
+def _on_submesh(fn: Callable, tp: int) -> Callable:
+  """`fn` traced under the abstract mesh of a `tp`-device sub-mesh (so its sharding constraints
+  name the axis `tp`, not devices: every worker's sub-mesh runs the same program); `fn` itself
+  when `tp` is 1."""
+  if tp == 1:
+    return fn
+  mesh = sharding.abstract_mesh(tp)
+
+  @functools.wraps(fn)
+  def on_submesh(*args):
+    with jax.sharding.use_abstract_mesh(mesh):
+      return fn(*args)
+
+  return on_submesh
 
 
 def build_stage_programs(
@@ -277,15 +340,17 @@ def build_stage_programs(
   seq_len: int,
   optimizer: optax.GradientTransformation,
   global_batch: int,
+  tp: int = 1,
 ) -> list[StagePrograms]:
-  """Programs for every stage, chaining each stage's output shape into the next one's input."""
+  """Programs for every stage, chaining each stage's output shape into the next one's input;
+  `tp`: devices of each worker's sub-mesh."""
   tokens = jax.ShapeDtypeStruct((microbatch_size, seq_len), jnp.int32)
   spec = tokens
   programs = []
   names = variable_names(model)
   for s, layers in enumerate(partition):
     info = StageInfo(index=s, num_stages=len(partition), layers=layers)
-    prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names)
+    prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names, tp)
     programs.append(prog)
     spec = prog.output_spec
   return programs

@@ -59,6 +59,7 @@ from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.goodput import GoodputLog
 from resilient_jax.logs import info
+from resilient_jax.model.sharding import worker_mesh
 from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
 from resilient_jax.profiling import StepTraces
 from resilient_jax.progress import reporting
@@ -87,6 +88,8 @@ PAUSE_ENV = "RESILIENT_JAX_PAUSE"
 PAUSE_FILE_ENV = "RESILIENT_JAX_PAUSE_FILE"
 SAVE_WAIT_S = 600.0
 """How long an ending run waits for its checkpoint save in flight."""
+SLOW_SAVE_S = 1.0
+"""A periodic save that waited this long for the previous one says how to avoid it (once)."""
 KILLS_FILE = "kills.jsonl"
 """Written into the workdir by `launch/local.py`: one line per injected kill, with its time."""
 
@@ -196,33 +199,40 @@ class Trainer(Relaunches):
     self.source, self.plan = make_data(cfg)
     self.ckpt_dir = self.workdir / "checkpoints"
     self.writer = None
+    self._deferred_save: int | None = None
+    """The step whose periodic checkpoint waits for the writer (`checkpoint_if_due`)."""
+    self._told_slow_save = False
     if self.chief:
       self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
       for name in self.writer.remove_unfinished():
         self.log(f"removed {self.ckpt_dir / name}: a save that never committed (its writer "
                  "stopped mid-way)")
     need = cfg.mesh.num_workers
-    pp = cfg.mesh.pp
+    pp, tp = cfg.mesh.pp, cfg.mesh.tp
     if cluster is None:
       devs = list(jax.devices() if devices is None else devices)
-      if len(devs) < need:
+      if len(devs) < need * tp:
+        what = f"mesh.dp * mesh.pp = {need} workers need {need} devices" if tp == 1 else \
+          f"mesh.dp * mesh.pp * mesh.tp = {need * tp} devices needed ({need} workers of {tp})"
         raise ConfigError(
-          f"mesh.dp * mesh.pp = {need} workers need {need} devices, found {len(devs)} (on CPU, "
-          f"call resilient_jax.configure_jax({need}) before any JAX operation, e.g. before "
+          f"{what}, found {len(devs)} (on CPU, call "
+          f"resilient_jax.configure_jax({need * tp}) before any JAX operation, e.g. before "
           "building the model)"
         )
-      transport = Transport(dict(enumerate(devs[:need])))
+      # Worker n: device n, or the n-th run of tp devices (its sub-mesh).
+      transport = Transport({n: devs[n] if tp == 1 else worker_mesh(devs[n * tp:(n + 1) * tp])
+                             for n in range(need)})
       nodes = list(range(need))
     else:
-      from resilient_jax.runtime.multiprocess import ProcessTransport
+      from resilient_jax.runtime.multiprocess import ProcessLayout, ProcessTransport
 
-      if cluster.num_processes != need:
-        raise ConfigError(
-          f"mesh.dp * mesh.pp = {need} workers need {need} processes (one worker each), "
-          f"the job has {cluster.num_processes}"
-        )
-      transport = ProcessTransport(cluster, pause_hook_from_env())
-      nodes = list(range(cluster.num_processes))
+      try:
+        layout = ProcessLayout.of(cfg.mesh.dp, pp, cfg.mesh.placement, cluster.num_processes,
+                                  len(jax.local_devices()))
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
+      transport = ProcessTransport(cluster, layout, pause_hook_from_env())
+      nodes = list(range(need))
     self.transport = transport
     self.nodes = nodes
     self.membership = []
@@ -234,13 +244,18 @@ class Trainer(Relaunches):
       self.coordinator.simulated_devices = simulated_cpu_devices()
     self._programs: dict[tuple, list[StagePrograms]] = {}
     self.interpreter = self._interpreter(self.coordinator.plan)
+    if tp > 1 and not any(any(s) for prog in self.programs for s in prog.param_specs.values()):
+      self.log(f"mesh.tp={tp}: no parameter of the model names a logical axis that splits "
+               "(resilient_jax/model/sharding.py), so every worker's stage runs replicated over "
+               f"its {tp} devices: correct, but neither faster nor smaller per device")
     if cluster is not None:
       # Any worker of a neighbouring stage may become this one's producer or consumer; the
       # first transfer over a new connection and the split backward's compile would
       # otherwise land inside a recovery.
-      me = cluster.process_id
+      mine = {n % pp for n in transport.devices}
       if not cluster.relaunched:  # a joiner's neighbours are inside a step: `admit` connects
-        cluster.connect(n for n in nodes if abs(n % pp - me % pp) == 1)
+        cluster.connect(layout.processes_of(
+          [n for n in nodes if any(abs(n % pp - s) == 1 for s in mine)]))
       self.interpreter.warm_up(everything=cluster.relaunched)
     events = [FaultEvent(f.step, (f.dp, f.stage), rejoin=f.rejoin)
               for f in cfg.faults.schedule] + list(faults)
@@ -267,6 +282,7 @@ class Trainer(Relaunches):
         cfg.model.seq_len,
         make_optimizer(cfg),
         cfg.step_batch,
+        tp=cfg.mesh.tp,
       )
     return self._programs[key]
 
@@ -307,7 +323,8 @@ class Trainer(Relaunches):
     self.interpreter.import_state(loaded.params, loaded.opt_state)
     lay = loaded.meta["layout"]
     self.log(f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
-             f"pp={lay['pp']}) onto {_describe(self.coordinator.plan)}" + (
+             f"pp={lay['pp']} tp={lay.get('tp', 1)}) onto {_describe(self.coordinator.plan)}"
+             + (f" tp={self.cfg.mesh.tp}" if self.cfg.mesh.tp > 1 else "") + (
                f", {self.cluster.num_processes} processes" if self.cluster else ""))
     return loaded.step
 
@@ -332,11 +349,61 @@ class Trainer(Relaunches):
                    "its state over (the previous checkpoint stays the latest)")
         # The holders may go on (and exit after the last step) once their state is here.
         self.cluster.kv_set(f"checkpoint/{step}", True)
-      elif self.cluster.process_id in holders.values():
+      elif self.transport.holds_any(list(holders.values())):
         # Stay until process 0 has pulled this state (its loss ends this process, exit 5).
         self.cluster.kv_get(f"checkpoint/{step}")
     if self.chief and state is not None:
       self.writer.save(step, *state, checkpoint_meta(self.cfg, plan, step))
+
+  def checkpoint_if_due(self, step: int, last: bool = False) -> bool:
+    """Saves `step` when a checkpoint is due; returns whether it did.
+
+    Due: every `checkpoint.every_steps`, and the last step of the run. A periodic save that
+    comes due while the previous one is still being written waits for it
+    (`checkpoint.if_busy=wait`, logged once when that stalls training), or is deferred to the
+    first step at which the writer is free (`defer`, logged): the latest committed checkpoint
+    is then at most one write older, and it is never overwritten before its successor
+    commits. The last step's save always happens. In a multi-process job process 0 owns the
+    writer, so it decides and the others follow (`save/STEP` in the key-value store).
+    """
+    cfg = self.cfg
+    every = cfg.checkpoint.every_steps
+    if last and (every or cfg.train.stop_after):
+      self._save(step)
+      return True
+    if not (every and (step % every == 0 or self._deferred_save is not None)):
+      return False
+    if cfg.checkpoint.if_busy == "defer" and self._writer_busy(step):
+      if self._deferred_save is None:
+        self._deferred_save = step
+        if self.chief:
+          self.log(f"checkpoint of step {step} deferred: the previous save is still being "
+                   "written; it is taken at the first step after that save commits")
+      return False
+    if self._deferred_save is not None and self.chief:
+      self.log(f"checkpoint of step {step} (due at step {self._deferred_save}, deferred while "
+               "the previous save was written)")
+    self._deferred_save = None
+    self._save(step)
+    waited = self.writer.waited_s[-1] if self.chief and self.writer.waited_s else 0.0
+    if waited > SLOW_SAVE_S and not self._told_slow_save:
+      self._told_slow_save = True
+      self.log(f"checkpoint of step {step} waited {waited:.1f}s for the previous save to be "
+               f"written: writes outlast checkpoint.every_steps={every}; raise it, or set "
+               "checkpoint.if_busy=defer so that training does not wait")
+    return True
+
+  def _writer_busy(self, step: int) -> bool:
+    """Whether process 0's writer is still writing (every process gets its answer)."""
+    busy = self.chief and self.writer.busy()
+    if self.cluster is None:
+      return busy
+    key = f"save/{step}"
+    if self.chief:
+      self.cluster.kv_set(key, busy)
+      return busy
+    # None: process 0 died (its loss ends the job; the next step finds it).
+    return bool(self.cluster.await_key(key, 0, f"process 0's decision to checkpoint step {step}"))
 
   # ---------------------------------------------------------------- failures
 
@@ -447,12 +514,13 @@ class Trainer(Relaunches):
     back = {n for f, n in self.faults if f.step == step and f.rejoin}
     if back - self.coordinator.live:
       apply_rejoin(self, back - self.coordinator.live, step)
-    for f, node in self.faults:
-      if (f.step == step and f.after_op is None and not f.rejoin
-          and node in self.coordinator.live):
-        restored = self._fail({node}, step, mid_step=False)
-        if restored is not None:
-          raise _Restored(restored)
+    # Faults at the start of a step fail together (a whole host's workers at once).
+    starting = {n for f, n in self.faults if f.step == step and f.after_op is None
+                and not f.rejoin and n in self.coordinator.live}
+    if starting:
+      restored = self._fail(starting, step, mid_step=False)
+      if restored is not None:
+        raise _Restored(restored)
     pending: list[dict] = self.admit(step)  # relaunched processes come back between steps
     if self.cluster is not None and self.transport.pause is not None:
       self.transport.pause(step, "boundary")  # where `launch.local --relaunch` holds process 0
@@ -481,14 +549,15 @@ class Trainer(Relaunches):
       if result.committed:
         break
       kills = self._kill_times()
-      for p in sorted(result.lost):
+      for p in sorted(n for n in result.lost if n in self.coordinator.live):
         event = {"node": p, "step": step, "attempt": attempt, "detected_at": result.detected_at,
                  "xla_compiles": Counts.xla}
-        if self.cluster is not None:
-          event["process"] = p
-        if p in kills:
-          event["killed_at"] = kills[p]
-          event["kill_to_detect_s"] = round(result.detected_at - kills[p], 3)
+        proc = None if self.cluster is None else self.transport.process_of(p)
+        if proc is not None:
+          event["process"] = proc
+        if proc in kills:
+          event["killed_at"] = kills[proc]
+          event["kill_to_detect_s"] = round(result.detected_at - kills[proc], 3)
         pending.append(event)
       known = [e.get("kill_to_detect_s") for e in pending[-len(result.lost):]]
       detect = None if self.cluster is not None and None in known else max(
@@ -515,7 +584,8 @@ class Trainer(Relaunches):
       self.board.text(step, "recovery", f"step {step} committed {event['detect_to_next_step_s']}s "
                       f"after the loss of node {event['node']} was detected")
       if "kill_to_next_step_s" in event:
-        self.log(f"  recovered from the loss of process {event['node']}: detected "
+        self.log(f"  recovered from the loss of node {event['node']} (process "
+                 f"{event['process']}): detected "
                  f"{event['kill_to_detect_s']:.2f}s after the kill, step {step} completed "
                  f"{event['kill_to_next_step_s']:.2f}s after it")
     if pending and self.chief:
@@ -615,7 +685,6 @@ class Trainer(Relaunches):
       _write_metrics(metrics_path, metrics)
       self.board = Board(self.workdir / "tb", start, log=self.log)
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    every = cfg.checkpoint.every_steps
     from resilient_jax.profiling import RunTimelines, replay_records
 
     self.timelines = RunTimelines((f.step for f, _ in self.faults if not f.rejoin), end,
@@ -679,6 +748,7 @@ class Trainer(Relaunches):
           # about a dozen keys a step.
           self.cluster.kv_delete(f"step/{step - keep}")
           self.cluster.kv_delete(f"checkpoint/{step - keep}")  # a hand-over's "saved" mark
+          self.cluster.kv_delete(f"save/{step - keep}")  # whether it was saved
       self.log(
         f"step {step:4d}/{cfg.train.steps}  loss {result.loss:.4f}  "
         f"samples/s {row['samples_per_s']:9.1f}  step_time {result.step_time_s:.3f}s  "
@@ -703,8 +773,7 @@ class Trainer(Relaunches):
           self.leave_together(f"stopped/{step}")
         raise Preempted(f"stopped after step {step} on request ({self._stop_reason()}), with a "
                         "checkpoint of it; run the same command to resume")
-      if (every and step % every == 0) or (last and (every or cfg.train.stop_after)):
-        self._save(step)
+      self.checkpoint_if_due(step, last)
       step += 1
     if self.chief:
       self.writer.wait()
@@ -728,7 +797,7 @@ class Trainer(Relaunches):
         self.log(f"no timeline of the last step: {why}")
       if self.cluster is not None:
         kept = sorted({int(k.strip("/").split("/")[1])
-                       for d in ("step", "checkpoint") for k in self.cluster.kv_keys(d)})
+                       for d in ("step", "checkpoint", "save") for k in self.cluster.kv_keys(d)})
         self.log(f"coordination service: keys of step(s) {', '.join(map(str, kept))} kept "
                  f"(distributed.kv_keep_steps={cfg.distributed.kv_keep_steps})")
     if self.cluster is not None:
@@ -758,7 +827,7 @@ class Trainer(Relaunches):
       cl.kv_set(f"{key}/left/{me}", True)
       return
     cl.kv_set(ENDED_KEY, key)  # a relaunched process still waiting to be admitted leaves too
-    others = sorted(set(self.coordinator.live) - {me})
+    others = sorted(set(self.transport.layout.processes_of(sorted(self.coordinator.live))) - {me})
     for p in others:
       cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
     cl.kv_set(f"{key}/all", True)

@@ -302,6 +302,23 @@ def test_retention_and_async_commit(tmp_path, monkeypatch):
   assert len(writer.blocked_s) == 3
 
 
+def test_save_due_while_the_previous_is_written_is_deferred(tmp_path, monkeypatch):
+  """Training does not wait for the disk: a save due while the writer is busy is taken at the
+  first step it is free; the last step's save is always taken."""
+  busy = iter([False, True, True, False])  # asked at steps 1, 2, 3, 4 (5 is the last: forced)
+  monkeypatch.setattr(ckpt.CheckpointWriter, "busy", lambda self: next(busy))
+  lines = []
+  cfg = tiny_config(train__steps=5, checkpoint__every_steps=1, checkpoint__keep=0,
+                    checkpoint__if_busy="defer")
+  Trainer(cfg, tmp_path, log=lines.append).run()
+  assert ckpt.committed_steps(tmp_path / "checkpoints") == [1, 4, 5]
+  deferred = [line for line in lines if "deferred" in line]
+  assert len(deferred) == 2, deferred
+  assert deferred[0].startswith("checkpoint of step 2 deferred: the previous save is still")
+  assert deferred[1].startswith("checkpoint of step 4 (due at step 2, deferred while")
+  assert next(busy, None) is None  # asked exactly at the due steps
+
+
 def test_failed_background_save_is_reported_and_keeps_older(tmp_path, monkeypatch):
   writer = ckpt.CheckpointWriter(tmp_path, keep=0)
   params = {"a.kernel": np.ones((3, 2), np.float32)}

@@ -6,6 +6,7 @@ on PATH that record how they were called.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -114,21 +115,26 @@ def test_sbatch_header():
   d = _sbatch_directives()
   for key in ("--nodes", "--ntasks-per-node", "--gpus-per-node", "--time", "--output"):
     assert d.get(key), f"#SBATCH {key}=... missing"
-  assert "--requeue" in d
-  # JAX's SLURM detection: one process per GPU, process i on a node drives GPU i of all it sees.
-  assert d["--ntasks-per-node"] == d["--gpus-per-node"]
+  assert "--requeue" in d and "--exclusive" in d and int(d["--cpus-per-task"]) >= 1
+  # One process per node driving all its GPUs (JAX_LOCAL_DEVICE_IDS: `slurm_job`).
+  assert d["--ntasks-per-node"] == "1"
   assert "--gpus-per-task" not in d
 
 
 @pytest.fixture
 def fake_slurm(tmp_path):
+  return _make_fake_slurm(tmp_path)
+
+
+def _make_fake_slurm(tmp_path):
   """Fake srun (exits with $FAKE_SRUN_RC) and scontrol, both logging their arguments."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   (tmp_path / "log").mkdir()
   _write_exe(
     str(bin_dir / "srun"),
-    '#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_LOG/srun"\nexit "${FAKE_SRUN_RC:-0}"\n',
+    '#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_LOG/srun"\n'
+    'echo "${JAX_LOCAL_DEVICE_IDS:-}" > "$FAKE_LOG/srun_devices"\nexit "${FAKE_SRUN_RC:-0}"\n',
   )
   _write_exe(
     str(bin_dir / "scontrol"), '#!/bin/bash\nprintf "%s\\n" "$@" >> "$FAKE_LOG/scontrol"\n'
@@ -152,7 +158,7 @@ def _run_sbatch(tmp_path, srun_rc: int, *args: str, **env: str) -> subprocess.Co
 
 
 def test_sbatch_runs_entry_point(fake_slurm):
-  proc = _run_sbatch(fake_slurm, 0, "--config.train.steps=7", DP="2", PP="3")
+  proc = _run_sbatch(fake_slurm, 0, "--config.train.steps=7", DP="2", PP="8")
   assert proc.returncode == 0, proc.stderr
   args = _lines(fake_slurm / "log" / "srun")
   assert "--kill-on-bad-exit=0" in args  # survivors keep training when one task fails
@@ -160,7 +166,7 @@ def test_sbatch_runs_entry_point(fake_slurm):
   assert args[i + 1] == ENTRY
   assert DISTRIBUTED in args
   assert f"--workdir={fake_slurm / 'run'}" in args
-  assert {"--config.mesh.dp=2", "--config.mesh.pp=3"} <= set(args)
+  assert {"--config.mesh.dp=2", "--config.mesh.pp=8"} <= set(args)
   assert any(a.startswith("--config.checkpoint.every_steps=") for a in args)
   assert args[-1] == "--config.train.steps=7"  # pass-through, last so it wins
   assert (fake_slurm / "run").is_dir()
@@ -189,6 +195,10 @@ def test_sbatch_requeues_on_exit_5(fake_slurm, srun_rc, env, requeued):
 
 @pytest.fixture
 def fake_tpu(tmp_path):
+  return _make_fake_tpu(tmp_path)
+
+
+def _make_fake_tpu(tmp_path):
   """Fake gcloud that runs the remote command here with sh, as one worker would.
 
   The worker's `python3` is a fake too: `-m pip` succeeds, `-m launch.train` logs its arguments
@@ -353,12 +363,9 @@ def _check_indexed_job(job: dict, where: str) -> None:
   [volume] = [v for v in pod["volumes"] if v["name"] == mounts[mount]]
   assert volume["persistentVolumeClaim"]["claimName"] in _shared_claims(), where
 
-  # Enough devices for the mesh.
+  # The mesh fills the pods' devices exactly (`gke_job`, `check_job` below).
   limits = trainer["resources"]["limits"]
   [resource] = [r for r in DEVICE_RESOURCES if r in limits]
-  devices = job["parallelism"] * int(limits[resource])
-  dp, pp = int(env["DP"]["value"]), int(env["PP"]["value"])
-  assert dp * pp <= devices, (where, dp, pp, devices)
 
   if "--config.distributed.coordinator=" in script:
     assert env["NUM_PROCESSES"]["value"] == str(job["parallelism"]), where
@@ -432,3 +439,171 @@ def test_container_scripts_pass_bash_and_shellcheck():
       [_shellcheck(), "--format=gcc", "-"], input=script, capture_output=True, text=True
     )
     assert proc.returncode == 0, (where, proc.stdout + proc.stderr)
+
+
+# ---- rehearsals: each script's job shape against the config it ships, then run locally -------
+#
+# Each script or manifest is read (and run with fakes) for what a cluster would start: processes,
+# devices per process, the environment, and launch.train's arguments. `check_job` applies the
+# rule the code enforces (`placement.process_slots`: dp * pp = processes x devices), so a
+# manifest whose counts do not match its config fails here. `test_rehearse_locally` then runs
+# the same arguments with `launch.local` on that many processes x simulated devices (scaled to
+# at most 2 x 4, keeping pp) to a finished step; jobs of one scaled shape share one run.
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  where: str
+  processes: int
+  devices: int
+  """Devices each process drives."""
+  args: tuple[str, ...]
+  """What the script passes `python -m launch.train`."""
+  env: tuple[tuple[str, str], ...] = ()
+
+  def flag(self, name: str) -> str:
+    [value] = [a.split("=", 1)[1] for a in self.args if a.startswith(f"--{name}=")]
+    return value
+
+  @property
+  def mesh(self) -> tuple[int, int]:
+    return int(self.flag("config.mesh.dp")), int(self.flag("config.mesh.pp"))
+
+
+def check_job(job: Job) -> None:
+  """The job can start: its grid fills its processes' devices exactly (the trainer's rule)."""
+  from resilient_jax.placement import DEFAULT_PLACEMENT, process_slots
+
+  dp, pp = job.mesh
+  try:
+    process_slots(dp, pp, DEFAULT_PLACEMENT, job.processes, job.devices)
+  except ValueError as e:
+    pytest.fail(f"{job.where}: {e}")
+
+
+def slurm_job(tmp_path) -> Job:
+  d = _sbatch_directives()
+  nodes, gpus = int(d["--nodes"]), int(d["--gpus-per-node"])
+  assert d["--ntasks-per-node"] == "1"
+  _make_fake_slurm(tmp_path)
+  # What SLURM sets in a job of this header.
+  proc = _run_sbatch(tmp_path, 0, SLURM_JOB_NUM_NODES=str(nodes), SLURM_GPUS_ON_NODE=str(gpus))
+  assert proc.returncode == 0, proc.stderr
+  args = _lines(tmp_path / "log" / "srun")
+  devices = _lines(tmp_path / "log" / "srun_devices")
+  assert devices == [",".join(map(str, range(gpus)))]  # every GPU of the node, not LOCALID's
+  return Job(_rel(SBATCH), nodes, gpus, tuple(args[args.index("-m") + 2:]),
+             (("JAX_LOCAL_DEVICE_IDS", devices[0]),))
+
+
+def _script_default(path: str, name: str) -> int:
+  with open(path) as f:
+    [value] = re.findall(rf'^{name}="\$\{{{name}:-(\d+)\}}"', f.read(), re.M)
+  return int(value)
+
+
+def tpu_job(tmp_path) -> Job:
+  hosts, chips = _script_default(TPU_SH, "HOSTS"), _script_default(TPU_SH, "CHIPS_PER_HOST")
+  tmp_path = tmp_path / "tpu"
+  tmp_path.mkdir()
+  _make_fake_tpu(tmp_path)
+  proc = _run_tpu(tmp_path, "0", INSTALL="0")
+  assert proc.returncode == 0, proc.stderr
+  args = _lines(tmp_path / "log" / "train")
+  assert args[:2] == ["-m", ENTRY]
+  return Job(_rel(TPU_SH), hosts, chips, tuple(args[2:]))
+
+
+def gke_jobs(tmp_path) -> list[Job]:
+  """Each JobSet's pods: their container script run by bash with its env, `python` faked."""
+  bin_dir = tmp_path / "gke_bin"
+  bin_dir.mkdir()
+  _write_exe(str(bin_dir / "python"), '#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_ARGS"\n')
+  jobs = []
+  for path, doc in _docs():
+    if doc["kind"] != "JobSet":
+      continue
+    for rjob in doc["spec"]["replicatedJobs"]:
+      spec = rjob["template"]["spec"]
+      [trainer] = [c for c in spec["template"]["spec"]["containers"] if c["name"] == "trainer"]
+      limits = trainer["resources"]["limits"]
+      [resource] = [r for r in DEVICE_RESOURCES if r in limits]
+      env = {e["name"]: e["value"] for e in trainer["env"] if "value" in e}
+      env.update(JOB_COMPLETION_INDEX="0", JOBSET_NAME=doc["metadata"]["name"],
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                 FAKE_ARGS=str(tmp_path / "args"))
+      proc = subprocess.run(["bash", "-c", _container_script(trainer)], env=env,
+                            capture_output=True, text=True, timeout=30)
+      assert proc.returncode == 0, proc.stderr
+      args = (tmp_path / "args").read_text().splitlines()
+      assert args[:2] == ["-m", ENTRY]
+      if "NUM_PROCESSES" in env:
+        assert int(env["NUM_PROCESSES"]) == spec["parallelism"]
+      jobs.append(Job(f"{_rel(path)}:{rjob['name']}", spec["parallelism"],
+                      int(limits[resource]), tuple(args[2:])))
+  return jobs
+
+
+@pytest.fixture(scope="module")
+def cluster_jobs(tmp_path_factory) -> list[Job]:
+  tmp = tmp_path_factory.mktemp("cluster_jobs")
+  (tmp / "slurm").mkdir()
+  return [slurm_job(tmp / "slurm"), tpu_job(tmp), *gke_jobs(tmp)]
+
+
+def test_every_script_ships_a_job_that_can_start(cluster_jobs):
+  assert sorted(j.where.split("/")[1] for j in cluster_jobs) == ["gke", "gke", "slurm", "tpu"]
+  for job in cluster_jobs:
+    check_job(job)
+    assert DISTRIBUTED in job.args, job.where
+
+
+def test_a_job_whose_counts_do_not_match_its_config_fails(cluster_jobs):
+  """What the check above would say of a manifest with one pod more, or one device less."""
+  for job in cluster_jobs:
+    for bad in (dataclasses.replace(job, processes=job.processes + 1),
+                dataclasses.replace(job, devices=job.devices - 1)):
+      with pytest.raises(pytest.fail.Exception, match="must fill"):
+        check_job(bad)
+
+
+def scaled(job: Job) -> tuple[int, int, int, int]:
+  """(processes, devices, dp, pp) of the local rehearsal: at most 2 processes x 4 devices, dp
+  divided by what was taken away, pp kept."""
+  dp, pp = job.mesh
+  processes, devices, factor = job.processes, job.devices, 1
+  if devices > 4:
+    assert devices % 4 == 0, job
+    factor, devices = devices // 4, 4
+  if processes > 2:
+    assert processes % 2 == 0, job
+    factor, processes = factor * processes // 2, 2
+  assert dp % factor == 0, job
+  return processes, devices, dp // factor, pp
+
+
+@pytest.mark.slow
+def test_rehearse_locally(cluster_jobs, tmp_path):
+  """Every script's launch.train arguments, run by launch.local to a finished step (one run per
+  distinct scaled shape and config: today all four share one)."""
+  runs: dict[tuple, list[Job]] = {}
+  for job in cluster_jobs:
+    runs.setdefault((*scaled(job), job.flag("config")), []).append(job)
+  for i, ((processes, devices, dp, pp, config), jobs) in enumerate(sorted(runs.items())):
+    job = jobs[0]
+    keep = [a for a in job.args if not a.startswith(("--workdir=", "--config=",
+            "--config.mesh.", "--config.distributed.coordinator", "--config.distributed.num_",
+            "--config.distributed.process_id"))]
+    workdir = tmp_path / f"run{i}"
+    env = dict(os.environ, **dict(job.env))
+    proc = subprocess.run(
+      [sys.executable, "-m", "launch.local", f"--num_processes={processes}",
+       f"--devices_per_process={devices}", "--",
+       f"--config={config}:runlocal", f"--workdir={workdir}", *keep,
+       f"--config.mesh.dp={dp}", f"--config.mesh.pp={pp}", "--config.train.steps=1"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    where = ", ".join(j.where for j in jobs)
+    assert proc.returncode == 0, (where, (proc.stdout + proc.stderr)[-3000:])
+    assert f"on {processes} processes" in proc.stdout, where
+    assert "done: 1 steps" in proc.stdout, where
+    assert (workdir / "checkpoints" / "1").is_dir(), where  # every state handed to process 0

@@ -1,6 +1,6 @@
 """Real processes, real SIGKILL: multi-process runs against in-process runs of the same failures.
 
-Each test starts 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 10 s:
+Most tests start 4 processes with `launch/local.py` (2x2 grid, one worker each, heartbeat 10 s:
 a killed process must be found dead by its refused port, not by a silent heartbeat) and kills
 some from outside at a chosen point. The in-process run injects the same failure at
 the same point (`FaultEvent`); both re-run the interrupted step on the survivors with the same
@@ -16,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 from launch.local import parse_kills
 from resilient_jax.checkpoint import store
 from resilient_jax.schedule.core import AR, F, Op
 from resilient_jax.trainer import FaultEvent, train
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import LOSS_RTOL, ROOT, expected_digests, reference_for, tiny_config
 from tests.test_tensorboard import assert_losses_match, texts
 
 # Real processes take most of the suite's time: `pytest -m "not slow"` leaves them out.
@@ -117,6 +118,34 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
   assert [s for s, _ in texts(workdir / "tb", "recovery")] == [3, 4]
 
 
+def test_sigkill_of_a_host_loses_all_its_workers(tmp_path):
+  """One process per host: 2 processes x 4 simulated devices run a dp=2 pp=4 grid (pipeline
+  placement: process 1 drives pipeline 1). At step 2 one device of process 1 is lost
+  (`faults.schedule`, applied by every process): only its worker (1, 2) goes, process 1 runs
+  on with its 3 others. SIGKILLed at the start of step 3, process 1 takes those with it at
+  once; process 0 re-routes their micro-batches. Every step trains the fault-free samples to
+  the single-device losses."""
+  workdir = tmp_path / "multi"
+  args = [a for a in _train_args(workdir) if a not in GRID]
+  proc = subprocess.run(
+    [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=4",
+     "--kill=3:1", "--", *args, "--config.mesh.dp=2", "--config.mesh.pp=4",
+     "--config.faults.schedule=2:1.2"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, tail(proc)
+  assert "exit codes: p0=0, p1=killed" in proc.stdout, tail(proc)
+  assert "training 2x4 (dp x pp) on 2 processes" in proc.stdout, tail(proc)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=4, train__steps=STEPS)
+  multi = read_rows(workdir / "metrics.jsonl")
+  assert [r["sample_digest"] for r in multi] == expected_digests(cfg)
+  np.testing.assert_allclose([r["loss"] for r in multi], reference_for(cfg)[0], rtol=LOSS_RTOL)
+  assert [r["live_workers"] for r in multi] == [8, 7, 4, 4, 4]
+  recovery = json.loads((workdir / "recovery.json").read_text())
+  assert sorted((e["node"], e["process"], e["step"]) for e in recovery) == [
+    (n, 1, 3) for n in (4, 5, 7)]  # worker (1, s) is node 1 * pp + s; node 6 went at step 2
+  assert proc.stdout.count("refuses connections: dead") == 1, tail(proc)
+
+
 def test_frozen_processes_then_preemption(tmp_path):
   """SIGSTOP (a hung host: ports open, heartbeat stopped). Process 0, which also hosts the
   coordination service, frozen in step 2 for less than the heartbeat timeout: everyone waits
@@ -151,7 +180,10 @@ def test_every_policy_survives_a_sigkill(tmp_path, policy):
   job is what every policy does when a whole stage is lost:
   `test_losing_a_whole_stage_restores_inside_the_job`.)"""
   workdir = tmp_path / "multi"
-  extra = [f"--config.resilience.policy={policy}", "--config.checkpoint.every_steps=1"]
+  # A save due while the previous one is written is deferred (`if_busy=defer`): process 0
+  # decides, and the holders follow.
+  extra = [f"--config.resilience.policy={policy}", "--config.checkpoint.every_steps=1",
+           "--config.checkpoint.if_busy=defer"]
   proc = run_local(workdir, "--kill=3:2", extra=extra)
   assert proc.returncode == 0, tail(proc)
   assert "exit codes: p0=0, p1=0, p2=killed, p3=0" in proc.stdout, tail(proc)
@@ -237,7 +269,8 @@ def test_a_relaunched_process_rejoins(tmp_path, policy, plan, source):
   state = [*interp.params[slot].values(), *universal.flatten_state(interp.opt_state[slot]).values()]
   assert rejoin["bytes"] == sum(x.nbytes for x in state)
   assert max(rejoin["state_from"], key=rejoin["state_from"].get) == source
-  assert re.search(rf"process 1: its parameters and optimizer state came from .*process {source} "
+  assert re.search(rf"stage=1\) of process 1: its parameters and optimizer state came from "
+                   rf".*process {source} "
                    r"\(.* over the transfer server", proc.stdout), tail(proc)
   goodput = json.loads((workdir / "goodput.json").read_text())
   back = next(e for e in goodput["events"] if e["kind"] == "rejoin")
@@ -292,21 +325,24 @@ def test_losing_a_whole_stage_restores_inside_the_job(tmp_path):
 
 
 def test_slurm_rehearsal_uses_auto_detection(tmp_path):
-  """4 processes given only SLURM_* variables find each other through
-  `jax.distributed.initialize()`'s SLURM detection and train."""
+  """2 processes (one task per node, 2 simulated devices each) given only SLURM_* variables
+  find each other through `jax.distributed.initialize()`'s SLURM detection and train."""
   import socket
+
+  from launch.local import simulated_devices_env
 
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   workdir = tmp_path / "slurm"
   procs = []
-  for i in range(4):
+  for i in range(2):
     env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1",
-               SLURM_NTASKS="4", SLURM_PROCID=str(i), SLURM_LOCALID="0",
+               SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID="0",
                JAX_COORDINATOR_PORT=str(port), TF_CPP_MIN_LOG_LEVEL="2")
     cmd = [sys.executable, "-m", "launch.train",
            *_train_args(workdir, "--config.distributed.enabled=true")]
+    env = simulated_devices_env(env, 2)
     procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
   try:
@@ -314,8 +350,8 @@ def test_slurm_rehearsal_uses_auto_detection(tmp_path):
   finally:
     for p in procs:
       p.kill()
-  assert [p.returncode for p in procs] == [0, 0, 0, 0], outs[0][-2000:]
-  assert "on 4 processes" in outs[0]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:]
+  assert "on 2 processes" in outs[0]
   assert_same_run(read_rows(workdir / "metrics.jsonl"), fault_free())
 
 
@@ -339,13 +375,21 @@ def test_bad_kill_spec_is_a_one_line_error(tmp_path, spec, message):
   assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_distributed_config_errors_exit_2(tmp_path):
+def test_a_grid_that_does_not_fill_the_job_exits_2(tmp_path):
+  """A one-process job on a host of 2 devices cannot hold a 2x2 grid: the trainer's rule
+  (`placement.process_slots`) in one line, exit 2."""
+  from launch.local import _free_port, simulated_devices_env
+
   proc = subprocess.run(
     [sys.executable, "-m", "launch.train", *_train_args(tmp_path),
-     "--config.distributed.enabled=true", "--config.faults.schedule=2:0.1"],
+     "--config.distributed.enabled=true", f"--config.distributed.coordinator=127.0.0.1:"
+     f"{_free_port()}", "--config.distributed.num_processes=1",
+     "--config.distributed.process_id=0"],
     cwd=ROOT, capture_output=True, text=True, timeout=60,
-  )
-  assert proc.returncode == 2 and "launch/local.py --kill" in proc.stderr
+    env=simulated_devices_env(dict(os.environ), 2))
+  assert proc.returncode == 2, tail(proc)
+  assert "error: mesh.dp * mesh.pp = 2 * 2 = 4 workers (one device each) must fill the job's 1 " \
+         "processes x 2 devices = 2 exactly" in proc.stderr, tail(proc)
 
 
 def test_transfer_ids_are_unique_per_field_and_bounded():

@@ -86,8 +86,13 @@ def test_launcher_commands_parse(tmp_path, index):
   elif module == "launch.local":
     ours, train_args = args[:args.index("--")], args[args.index("--") + 1:]
     cfg, _ = cli.parse_train_args(["launch.train", *train_args])
+    from resilient_jax.placement import process_slots
+
     num = int(next(a.split("=", 1)[1] for a in ours if a.startswith("--num_processes=")))
-    assert num == cfg.mesh.dp * cfg.mesh.pp  # one worker per process
+    devices = int(next((a.split("=", 1)[1] for a in ours
+                        if a.startswith("--devices_per_process=")), 1))
+    # The grid fills processes x devices exactly (raises otherwise).
+    process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, num, devices)
   elif module == "launch.simulate":
     import runpy
 

@@ -6,7 +6,9 @@
 # Run it from any machine with gcloud; see usage() for all settings. Arguments are passed to
 # launch.train unchanged. The workers find each other through JAX's TPU VM detection
 # (jax.distributed.initialize() with no arguments reads the worker list and this worker's index
-# from the VM metadata; the coordinator is worker 0, port 8482).
+# from the VM metadata; the coordinator is worker 0, port 8482). Each host's process drives all
+# its chips and holds DP*PP / HOSTS workers: DP * PP must equal HOSTS * CHIPS_PER_HOST, the
+# slice's shape (launch/CLUSTERS.md); the script checks that before it starts anything.
 #
 # If process 0 (the coordination service) is lost, the other processes exit with code 5 and this
 # script starts the run again on all workers (up to MAX_RESTARTS times); it resumes from the newest
@@ -36,7 +38,9 @@ Optional:
   PIP_EXTRA     extra pip requirement (default: 'jax[tpu]>=0.10,<0.11')
   PYTHON        python on the workers (default: python3)
   CONFIG        config file, relative to REPO_DIR (default: configs/gpt_tiny.py)
-  DP, PP        mesh; DP * PP <= TPU chips in the slice (default: 2, 2)
+  HOSTS         TPU VM hosts (workers) in the slice (default: 2, e.g. v4-16 or v5p-16)
+  CHIPS_PER_HOST  chips each host drives (default: 4)
+  DP, PP        mesh; DP * PP = HOSTS * CHIPS_PER_HOST (default: 2, 4)
   CKPT_EVERY    steps between checkpoints (default: 50)
   HEARTBEAT_TIMEOUT_S  seconds until a silent process counts as dead (default: 10)
   MAX_RESTARTS  restarts after exit code 5 (default: 10)
@@ -67,8 +71,10 @@ INSTALL="${INSTALL:-1}"
 PIP_EXTRA="${PIP_EXTRA:-jax[tpu]>=0.10,<0.11}"
 PYTHON="${PYTHON:-python3}"
 CONFIG="${CONFIG:-configs/gpt_tiny.py}"
+HOSTS="${HOSTS:-2}"
+CHIPS_PER_HOST="${CHIPS_PER_HOST:-4}"
 DP="${DP:-2}"
-PP="${PP:-2}"
+PP="${PP:-4}"
 CKPT_EVERY="${CKPT_EVERY:-50}"
 HEARTBEAT_TIMEOUT_S="${HEARTBEAT_TIMEOUT_S:-10}"
 MAX_RESTARTS="${MAX_RESTARTS:-10}"
@@ -76,6 +82,12 @@ RESTART_DELAY_S="${RESTART_DELAY_S:-30}"
 LOG_DIR="${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/resilient_jax_tpu.XXXXXX")}"
 PIDFILE="${PIDFILE:-/tmp/resilient_jax_train.pid}"  # on each worker
 EXIT_MARK="RESILIENT_JAX_EXIT"
+
+if ((DP * PP != HOSTS * CHIPS_PER_HOST)); then
+  echo "error: DP * PP = $DP * $PP must equal HOSTS * CHIPS_PER_HOST = $HOSTS * $CHIPS_PER_HOST" \
+    "(one process per host drives all its chips; see launch/CLUSTERS.md)" >&2
+  exit 2
+fi
 
 train_args=(
   -m launch.train

@@ -41,7 +41,7 @@ def _inspect(path: Path) -> None:
   layout = meta.get("layout", {})
   print(f"checkpoint {path}")
   print(f"  step {meta['step']}  (next data step {meta.get('data', {}).get('next_step')})")
-  print(f"  saved from layout dp={layout.get('dp')} pp={layout.get('pp')} "
+  print(f"  saved from layout dp={layout.get('dp')} pp={layout.get('pp')} tp={layout.get('tp', 1)} "
         f"partition={layout.get('partition')} live_workers={layout.get('live_workers')}")
   print(f"  {meta['bytes'] / 2**20:.2f} MiB in {sum(len(g) for g in meta['entries'].values())} "
         "entries")

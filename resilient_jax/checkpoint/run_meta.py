@@ -47,7 +47,8 @@ def plan_layout(plan: Plan) -> dict:
 def checkpoint_meta(cfg: RunConfig, plan: Plan, step: int) -> dict:
   """What a checkpoint records besides the state: layout, data position, model."""
   return {
-    "layout": plan_layout(plan),
+    # `tp` is for reading only: the state is the same whatever the sub-meshes it was split over.
+    "layout": {**plan_layout(plan), "tp": cfg.mesh.tp},
     "data": {
       "kind": cfg.train.data,
       "seed": cfg.train.seed,

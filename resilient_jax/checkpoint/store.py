@@ -284,6 +284,8 @@ class CheckpointWriter:
     self._error: BaseException | None = None
     self.blocked_s: list[float] = []
     """Per save: how long the caller was blocked (waiting for the previous save + host copy)."""
+    self.waited_s: list[float] = []
+    """Per save: how long of `blocked_s` was waiting for the previous save."""
     self.write_s: list[float] = []
     """Per save: how long the background write took."""
 
@@ -299,11 +301,16 @@ class CheckpointWriter:
 
     t0 = self.clock()
     self.wait()
+    self.waited_s.append(self.clock() - t0)
     host = jax.device_get({"params": dict(params), "opt_state": dict(opt_state)})
     self.blocked_s.append(self.clock() - t0)
     self._thread = threading.Thread(target=self._write, args=(step, host, dict(meta)),
                                     name=f"checkpoint-{step}", daemon=False)
     self._thread.start()
+
+  def busy(self) -> bool:
+    """Whether a save is still being written (a new `save` would wait for it)."""
+    return self._thread is not None and self._thread.is_alive()
 
   def wait(self, timeout_s: float | None = None) -> bool:
     """Blocks until the save in flight (if any) is committed.

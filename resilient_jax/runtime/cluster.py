@@ -521,20 +521,22 @@ class Cluster:
   # ---------------------------------------------------------------- transfers
 
   def offer(self, uid: int, arrays: Sequence[jax.Array]) -> None:
-    """Makes `arrays` (on this process's device) available to one `pull(…, uid, …)`."""
+    """Makes `arrays` (on this process's devices) available to one `pull(…, uid, …)`."""
     self._server.await_pull(uid, list(arrays))
 
   def pull(
-    self, process: int, uid: int, specs: Sequence[jax.ShapeDtypeStruct]
+    self, process: int, uid: int, specs: Sequence[jax.ShapeDtypeStruct],
+    device: jax.Device | None = None,
   ) -> list[jax.Array] | None:
-    """Arrays `process` offered under `uid`, placed on this device; None if it cannot be reached.
+    """Arrays `process` offered under `uid`, placed on `device` (one of this process's; default
+    its first); None if it cannot be reached.
 
     The arrays arrive asynchronously; if the producer dies first they hold an error, which
     surfaces in `wait`.
     """
     if process in self._dead:
       return None
-    sharding = jax.sharding.SingleDeviceSharding(self.device)
+    sharding = jax.sharding.SingleDeviceSharding(device or self.device)
     specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
     try:
       if process not in self._connections:

@@ -16,11 +16,13 @@ from typing import Any
 
 import jax
 
+from resilient_jax.model.sharding import Where
 from resilient_jax.schedule.pipelines import LayerRange
 from resilient_jax.schedule.plan import Slot, StepProgram
 
-Source = tuple[jax.Device | None, Mapping[str, Any], Mapping[str, Any]]
-"""State to place from: its device (None: host memory), parameters and flat optimizer entries."""
+Source = tuple[Where | None, Mapping[str, Any], Mapping[str, Any]]
+"""State to place from: its worker's device or sub-mesh (`Transport.device`; None: host memory),
+parameters and flat optimizer entries."""
 
 
 class StateHandover:

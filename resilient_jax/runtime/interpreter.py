@@ -42,6 +42,7 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from resilient_jax.compiled import Built, OnEachDevice
+from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.runtime.handover import Source, StateHandover
 from resilient_jax.runtime.transport import ACT, GRAD, Outcome, Transport
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
@@ -184,14 +185,16 @@ class Interpreter(StateHandover):
     p = (sp or self.step_program).slots[slot]
     return self.programs(p.split)[p.stage]
 
-  def device(self, slot: Slot, sp: StepProgram | None = None) -> jax.Device:
+  def device(self, slot: Slot, sp: StepProgram | None = None) -> Where:
+    """Where `slot`'s whole arrays go: its node's device, or replicated over its sub-mesh (the
+    stage programs split parameter-shaped state over it, `StagePrograms.param_shardings`)."""
     return self.transport.device((sp or self.step_program).slots[slot].node)
 
   def node(self, slot: Slot) -> int:
     return self.step_program.slots[slot].node
 
   @property
-  def devices(self) -> dict[int, jax.Device]:
+  def devices(self) -> dict[int, Where]:
     """The device of every node of the current plan."""
     return {n: self.transport.device(n) for n in self.step_program.nodes}
 
@@ -253,7 +256,7 @@ class Interpreter(StateHandover):
     opt: dict[Slot, Any] = {}
     copied = 0
 
-    def pick(key: str, dev: jax.Device, table: int) -> jax.Array:
+    def pick(key: str, dev: Where, table: int, prog: StagePrograms) -> jax.Array:
       nonlocal copied
       held = [src for src in sources if key in src[table]]
       if not held:
@@ -265,13 +268,14 @@ class Interpreter(StateHandover):
       value = held[0][table][key]
       if held[0][0] is not None:
         copied += value.nbytes
-      return jax.device_put(value, dev)
+      put = prog.place_param if table == 1 else prog.place_opt_entry
+      return put(key, value, dev)
 
     for slot in self.local_slots:
       prog, dev = self.program(slot), self.device(slot)
-      params[slot] = {n: pick(n, dev, 1) for n in prog.param_names}
+      params[slot] = {n: pick(n, dev, 1, prog) for n in prog.param_names}
       template = jax.eval_shape(prog.optimizer.init, prog.abstract_params())
-      entries = {k: pick(k, dev, 2) for k in universal.flatten_state(template)}
+      entries = {k: pick(k, dev, 2, prog) for k in universal.flatten_state(template)}
       opt[slot] = universal.unflatten_state(template, entries, what="optimizer state")
     self.params, self.opt_state = params, opt
     self._refresh_replicas(tag, channel=1)
@@ -292,8 +296,9 @@ class Interpreter(StateHandover):
       src = (slot[0], p.replica)
       src_node = sp.slots[src].node
       if self.transport.is_local(p.node) and self.transport.is_local(src_node):
-        state = (self.params[src], self.opt_state[src])
-        self.replicas[slot] = jax.device_put(state, self.device(slot))
+        rep, dev = self.programs(p.split)[p.replica], self.device(slot)
+        self.replicas[slot] = (jax.device_put(self.params[src], rep.param_shardings(dev)),
+                               jax.device_put(self.opt_state[src], rep.opt_shardings(dev)))
       elif self.transport.is_local(p.node) or self.transport.is_local(src_node):
         keys = self._state_specs(p.split, p.replica)
         specs.update(keys)
@@ -425,7 +430,7 @@ class Interpreter(StateHandover):
         acc[slot] = self.program(slot).zero_grads(self.params[slot], self.device(slot))
       return acc[slot]
 
-    def seeds_of(prog: StagePrograms, mb: int, dev: jax.Device) -> jax.Array | None:
+    def seeds_of(prog: StagePrograms, mb: int, dev: Where) -> jax.Array | None:
       if not prog.uses_rng:
         return None
       if seeds is None:
@@ -494,14 +499,14 @@ class Interpreter(StateHandover):
       began = time.perf_counter() - t0
       for h in group.holders:
         ar_start.setdefault(h, began)  # an AR's record starts with its first collective
-      per_dev: dict[jax.Device, Params] = {}
+      per_dev: dict[Where, Params] = {}
       for h in group.holders:
         if h in self.params:
           dev, g = self.device(h), grads_of(h)
           part = {n: g[n] for n in group.names}
           per_dev[dev] = {n: per_dev[dev][n] + v for n, v in part.items()} if dev in per_dev \
             else part
-      devices = tuple(sorted({self.device(h) for h in group.holders}, key=lambda d: d.id))
+      devices = tuple(sorted({self.device(h) for h in group.holders}, key=where_key))
       nodes = sorted({sp.slots[h].node for h in group.holders})
       if len(devices) > 1:
         per_dev = tp.reduce(group.index, nodes, devices, per_dev)

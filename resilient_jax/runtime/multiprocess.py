@@ -1,7 +1,10 @@
 """The multi-process transport: the interpreter's slots spread over a `jax.distributed` job.
 
 Every process runs the same interpreter on the same plan (derived deterministically from the
-agreed set of failed nodes; nodes are process ids) and executes only its own slots' ops:
+agreed set of failed nodes) and executes only its own slots' ops. Nodes are workers: one
+process drives all its host's devices and holds several of them, as `ProcessLayout` places
+them (`resilient_jax.placement`, the simulator's placement too). Data between two nodes of
+one process moves with `jax.device_put`, between processes over the transfer server:
 
 * an activation or activation gradient for a slot of another process is offered to it under
   an id derived from (step, attempt, micro-batch, stage, kind), so a stale attempt's data can
@@ -10,6 +13,11 @@ agreed set of failed nodes; nodes are process ids) and executes only its own slo
   from the other member processes over the same transfers (see `runtime.transport`);
 * the end of the attempt is agreed: every process installs its new state on a commit, or every
   survivor drops the attempt on a loss and the step is re-run on the new plan.
+
+**The failure unit is the process.** Agreement, liveness and transfers are between processes
+(`Cluster` knows nothing of nodes); a process found dead loses every node it held at once
+(`Outcome.lost`), and the policies re-route each lost worker's micro-batches to its stage's
+peers.
 
 **An attempt either commits everywhere or nowhere.** A live process always runs its whole op
 list, even after a peer died: data from a dead peer arrives as an error array (or zeros, if the
@@ -31,6 +39,7 @@ reads, so it follows a decision as soon as it is written. Every wait has the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from resilient_jax import placement as placement_lib
 from resilient_jax.runtime.cluster import Cluster
 from resilient_jax.runtime.transport import (
   STATE,
@@ -68,31 +78,81 @@ def transfer_id(step: int, attempt: int, mb: int, stage: int, kind: int) -> int:
   return (((step * 64 + attempt % 64) * 65536 + mb) * 1024 + stage) * 4 + kind
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessLayout:
+  """Which process, and which of its local devices, each node (worker) of the grid runs on.
+
+  Node `d * pp + s` is worker `(d, s)` (the coordinator's numbering); every process derives
+  the same map from the config and the job's shape (`of`).
+
+  Attributes:
+    slots: node -> (process, index of its device among the process's devices).
+  """
+
+  slots: dict[int, tuple[int, int]]
+
+  @classmethod
+  def of(cls, dp: int, pp: int, placement: str, num_processes: int, local_devices: int,
+         devices_per_worker: int = 1) -> ProcessLayout:
+    """The layout of a dp x pp grid over `num_processes` processes of `local_devices` each
+    (`placement.process_slots`, which states the rule).
+
+    Raises:
+      ValueError: the grid does not fill the job's devices exactly.
+    """
+    return cls(placement_lib.process_slots(dp, pp, placement, num_processes, local_devices,
+                                           devices_per_worker))
+
+  def process_of(self, node: int) -> int:
+    return self.slots[node][0]
+
+  def processes_of(self, nodes: Sequence[int]) -> list[int]:
+    """The processes holding `nodes`, sorted."""
+    return sorted({self.slots[n][0] for n in nodes})
+
+  def nodes_of(self, processes: Sequence[int]) -> list[int]:
+    """Every node the processes hold, sorted."""
+    wanted = set(processes)
+    return sorted(n for n, (p, _) in self.slots.items() if p in wanted)
+
+
 class ProcessTransport(Transport):
-  """Nodes are processes (one device each); this process holds its own node's slots.
+  """Nodes are workers placed on processes by `layout`; this process holds its own nodes'
+  slots, each on one of its local devices.
 
   Args:
     cluster: the joined job.
+    layout: where every node runs (the same in every process).
     pause: the test hook (see `PauseHook`).
   """
 
   remote_collectives = True
 
-  def __init__(self, cluster: Cluster, pause: PauseHook | None = None):
-    super().__init__({cluster.process_id: cluster.device})
+  def __init__(self, cluster: Cluster, layout: ProcessLayout, pause: PauseHook | None = None):
+    me = cluster.process_id
+    local = _devices_of(me)
+    super().__init__({n: local[i] for n, (p, i) in layout.slots.items() if p == me})
     self.cluster = cluster
+    self.layout = layout
     self.pause = pause
     self.step = self.attempt = 0
     self.participants: list[int] = []
+    """The processes holding the attempt's nodes."""
     self.doomed: list[str] = []
 
   def device(self, node: int) -> jax.Device:
-    return self.devices[node] if node in self.devices else _device_of(node)
+    if node in self.devices:
+      return self.devices[node]
+    process, index = self.layout.slots[node]
+    return _devices_of(process)[index]
+
+  def process_of(self, node: int) -> int:
+    return self.layout.process_of(node)
 
   def begin(self, step: int, attempt: int, nodes: Sequence[int] = ()) -> None:
     super().begin(step, attempt)
     self.step, self.attempt = step, attempt
-    self.participants = sorted(nodes)
+    self.participants = self.layout.processes_of(nodes)
     self.doomed = []
     if self.pause is not None:
       self.pause(step, "start")
@@ -110,9 +170,10 @@ class ProcessTransport(Transport):
   def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: jax.Device):
     if self.is_local(producer):
       return super().recv(key, producer, spec, device)
-    got = self.cluster.pull(producer, self._tid(key), [spec])
+    process = self.process_of(producer)
+    got = self.cluster.pull(process, self._tid(key), [spec], device)
     if got is None:
-      self.doomed.append(f"process {producer} unreachable")
+      self.doomed.append(f"process {process} unreachable")
       return jax.device_put(jnp.zeros(spec.shape, spec.dtype), device)
     return got[0]
 
@@ -134,7 +195,7 @@ class ProcessTransport(Transport):
     out = super().reduce(index, nodes, devices, local)
     if out is local:
       return local
-    err = self.cluster.wait(out, what, sorted(set(nodes)))
+    err = self.cluster.wait(out, what, self.layout.processes_of(nodes))
     if err is not None:
       self._failed(what, err)
       return local
@@ -145,8 +206,9 @@ class ProcessTransport(Transport):
   ) -> dict[jax.Device, jax.Array] | None:
     """This process offers its buffers to every other member process and pulls theirs."""
     me = self.cluster.process_id
-    procs = sorted(set(nodes))
+    procs = self.layout.processes_of(nodes)
     mine = [flats[d] for d in sorted(flats, key=lambda d: d.id)]
+    first = min(flats, key=lambda d: d.id)  # where `Transport.reduce` sums
     for q in procs:
       if q != me:
         self.cluster.offer(self._reduce_id(index, me, q), mine)
@@ -158,7 +220,7 @@ class ProcessTransport(Transport):
       if q == me:
         continue
       theirs = sorted((d for d in devices if d.process_index == q), key=lambda d: d.id)
-      got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec] * len(theirs))
+      got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec] * len(theirs), first)
       if got is None:
         self.doomed.append(f"all-reduce {index}: process {q} unreachable")
         return None
@@ -196,7 +258,10 @@ class ProcessTransport(Transport):
     detected = time.time()
     if "lost" in decision:
       cl.declared_dead(decision["lost"], what)
-      return Outcome(False, {}, set(decision["lost"]), detected, remote=True)
+      # A lost process takes every node it held with it (the coordinator ignores the ones
+      # already failed).
+      lost = set(self.layout.nodes_of(decision["lost"]))
+      return Outcome(False, {}, lost, detected, remote=True)
     mb_losses = {int(k): v for st in statuses.values() for k, v in st["losses"].items()}
     total = sum(float(st["sumsq"]) for st in statuses.values())
     stop = any(st.get("stop") for st in statuses.values())
@@ -219,9 +284,10 @@ class ProcessTransport(Transport):
     for uid, (src, dst, keys) in zip(uids, transfers, strict=True):
       if not self.is_local(dst) or self.is_local(src):
         continue
-      got = cl.pull(src, uid, [specs[k] for k in keys])
-      what = f"state from process {src}"
-      if got is None or cl.wait(got, what, [src]) is not None:
+      process = self.process_of(src)
+      got = cl.pull(process, uid, [specs[k] for k in keys], self.device(dst))
+      what = f"state from process {process}"
+      if got is None or cl.wait(got, what, [process]) is not None:
         raise RuntimeError(f"process {cl.process_id}: {what} was lost during the hand-over")
       received.setdefault(dst, {}).update(zip(keys, got, strict=True))
     return received
@@ -290,7 +356,7 @@ class ProcessTransport(Transport):
       step: the committed step (names the transfers).
       holders: for each stage key (any int the processes agree on), the node that hands its
         state over.
-      export: this process's own state in the universal layout.
+      export: this process's own state in the universal layout (every stage it holds).
 
     Returns:
       On process 0 the whole state, or None if a holder died before handing its state over;
@@ -300,33 +366,42 @@ class ProcessTransport(Transport):
 
     cl = self.cluster
     me = cl.process_id
+    # A process holding several holders hands its whole state over once, under its first key.
+    keys: dict[int, int] = {}
+    for key, node in sorted(holders.items()):
+      keys.setdefault(self.process_of(node), key)
     own_params, own_opt = export()
     if me != 0:
-      for key, node in sorted(holders.items()):
-        if node == me:
-          entries = {"p/" + k: v for k, v in own_params.items()}
-          entries.update({"o/" + k: v for k, v in own_opt.items()})
-          names = sorted(entries)
-          cl.kv_set(f"state/{step}/{key}",
-                    [[n, list(entries[n].shape), str(entries[n].dtype)] for n in names])
-          cl.offer(transfer_id(step, 63, 0, key, STATE), [entries[n] for n in names])
+      if me in keys:
+        entries = {"p/" + k: v for k, v in own_params.items()}
+        entries.update({"o/" + k: v for k, v in own_opt.items()})
+        names = sorted(entries)
+        cl.kv_set(f"state/{step}/{keys[me]}",
+                  [[n, list(entries[n].shape), str(entries[n].dtype)] for n in names])
+        cl.offer(transfer_id(step, 63, 0, keys[me], STATE), [entries[n] for n in names])
       return None
     params: dict[str, Any] = dict(own_params)
     opt: list[dict[str, Any]] = [own_opt]
-    for key, node in sorted(holders.items()):
-      if node == me:
+    for process, key in sorted(keys.items()):
+      if process == me:
         continue
-      spec = cl.await_key(f"state/{step}/{key}", node, f"state {key} from process {node}")
+      what = f"state {key} from process {process}"
+      spec = cl.await_key(f"state/{step}/{key}", process, what)
       if spec is None:  # the holder died first
         return None
       specs = [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt)) for _, shape, dt in spec]
-      got = cl.pull(node, transfer_id(step, 63, 0, key, STATE), specs)
-      if got is None or cl.wait(got, f"state {key} from process {node}", [node]) is not None:
+      got = cl.pull(process, transfer_id(step, 63, 0, key, STATE), specs)
+      if got is None or cl.wait(got, what, [process]) is not None:
         return None
       values = dict(zip([n for n, _, _ in spec], got, strict=True))
-      params.update({n[2:]: v for n, v in values.items() if n.startswith("p/")})
+      params.update({n[2:]: v for n, v in values.items() if n.startswith("p/") and
+                     n[2:] not in params})
       opt.append({n[2:]: v for n, v in values.items() if n.startswith("o/")})
     return params, universal.merge(opt)
+
+  def holds_any(self, nodes: Sequence[int]) -> bool:
+    """Whether this process holds one of `nodes`."""
+    return any(self.is_local(n) for n in nodes)
 
 
 def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[int, Any]]:
@@ -339,6 +414,6 @@ def _attempt_key(step: int, attempt: int) -> str:
   return f"step/{step}/{attempt}"
 
 
-def _device_of(process: int) -> jax.Device:
-  """The (single) device of `process`."""
-  return next(d for d in jax.devices() if d.process_index == process)
+def _devices_of(process: int) -> list[jax.Device]:
+  """The devices `process` drives, in the order `ProcessLayout`'s local indices count them."""
+  return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)

@@ -1,8 +1,12 @@
 """How data crosses slot boundaries: the interpreter's one interface to devices and processes.
 
-`Transport` serves a single process that holds every node (device) of the plan: arrays
-move with `jax.device_put` and every step commits. `runtime.multiprocess.ProcessTransport`
-extends it to a `jax.distributed` job, where some nodes live in other processes.
+`Transport` serves a single process that holds every node of the plan: arrays move with
+`jax.device_put` and every step commits. A node is one device, or with tensor parallelism a
+sub-mesh of devices (`placement`); `device` is where its whole arrays go (the device, or
+replicated over the sub-mesh: `model.sharding.Where`), so the interpreter and the reduction
+below move activations and gradient buffers the same way for both.
+`runtime.multiprocess.ProcessTransport` extends it to a `jax.distributed` job, where some nodes
+live in other processes.
 
 A reduction (the data-parallel gradient sum) is a gather, the same within a process and
 across processes: each member lays its stage's gradients out as one flat float32 buffer; one
@@ -30,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from resilient_jax.compiled import OnEachDevice
+from resilient_jax.model.sharding import Where, as_mesh, target
 
 Params = dict[str, jax.Array]
 ACT, GRAD, STATE = 0, 1, 2
@@ -40,8 +45,8 @@ Transfer = tuple[int, int, Sequence[str]]
 Lookup = Callable[[int, str], jax.Array]
 """A source node's array of a state key."""
 Specs = Mapping[str, jax.ShapeDtypeStruct]
-Devices = tuple[jax.Device, ...]
-PerDevice = dict[jax.Device, Params]
+Devices = tuple[Where, ...]
+PerDevice = dict[Where, Params]
 """One dict of arrays per device (a reduction's inputs and outputs)."""
 Tag = tuple[int, int]
 """The step and attempt a state exchange belongs to."""
@@ -70,7 +75,7 @@ class Transport:
   node is a local device (`runtime.multiprocess.ProcessTransport` extends it across processes).
 
   Args:
-    devices: the device of every node.
+    devices: the device of every node, or its sub-mesh (`model.sharding.worker_mesh`).
   """
 
   remote_collectives = False
@@ -79,15 +84,21 @@ class Transport:
   """Set (by a signal handler) to stop the job after the step in flight; an attempt that
   commits carries it to every process in `Outcome.stop`."""
 
-  def __init__(self, devices: Mapping[int, jax.Device]):
-    self.devices = dict(devices)
+  def __init__(self, devices: Mapping[int, jax.Device | jax.sharding.Mesh]):
+    self.placements = dict(devices)
+    self.devices: dict[int, Where] = {n: target(p) for n, p in self.placements.items()}
     self._box: dict[Key, jax.Array] = {}
 
   def is_local(self, node: int) -> bool:
     """Whether `node`'s device belongs to this process."""
     return node in self.devices
 
-  def device(self, node: int) -> jax.Device:
+  def placement(self, node: int) -> jax.sharding.Mesh:
+    """The devices of `node`'s worker: a sub-mesh (a 1-device mesh without tensor parallelism)."""
+    return as_mesh(self.placements[node])
+
+  def device(self, node: int) -> Where:
+    """Where `node`'s whole arrays go: its device, or replicated over its sub-mesh."""
     return self.devices[node]
 
   def begin(self, step: int, attempt: int, nodes: Sequence[int] = ()) -> None:
@@ -100,7 +111,7 @@ class Transport:
     del consumer
     self._box[key] = value
 
-  def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: jax.Device):
+  def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: Where):
     """The array `producer` sent under `key`, on `device` (possibly filled asynchronously)."""
     del producer, spec
     return jax.device_put(self._box.pop(key), device)

@@ -245,8 +245,11 @@ def from_config_dict(cd: Mapping[str, Any]) -> SimConfig:
       raise SimConfigError(f"sweep.stage={stage} is not a stage of pp={pp}")
     stage %= pp  # -1: the last stage
     failures = _int_list(_str(cd, "sweep", "failures"), "sweep.failures")
-    limit = layout.dp if sweep_placement == "stage" else layout.workers + 1
-    if max(failures) >= limit:
+    if sweep_placement == "hosts":
+      if max(failures) > layout.nodes:
+        raise SimConfigError(f"sweep.failures={max(failures)} hosts, but the cluster has "
+                             f"{layout.nodes}")
+    elif max(failures) >= (layout.dp if sweep_placement == "stage" else layout.workers + 1):
       raise SimConfigError(
         f"sweep.failures={max(failures)} leaves no live worker in a stage of {layout.dp}"
       )

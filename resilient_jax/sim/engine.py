@@ -52,7 +52,7 @@ __all__ = [
   "sweep_failed_set",
 ]
 
-SWEEP_PLACEMENTS = ("stage", "random")
+SWEEP_PLACEMENTS = ("stage", "random", "hosts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,21 +94,33 @@ def bound_for(grid: Grid, failed: Iterable[Worker]) -> float:
 
 
 def sweep_failed_set(
-  grid: Grid, failures: int, placement: str = "stage", *, stage: int = 0, seed: int = 0
+  grid: Grid, failures: int, placement: str = "stage", *, stage: int = 0, seed: int = 0,
+  layout: Layout | None = None,
 ) -> frozenset[Worker]:
   """The failed workers of a sweep point.
 
   Args:
     grid: the grid.
-    failures: how many workers fail.
+    failures: how many workers fail; for "hosts", how many hosts (nodes).
     placement: "stage": all in `stage`, spread evenly over the pipelines (the case ReCycle's
-      bound describes); "random": uniformly random workers (seeded).
+      bound describes); "random": uniformly random workers (seeded); "hosts": every worker
+      with a device on `failures` uniformly random hosts (seeded), as `layout` places them.
     stage: the stage for "stage".
-    seed: the seed for "random".
+    seed: the seed for "random" and "hosts".
+    layout: the placement, for "hosts".
 
   Returns:
     The failed set.
   """
+  if placement == "hosts":
+    if layout is None:
+      raise ValueError("sweep placement 'hosts' needs the layout")
+    if failures > layout.nodes:
+      raise ValueError(f"{failures} host failures but only {layout.nodes} hosts")
+    rng = np.random.default_rng(seed)
+    hosts = rng.choice(layout.nodes, size=failures, replace=False)
+    per = layout.devices_per_node
+    return frozenset(layout.worker_of_device(int(h) * per + i) for h in hosts for i in range(per))
   if placement == "stage":
     if failures >= grid.dp:
       raise ValueError(f"{failures} failures in one stage leave none of its {grid.dp} workers")
@@ -136,6 +148,7 @@ def sweep(
   placement: str = "stage",
   stage: int = 0,
   seed: int = 0,
+  layout: Layout | None = None,
 ) -> list[Row]:
   """Steady-state throughput of every policy at every failure count.
 
@@ -147,7 +160,8 @@ def sweep(
     samples_per_step: the global batch in samples.
     placement: where the failures fall (see `sweep_failed_set`).
     stage: the stage for placement "stage".
-    seed: the seed for placement "random".
+    seed: the seed for placement "random" and "hosts".
+    layout: the job's placement on hosts, for placement "hosts".
 
   Returns:
     One row per (policy, failure count), policies in the given order.
@@ -156,7 +170,7 @@ def sweep(
   for name, policy in policies.items():
     fault_free = samples_per_step / policy.step_time(grid, frozenset(), costs)
     for k in failures:
-      failed = sweep_failed_set(grid, k, placement, stage=stage, seed=seed + k)
+      failed = sweep_failed_set(grid, k, placement, stage=stage, seed=seed + k, layout=layout)
       t = policy.step_time(grid, failed, costs)
       rows.append(
         Row(

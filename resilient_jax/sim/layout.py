@@ -9,19 +9,22 @@ on it. Which workers share a node decides what a node failure looks like to the 
 * `"stage"` placement (rank = s * dp + d): a node holds one stage of consecutive pipelines, so
   the gradient all-reduce stays partly inside nodes and a node failure removes several workers
   of the same stage.
+
+The ranks are `resilient_jax.placement`'s, the same the runtime places processes' workers by.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from resilient_jax import placement as placement_lib
 from resilient_jax.checks import require_ints
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.generators import GENERATORS
 
 __all__ = ["PLACEMENTS", "Layout"]
 
-PLACEMENTS = ("pipeline", "stage")
+PLACEMENTS = placement_lib.PLACEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Layout:
   microbatches: int = 8
   micro_batch_size: int = 1
   devices_per_node: int = 8
-  placement: str = "pipeline"
+  placement: str = placement_lib.DEFAULT_PLACEMENT
   schedule: str = "zb-h1"
   memory_cap: int | None = None
 
@@ -91,14 +94,10 @@ class Layout:
     return self.dp * self.microbatches * self.micro_batch_size
 
   def worker_of_rank(self, rank: int) -> Worker:
-    if self.placement == "pipeline":
-      return divmod(rank, self.pp)
-    s, d = divmod(rank, self.dp)
-    return (d, s)
+    return placement_lib.worker_of_rank(rank, self.dp, self.pp, self.placement)
 
   def rank_of_worker(self, worker: Worker) -> int:
-    d, s = worker
-    return d * self.pp + s if self.placement == "pipeline" else s * self.dp + d
+    return placement_lib.rank_of_worker(worker, self.dp, self.pp, self.placement)
 
   def worker_of_device(self, device: int) -> Worker:
     """The worker device `device` (0 .. devices - 1) belongs to."""

@@ -83,8 +83,11 @@ def plot_sweep(results: Mapping[str, Any], path: str | Path) -> None:
     ax.set_xticks(xs)
     ax.set_xticklabels([str(x) for x in xs])
   cfg = results["config"]
-  where = "in one stage" if cfg["sweep_placement"] == "stage" else "at random workers"
-  ax.set_xlabel(f"concurrent failed workers ({where})")
+  if cfg["sweep_placement"] == "hosts":
+    ax.set_xlabel(f"concurrent failed hosts (all their workers; placement {cfg['placement']})")
+  else:
+    where = "in one stage" if cfg["sweep_placement"] == "stage" else "at random workers"
+    ax.set_xlabel(f"concurrent failed workers ({where})")
   ax.set_ylabel("throughput relative to fault-free")
   ax.set_ylim(0, 1.05)
   ax.grid(alpha=0.3)

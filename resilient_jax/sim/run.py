@@ -136,6 +136,7 @@ def run_simulation(
       placement=cfg.sweep.placement,
       stage=cfg.sweep.stage,
       seed=cfg.sweep.seed,
+      layout=lay,
     )
   t_sweep = time.perf_counter() - t_start
   trace = build_trace(cfg)
@@ -224,8 +225,12 @@ def format_table(results: dict[str, Any]) -> str:
   ]
   ff = "  ".join(f"{n} {by[(n, ks[0])]['fault_free_throughput']:.1f}" for n in names)
   lines.append(f"fault-free samples/s: {ff}")
-  where = "one stage" if cfg["sweep_placement"] == "stage" else "random workers"
-  lines.append(f"relative throughput vs concurrent failed workers ({where}):")
+  if cfg["sweep_placement"] == "hosts":
+    lines.append("relative throughput vs concurrent failed hosts (random, all their workers; "
+                 f"placement {cfg['placement']}):")
+  else:
+    where = "one stage" if cfg["sweep_placement"] == "stage" else "random workers"
+    lines.append(f"relative throughput vs concurrent failed workers ({where}):")
   lines.append(f"{'failures':>8} {'bound':>7} " + " ".join(f"{n:>8}" for n in names))
   for k in ks:
     cells = " ".join(
