@@ -19,10 +19,10 @@ So it *announces* itself and waits, and the live processes admit it between two 
    coordinator (`replay`): every process derives plans from the same agreed history the same
    way, so it ends up on the survivors' plan, policy state included, without anything else
    being sent. Then every process, the joiner included, applies the admission to that plan the
-   same way (`RunCoordinator.rejoin`, then `Interpreter.place` with the joiners as the nodes
-   whose old state does not count), which moves each state key the joiner's new slots need from
-   the lowest live node that holds it, over the transfer server: the same hand-over a failure
-   uses. Nothing comes from the checkpoint.
+   same way (`RunCoordinator.rejoin` of every worker the joiners hold, then `Interpreter.place`
+   with those workers as the nodes whose old state does not count), which moves each state key
+   the joiner's new slots need from the lowest live node that holds it, over the transfer
+   server: the same hand-over a failure uses. Nothing comes from the checkpoint.
 
 Every wait is `Cluster.poll`'s (bounded by `distributed.wait_timeout_s`); a joiner still waiting
 when the job ends (process 0 writes `ended`) leaves with exit code 0.
@@ -120,8 +120,8 @@ def decide(
   Args:
     cluster: the joined job.
     step: the step about to start.
-    live: the live nodes (processes), the same in every live process.
-    nodes: every node the run may use (a process outside them is never admitted).
+    live: the live processes (those holding live workers), the same in every live process.
+    nodes: every process of the job (one outside them is never admitted).
     attempts: the attempt counter.
     history: the membership events so far.
   """
