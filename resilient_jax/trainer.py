@@ -5,14 +5,16 @@ Order of a run:
      process's slots (every slot in one process; its own node's in a `jax.distributed` job);
   2. resume: the newest checkpoint in `WORKDIR/checkpoints` that verifies (any layout; in a
      multi-process job process 0 picks it and every process loads that one), else the initial
-     parameters from the seed;
+     parameters from the seed; a process relaunched into a running job instead waits to be
+     admitted and takes its state from live peers (`relaunch.py`);
   3. each step is *attempted*: the sample ids of the step (a pure function of seed and step),
      split into micro-batches and run by the interpreter. An attempt that loses nodes (a fault
      injected in-process, or processes that died) commits nothing: the policy decides what
      runs next — a new plan on the survivors (state placed from surviving replicas) or a
      restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
      again with the same samples. A step with a scheduled rejoin starts with it: the policy
-     takes the worker back and its state is placed from live replicas (`rejoining.py`);
+     takes the worker back and its state is placed from live replicas (`rejoining.py`); in a
+     job, every step starts by admitting the relaunched processes the live ones agree on;
   4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
      `checkpoint.every_steps`; the last step, the last fault-free step before the first injected
      failure and the first step after each run in profile mode for their timelines and the
@@ -28,7 +30,9 @@ Test hook for multi-process jobs: `RESILIENT_JAX_PAUSE=STEP:WHERE` makes this pr
 time to the file named by `RESILIENT_JAX_PAUSE_FILE` and wait at that point of that step
 (`start`, an op such as `F1` or `B0` right after it was dispatched, or `AR` inside the gradient
 all-reduce) until the file is gone, so that `launch/local.py` can SIGKILL it (`--kill`) or
-SIGSTOP it (`--stop`) at exactly that moment.
+SIGSTOP it (`--stop`) at exactly that moment. For `--relaunch`, process 0 pauses at `boundary`
+(after the step's admission was decided, before the step is timed) and the relaunched process at
+`0:joined` once it has announced itself.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from resilient_jax.recipe import (
   step_batch,
 )
 from resilient_jax.rejoining import apply_rejoin, check_fault_events
+from resilient_jax.relaunch import Relaunches
 from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.core import AR, Op, Worker
@@ -142,8 +147,12 @@ class TrainResult:
   last_step: StepResult | None
 
 
-class Trainer:
+class Trainer(Relaunches):
   """Owns the coordinator and interpreter of one run (or one process's share of it).
+
+  In a multi-process job a process relaunched into the running job (`Cluster.relaunched`)
+  starts by being admitted (`Relaunches.join`) instead of from a checkpoint, and every process
+  admits relaunched ones between steps (`Relaunches.admit`).
 
   Args:
     cfg: the validated run configuration.
@@ -225,6 +234,8 @@ class Trainer:
       transport = ProcessTransport(cluster, layout, pause_hook_from_env())
       nodes = list(range(need))
     self.transport = transport
+    self.nodes = nodes
+    self.membership = []
     self.coordinator = RunCoordinator(cfg, nodes, log=self.log)
     if cluster is None:
       from resilient_jax.profiling import simulated_cpu_devices
@@ -242,9 +253,10 @@ class Trainer:
       # first transfer over a new connection and the split backward's compile would
       # otherwise land inside a recovery.
       mine = {n % pp for n in transport.devices}
-      cluster.connect(layout.processes_of(
-        [n for n in nodes if any(abs(n % pp - s) == 1 for s in mine)]))
-      self.interpreter.warm_up()
+      if not cluster.relaunched:  # a joiner's neighbours are inside a step: `admit` connects
+        cluster.connect(layout.processes_of(
+          [n for n in nodes if any(abs(n % pp - s) == 1 for s in mine)]))
+      self.interpreter.warm_up(everything=cluster.relaunched)
     events = [FaultEvent(f.step, (f.dp, f.stage), rejoin=f.rejoin)
               for f in cfg.faults.schedule] + list(faults)
     self.faults = [(f, f.worker[0] * pp + f.worker[1]) for f in events]
@@ -278,7 +290,8 @@ class Trainer:
     self.microbatch_size = self.cfg.step_batch // num_microbatches(plan)
     return Interpreter(self._programs_for, self.transport, plan,
                        clip_global_norm=self.cfg.optimizer.clip_global_norm,
-                       nonfinite=self.cfg.faults.nonfinite)
+                       nonfinite=self.cfg.faults.nonfinite,
+                       replicas=self.cluster is None or not self.cluster.relaunched)
 
   @property
   def programs(self) -> list[StagePrograms]:
@@ -426,6 +439,7 @@ class Trainer:
       steps after it), else None.
     """
     lost = sorted(nodes)
+    self.membership.append({"kind": "fail", "nodes": lost, "step": step, "mid_step": mid_step})
     event = self.goodput.add("failure", step, lost, detect_s=detect_s, at=detected_at,
                              mid_step=mid_step)
     event.steps_rerun = 1 if mid_step else 0  # the step in flight is attempted again
@@ -483,8 +497,10 @@ class Trainer:
       return plan.nodes
     return sorted(plan.nodes[w] for w in plan.schedule.ops)
 
-  def _kill_times(self) -> dict[int, float]:
-    return {r["process"]: r["time"] for r in read_jsonl(self.workdir / KILLS_FILE)}
+  def _kill_times(self, relaunches: bool = False) -> dict[int, float]:
+    """When `launch/local.py` killed (or, with `relaunches`, relaunched) each process."""
+    return {r["process"]: r["time"] for r in read_jsonl(self.workdir / KILLS_FILE)
+            if (r.get("signal") == "relaunch") == relaunches}
 
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
     """Attempts 1-based `step` until an attempt commits, whatever fails during it.
@@ -505,9 +521,11 @@ class Trainer:
       restored = self._fail(starting, step, mid_step=False)
       if restored is not None:
         raise _Restored(restored)
+    pending: list[dict] = self.admit(step)  # relaunched processes come back between steps
+    if self.cluster is not None and self.transport.pause is not None:
+      self.transport.pause(step, "boundary")  # where `launch.local --relaunch` holds process 0
     hook = self._fault_hook(step)
     attempt = 0
-    pending: list[dict] = []
     while True:
       n = num_microbatches(self.coordinator.plan)
       mb_ids, inputs, targets = step_batch(self.cfg, self.source, self.plan, step, n)
@@ -560,6 +578,9 @@ class Trainer:
       # a recovery should find every program it needs already built.
       event["xla_compiles"] = Counts.xla - event["xla_compiles"]
       self.recovery.append(event)
+      if event.get("kind") == "rejoin":
+        self._rejoined(event, step, done_at)
+        continue
       self.board.text(step, "recovery", f"step {step} committed {event['detect_to_next_step_s']}s "
                       f"after the loss of node {event['node']} was detected")
       if "kill_to_next_step_s" in event:
@@ -646,7 +667,10 @@ class Trainer:
     if self.chief:
       write_json_atomic(self.workdir / "config.json", dataclasses.asdict(cfg))
     metrics_path = self.workdir / "metrics.jsonl"
-    start = self._load("start") + 1
+    if self.cluster is not None and self.cluster.relaunched:
+      start = self.join()  # into the running job, with state from live peers
+    else:
+      start = self._load("start") + 1
     metrics = []
     if self.chief:
       earlier = read_jsonl(metrics_path, log=self.log)
@@ -786,19 +810,29 @@ class Trainer:
     return "another process of the job received a stop signal"
 
   def leave_together(self, key: str) -> None:
-    """Called by every surviving process before it leaves: process 0, which hosts the
-    key-value store, waits until every other live process of the plan has reached this point
-    too (or is proven dead), so that none of them loses the store while still reading a
-    decision (it would exit 5 instead of reaching the same end). The others go at once."""
+    """Called by every surviving process before it leaves, a barrier in three steps: every
+    other live process writes `{key}/{pid}`; process 0, which hosts the key-value store, waits
+    for them all (or their death) and writes `{key}/all`; each writes `{key}/left/{pid}` once it
+    read that, and process 0 waits for those before it goes. So no process loses the store
+    while still reading a decision (it would exit 5 instead of reaching the same end), and none
+    leaves while a peer may still be pulling what it offered in the last step (Bamboo's replica
+    of its stage), which its exit would cut off."""
+    from resilient_jax.runtime.admission import ENDED_KEY
+
     cl = self.cluster
     me = cl.process_id
     if not self.chief:
       cl.kv_set(f"{key}/{me}", True)
+      cl.await_key(f"{key}/all", 0, f"every process to reach {key}")
+      cl.kv_set(f"{key}/left/{me}", True)
       return
-    others = set(self.transport.layout.processes_of(sorted(self.coordinator.live))) - {me}
-    for p in sorted(others):
+    cl.kv_set(ENDED_KEY, key)  # a relaunched process still waiting to be admitted leaves too
+    others = sorted(set(self.transport.layout.processes_of(sorted(self.coordinator.live))) - {me})
+    for p in others:
       cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
-
+    cl.kv_set(f"{key}/all", True)
+    for p in others:
+      cl.await_key(f"{key}/left/{p}", p, f"process {p} to leave at {key}")
 
 def _describe(plan: Plan) -> str:
   if isinstance(plan, GridPlan):
