@@ -21,13 +21,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from resilient_jax.checkpoint.store import committed_steps
-from resilient_jax.config import ConfigError, RunConfig, check_rejoins
 from resilient_jax.runtime.handover import Source
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
 
 if TYPE_CHECKING:
-  from resilient_jax.trainer import FaultEvent, Trainer
+  from resilient_jax.trainer import Trainer
 
 
 def position(plan: Plan, node: int) -> str:
@@ -137,20 +136,3 @@ def _place_locally(trainer: Trainer, taken: list[int], step: int, old_plan: Plan
     trainer.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state device "
                 "to device from live replicas")
   return copied, state_from
-
-
-def check_fault_events(events: Sequence[FaultEvent], cfg: RunConfig) -> None:
-  """The programmatic faults `events` (with the config's `faults.schedule`): rejoins must
-  follow a failure of the same worker (`config.check_rejoins`) and happen at a step's start.
-
-  Raises:
-    ConfigError: the first bad event (one line).
-  """
-  for f in events:
-    if f.rejoin and f.after_op is not None:
-      raise ConfigError(f"fault {f}: a rejoin happens at the start of a step, not after an op")
-    if f.rejoin and cfg.distributed.enabled:
-      raise ConfigError(f"fault {f}: in-process rejoins need an in-process run (relaunch "
-                        "processes in a job instead)")
-  scheduled = [(f.step, (f.dp, f.stage), f.rejoin) for f in cfg.faults.schedule]
-  check_rejoins(scheduled + [(f.step, tuple(f.worker), f.rejoin) for f in events])
