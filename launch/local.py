@@ -23,6 +23,15 @@ after S seconds, when it finds itself declared dead and exits 7 if the others we
 it; with 0 it stays frozen and is killed once the others are done. `--term` takes one such
 point: when that process reaches it, every running process gets SIGTERM (a preemption).
 
+`--relaunch=STEP:PROCESS` starts a process named in `--kill` (or `--stop`) again, with the same
+command, when the job reaches step STEP: process 0 holds before that step (its admission already
+decided, its timing not yet begun) until the new process has joined the job and announced
+itself, while the other processes are inside the step waiting for process 0; the live processes
+admit it at the next step boundary (before step STEP+1) and it trains from there with state
+from a live peer (`resilient_jax/runtime/admission.py`). STEP must come after the kill and
+before the last step; process 0 cannot be relaunched (its death ends the job) and takes no other
+point then.
+
 The arguments after `--` are `launch.train`'s (`python -m launch.train --help` lists them; absl's
 logging flags there apply to every worker, e.g. `--log_dir=D`: one log file per process). They
 are checked as `launch.train` reads them (`launch/cli.py`) before any process starts: a bad
@@ -45,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,6 +79,8 @@ _TERM = flags.DEFINE_string("term", "", "STEP:PROCESS[:WHERE]: when that process
                             "point, SIGTERM every running process (a scheduler's preemption).")
 _STOP_S = flags.DEFINE_float("stop_s", 0.0, "SIGCONT a --stop process after this many seconds; "
                              "0 leaves it frozen until the others are done.")
+_RELAUNCH = flags.DEFINE_string("relaunch", "", "STEP:PROCESS: start a --kill/--stop process "
+                                "again when the job reaches STEP (admitted before STEP+1).")
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1; 0 picks a free one.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 1800, "Kill everything after this many seconds.")
 
@@ -147,6 +159,46 @@ def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig, flag: str = "
                        f"{program.name}; its ops are {_summary(ops)}")
 
 
+def parse_relaunch(spec: str, num_processes: int, last_step: int,
+                   lost: dict[int, tuple[int, str]], busy: set[int]) -> tuple[int, int] | None:
+  """`STEP:PROCESS` -> (step, process), or None for ''.
+
+  Args:
+    spec: the flag's value.
+    num_processes: the job's processes.
+    last_step: the run's last step.
+    lost: {process: (step, where)} of `--kill` and `--stop`.
+    busy: processes with a `--kill`/`--stop`/`--term` point (process 0 must not have one: it
+      holds at STEP while the relaunched process joins).
+
+  Raises:
+    ValueError: a malformed value, or a relaunch that cannot happen as asked.
+  """
+  if not spec:
+    return None
+  m = re.match(r"^(\d+):(\d+)$", spec.strip())
+  if not m:
+    raise ValueError(f"--relaunch={spec} is not STEP:PROCESS (one process)")
+  step, proc = int(m.group(1)), int(m.group(2))
+  if proc >= num_processes:
+    raise ValueError(f"--relaunch={spec}: process must be below --num_processes={num_processes}")
+  if proc == 0:
+    raise ValueError(f"--relaunch={spec}: process 0 hosts the coordination service; its death "
+                     "ends the job, which then resumes from a checkpoint instead")
+  if proc not in lost:
+    raise ValueError(f"--relaunch={spec}: process {proc} is not named in --kill or --stop")
+  if step <= lost[proc][0]:
+    raise ValueError(f"--relaunch={spec}: step must come after process {proc} is lost (step "
+                     f"{lost[proc][0]})")
+  if step >= last_step:
+    raise ValueError(f"--relaunch={spec}: the process is admitted before step {step + 1}, but "
+                     f"the run ends after step {last_step}")
+  if 0 in busy:
+    raise ValueError(f"--relaunch={spec}: process 0 holds at step {step} for the relaunch, so "
+                     "it takes no --kill, --stop or --term point")
+  return step, proc
+
+
 def _shares_parameters(a: SlotProgram, b: SlotProgram, model: ModelConfig) -> bool:
   """Whether two slots hold a parameter in common (then they all-reduce its gradient)."""
   (lo_a, hi_a), (lo_b, hi_b) = a.split[a.stage], b.split[b.stage]
@@ -218,6 +270,7 @@ def launch(
   stops: dict[int, tuple[int, str]] | None = None,
   stop_s: float | dict[int, float] = 0.0,
   term: dict[int, tuple[int, str]] | None = None,
+  relaunch: tuple[int, int] | None = None,
   port: int = 0,
   timeout_s: float = 1800,
   devices_per_process: int = 1,
@@ -232,6 +285,7 @@ def launch(
     stop_s: how long a frozen process stays frozen (then SIGCONT), or that per process; 0: until
       every other process has ended (then it is killed).
     term: {process: point}: when it reaches the point, every running process gets SIGTERM.
+    relaunch: `parse_relaunch`'s (step, process): start that process again at that step.
     workdir: the `--workdir` of `train_args` (created).
     port: the coordinator's port; 0 picks a free one.
     timeout_s: kill everything after this long (exit code 124).
@@ -254,20 +308,27 @@ def launch(
             **{i: (*e, "stop") for i, e in stops.items()},
             **{i: (*e, "term") for i, e in (term or {}).items()}}
   termed: set[int] = set()
+  relaunched: dict[int, str] = {}  # process -> "started" (not yet announced) or "joined"
+
+  def start(i: int, pause: str | None, marker: str) -> subprocess.Popen:
+    env = dict(env_base)
+    env.pop("RESILIENT_JAX_PAUSE", None)
+    if pause:
+      env["RESILIENT_JAX_PAUSE"] = pause
+      env["RESILIENT_JAX_PAUSE_FILE"] = str(pause_dir / marker)
+    cmd = [sys.executable, "-m", "launch.train", *worker_args(train_args, num_processes, i, port)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    t = threading.Thread(target=_stream, args=(p, f"[p{i}] ", lock), daemon=True)
+    t.start()
+    streams.append(t)
+    return p
+
   try:
     for i in range(num_processes):
-      env = dict(env_base)
-      env.pop("RESILIENT_JAX_PAUSE", None)
-      if i in events:
-        step, where, _ = events[i]
-        env["RESILIENT_JAX_PAUSE"] = f"{step}:{where}"
-        env["RESILIENT_JAX_PAUSE_FILE"] = str(pause_dir / f"p{i}")
-      cmd = [sys.executable, "-m", "launch.train", *worker_args(train_args, num_processes, i, port)]
-      p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-      procs.append(p)
-      t = threading.Thread(target=_stream, args=(p, f"[p{i}] ", lock), daemon=True)
-      t.start()
-      streams.append(t)
+      pause = f"{events[i][0]}:{events[i][1]}" if i in events else None
+      if relaunch is not None and i == 0:
+        pause = f"{relaunch[0]}:boundary"
+      procs.append(start(i, pause, f"p{i}"))
     killed: set[int] = set()
     frozen: dict[int, float] = {}  # process -> when to let it go (inf: never)
     deadline = time.monotonic() + timeout_s
@@ -300,6 +361,9 @@ def launch(
           with lock:
             logging.info("[launch] %s process %d at step %d (%s)",
                          "SIGKILLed" if action == "kill" else "SIGSTOPped", i, step, where)
+      if relaunch is not None:
+        _relaunch_step(relaunch, procs, relaunched, killed, frozen, pause_dir, kills_log, lock,
+                       lambda i: start(i, "0:joined", f"p{i}.joined"))
       for i, when in sorted(frozen.items()):
         if time.monotonic() >= when:
           frozen[i] = float("nan")  # let go once
@@ -319,7 +383,7 @@ def launch(
     for t in streams:
       t.join(timeout=5)
     codes = {i: p.returncode for i, p in enumerate(procs)}
-    not_reached = sorted(set(events) - killed - set(frozen) - termed)
+    not_reached = sorted(set(events) - killed - set(frozen) - termed - set(relaunched))
     if not_reached:
       with lock:
         logging.warning("[launch] processes %s never reached their --kill/--stop point",
@@ -330,7 +394,8 @@ def launch(
     survivors = {i: c for i, c in codes.items() if i not in killed and i not in frozen}
     expected = {EXIT_OK} | ({EXIT_DECLARED_DEAD} if codes.get(0) == EXIT_OK else set())
     failed = {i: c for i, c in survivors.items() if c not in expected}
-    summary = ", ".join(f"p{i}={'killed' if i in killed else c}" for i, c in codes.items())
+    summary = ", ".join(f"p{i}={'killed' if i in killed else c}"
+                        + (" (relaunched)" if i in relaunched else "") for i, c in codes.items())
     print(f"[launch] exit codes: {summary}", flush=True)  # the job's result: on stdout, always
     return next(iter(failed.values())) if failed else 0
   finally:
@@ -342,6 +407,40 @@ def launch(
     for f in pause_dir.iterdir():
       f.unlink()
     pause_dir.rmdir()
+
+
+def _relaunch_step(
+  relaunch: tuple[int, int], procs: list[subprocess.Popen], relaunched: dict[int, str],
+  killed: set[int], frozen: dict[int, float], pause_dir: Path, kills_log: Path,
+  lock: threading.Lock, start: Callable[[int], subprocess.Popen],
+) -> None:
+  """One turn of the `--relaunch` state machine: once process 0 holds at the relaunch step,
+  starts the process again (killing a frozen predecessor first); once the new process has
+  announced itself to the job (or died trying), lets both go on."""
+  step, i = relaunch
+  held = pause_dir / "p0"
+  if i not in relaunched:
+    if not held.exists() or procs[0].poll() is not None:
+      return
+    if procs[i].poll() is None:  # frozen (--stop) or not yet killed: it is replaced now
+      procs[i].kill()
+      procs[i].wait()
+    frozen.pop(i, None)
+    killed.discard(i)
+    (pause_dir / f"p{i}").unlink(missing_ok=True)  # its predecessor's kill point: done with
+    procs[i] = start(i)
+    relaunched[i] = "started"
+    with kills_log.open("a") as f:
+      f.write(json.dumps({"process": i, "step": step, "at": "start", "time": time.time(),
+                          "signal": "relaunch"}) + "\n")
+    with lock:
+      logging.info("[launch] relaunched process %d at step %d", i, step)
+    return
+  announced = pause_dir / f"p{i}.joined"
+  if relaunched[i] == "started" and (announced.exists() or procs[i].poll() is not None):
+    relaunched[i] = "joined"
+    announced.unlink(missing_ok=True)
+    held.unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> None:
@@ -390,13 +489,17 @@ def main(argv: list[str]) -> None:
   except ValueError as e:
     cli.fail(f"--num_processes={num} --devices_per_process={devices}: {e}")
   try:
+    last = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
+    relaunch = parse_relaunch(_RELAUNCH.value, num, last, {**kills, **stops},
+                              set(kills) | set(stops) | set(term))
     check_kills(kills, cfg, num_processes=num)
     check_kills(stops, cfg, flag="--stop", num_processes=num)
     check_kills(term, cfg, flag="--term", num_processes=num)
   except ValueError as e:
     cli.fail(str(e))
   sys.exit(launch(num, train_args, kills, workdir, stops=stops, stop_s=holds, term=term,
-                  port=port, timeout_s=_TIMEOUT.value, devices_per_process=devices))
+                  relaunch=relaunch, port=port, timeout_s=_TIMEOUT.value,
+                  devices_per_process=devices))
 
 
 def run() -> None:

@@ -21,13 +21,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from resilient_jax.checkpoint.store import committed_steps
-from resilient_jax.config import ConfigError, RunConfig, check_rejoins
 from resilient_jax.runtime.handover import Source
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
 
 if TYPE_CHECKING:
-  from resilient_jax.trainer import FaultEvent, Trainer
+  from resilient_jax.trainer import Trainer
 
 
 def position(plan: Plan, node: int) -> str:
@@ -63,8 +62,14 @@ def state_origins(trainer: Trainer, sources: Sequence[Source], nodes: Sequence[i
   return out
 
 
-def apply_rejoin(trainer: Trainer, nodes: set[int], step: int) -> None:
-  """`nodes` come back at the start of `step` (see the module docstring)."""
+def apply_rejoin(trainer: Trainer, nodes: set[int], step: int, *, remote: bool = False) -> None:
+  """`nodes` come back at the start of `step` (see the module docstring).
+
+  With `remote` (processes admitted back into a multi-process job, `relaunch.Relaunches.admit`),
+  every process calls this: `nodes` hold nothing, and `place` hands each key they lack over
+  from the lowest live node that holds it, across processes (`StateHandover`); the log and
+  the event name those processes and bytes.
+  """
   coord = trainer.coordinator
   old_plan = coord.plan
   decision = coord.rejoin(nodes, step)
@@ -88,19 +93,23 @@ def apply_rejoin(trainer: Trainer, nodes: set[int], step: int) -> None:
                        f"{decision.reason}")
     return
   taken = [n for n in sorted(nodes) if n in trainer._plan_nodes(decision.plan)]
-  down = coord.down_nodes
-  sources = trainer.interpreter.sources(down)
-  copied = trainer.interpreter.place(decision.plan, sources, tag=(step, trainer.attempts))
-  origins = state_origins(trainer, sources, taken)
-  state_from = {}
-  for n in taken:
-    where = ", ".join(position(old_plan, o) for o in origins.get(n, [])) or "its own device"
-    state_from[str(n)] = where
-    trainer.log(f"  worker {position(decision.plan, n)} (node {n}): its state came from "
-                f"{where}")
-  if copied:
-    trainer.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state device "
-                "to device from live replicas")
+  if remote:
+    interp = trainer.interpreter
+    interp.place(decision.plan, interp.sources(nodes), dead=nodes, tag=(step, trainer.attempts))
+    process_of = trainer.transport.process_of
+    moves = [m for m in interp.handed_over if m[1] in nodes]
+    state_from = {str(n): {} for n in taken}
+    for src, dst, size in moves:  # by source process (its workers' shares added up)
+      got = state_from.setdefault(str(dst), {})
+      got[str(process_of(src))] = got.get(str(process_of(src)), 0) + size
+    copied = sum(size for _, _, size in moves)
+    for n in taken:
+      where = ", ".join(f"process {src} ({size} bytes)" for src, size in state_from[str(n)].items())
+      trainer.log(f"  worker {position(decision.plan, n)} of process {process_of(n)}: its "
+                  f"parameters and optimizer state came from "
+                  f"{where or 'nowhere (it needed none)'} over the transfer server")
+  else:
+    copied, state_from = _place_locally(trainer, taken, step, old_plan)
   idle = sorted(set(nodes) - set(taken))
   outcome = (f"now {coord.plan_name} on {coord.live_count} live workers"
              + (f"; node(s) {idle} idle" if idle else ""))
@@ -109,18 +118,21 @@ def apply_rejoin(trainer: Trainer, nodes: set[int], step: int) -> None:
                      f"{step}: {outcome}")
 
 
-def check_fault_events(events: Sequence[FaultEvent], cfg: RunConfig) -> None:
-  """The programmatic faults `events` (with the config's `faults.schedule`): rejoins must
-  follow a failure of the same worker (`config.check_rejoins`) and happen at a step's start.
-
-  Raises:
-    ConfigError: the first bad event (one line).
-  """
-  for f in events:
-    if f.rejoin and f.after_op is not None:
-      raise ConfigError(f"fault {f}: a rejoin happens at the start of a step, not after an op")
-    if f.rejoin and cfg.distributed.enabled:
-      raise ConfigError(f"fault {f}: in-process rejoins need an in-process run (relaunch "
-                        "processes in a job instead)")
-  scheduled = [(f.step, (f.dp, f.stage), f.rejoin) for f in cfg.faults.schedule]
-  check_rejoins(scheduled + [(f.step, tuple(f.worker), f.rejoin) for f in events])
+def _place_locally(trainer: Trainer, taken: list[int], step: int, old_plan: Plan
+                   ) -> tuple[int, dict[str, str]]:
+  """In one process: places the plan from live replicas; returns bytes copied and origins."""
+  down = trainer.coordinator.down_nodes
+  sources = trainer.interpreter.sources(down)
+  copied = trainer.interpreter.place(trainer.coordinator.plan, sources,
+                                     tag=(step, trainer.attempts))
+  origins = state_origins(trainer, sources, taken)
+  state_from = {}
+  for n in taken:
+    where = ", ".join(position(old_plan, o) for o in origins.get(n, [])) or "its own device"
+    state_from[str(n)] = where
+    trainer.log(f"  worker {position(trainer.coordinator.plan, n)} (node {n}): its state came from "
+                f"{where}")
+  if copied:
+    trainer.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state device "
+                "to device from live replicas")
+  return copied, state_from

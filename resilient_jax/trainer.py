@@ -5,14 +5,16 @@ Order of a run:
      process's slots (every slot in one process; its own node's in a `jax.distributed` job);
   2. resume: the newest checkpoint in `WORKDIR/checkpoints` that verifies (any layout; in a
      multi-process job process 0 picks it and every process loads that one), else the initial
-     parameters from the seed;
+     parameters from the seed; a process relaunched into a running job instead waits to be
+     admitted and takes its state from live peers (`relaunch.py`);
   3. each step is *attempted*: the sample ids of the step (a pure function of seed and step),
      split into micro-batches and run by the interpreter. An attempt that loses nodes (a fault
      injected in-process, or processes that died) commits nothing: the policy decides what
      runs next — a new plan on the survivors (state placed from surviving replicas) or a
      restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
      again with the same samples. A step with a scheduled rejoin starts with it: the policy
-     takes the worker back and its state is placed from live replicas (`rejoining.py`);
+     takes the worker back and its state is placed from live replicas (`rejoining.py`); in a
+     job, every step starts by admitting the relaunched processes the live ones agree on;
   4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
      `checkpoint.every_steps`; the last step, the last fault-free step before the first injected
      failure and the first step after each run in profile mode for their timelines and the
@@ -23,12 +25,6 @@ to the next committed step), `goodput.json` (per failure and rejoin, and the run
 training time: `goodput.py`), `timeline*.json/png`, `schedule.txt`, `profile.json`,
 `config.json`, `checkpoints/`, `tb/` (TensorBoard events: `resilient_jax.tensorboard`); every
 process: `profile/stepN/` (`jax.profiler` traces of `profile.trace_steps`).
-
-Test hook for multi-process jobs: `RESILIENT_JAX_PAUSE=STEP:WHERE` makes this process write the
-time to the file named by `RESILIENT_JAX_PAUSE_FILE` and wait at that point of that step
-(`start`, an op such as `F1` or `B0` right after it was dispatched, or `AR` inside the gradient
-all-reduce) until the file is gone, so that `launch/local.py` can SIGKILL it (`--kill`) or
-SIGSTOP it (`--stop`) at exactly that moment.
 """
 
 from __future__ import annotations
@@ -47,16 +43,17 @@ import jax
 import numpy as np
 
 from resilient_jax import data as data_lib
-from resilient_jax.checkpoint import CheckpointError, CheckpointWriter, load_latest
-from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
-from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
+from resilient_jax.checkpoint import CheckpointError, CheckpointWriter
+from resilient_jax.checkpoint.store import committed_steps
+from resilient_jax.checkpointing import RunCheckpoints
 from resilient_jax.compiled import Built, Counts, built
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
+from resilient_jax.faults import FaultEvent, check_fault_events, pause_hook_from_env
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.goodput import GoodputLog
 from resilient_jax.logs import info
 from resilient_jax.model.sharding import worker_mesh
-from resilient_jax.policy import Decision, NoDevicesLeft, RunCoordinator, StageLost
+from resilient_jax.policy import RunCoordinator
 from resilient_jax.profiling import StepTraces
 from resilient_jax.progress import reporting
 from resilient_jax.recipe import (
@@ -68,71 +65,16 @@ from resilient_jax.recipe import (
   sample_seeds,
   step_batch,
 )
-from resilient_jax.rejoining import apply_rejoin, check_fault_events
+from resilient_jax.recovering import Recovers
+from resilient_jax.rejoining import apply_rejoin
+from resilient_jax.relaunch import Relaunches
 from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
 from resilient_jax.runtime.transport import Transport
-from resilient_jax.schedule.core import AR, Op, Worker
-from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
 from resilient_jax.stages import StagePrograms, build_stage_programs
 from resilient_jax.tensorboard import Board
 
 Logger = Callable[[str], None]
-
-PAUSE_ENV = "RESILIENT_JAX_PAUSE"
-PAUSE_FILE_ENV = "RESILIENT_JAX_PAUSE_FILE"
-SAVE_WAIT_S = 600.0
-"""How long an ending run waits for its checkpoint save in flight."""
-SLOW_SAVE_S = 1.0
-"""A periodic save that waited this long for the previous one says how to avoid it (once)."""
-KILLS_FILE = "kills.jsonl"
-"""Written into the workdir by `launch/local.py`: one line per injected kill, with its time."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FaultEvent:
-  """Worker `worker` of the initial grid fails in 1-based `step`: at its start, or right after
-  `after_op` was dispatched on it (the interrupted step is then re-run on the survivors). With
-  `rejoin`, the failed worker comes back at the start of `step` instead (no `after_op`).
-
-  The failure is of the worker's node (device), so it keeps its meaning after the layout
-  changed. If that node does not run `after_op` in that step (a replanned layout gave it other
-  work), it fails right after its all-reduce instead: still in the middle of the step."""
-
-  step: int
-  worker: Worker
-  after_op: Op | None = None
-  rejoin: bool = False
-
-
-def pause_hook_from_env() -> Callable[[int, str], None] | None:
-  """The multi-process test hook described in the module docstring, or None."""
-  spec = os.environ.get(PAUSE_ENV, "")
-  if not spec:
-    return None
-  step_s, _, where = spec.partition(":")
-  target = (int(step_s), where or "start")
-  path = os.environ.get(PAUSE_FILE_ENV, "")
-
-  fired = []
-
-  def hook(step: int, at: str) -> None:
-    if (step, at) != target or fired:  # once: a re-run of the step goes on through it
-      return
-    fired.append(True)
-    marker = Path(path) if path else None
-    if marker is not None:
-      marker.write_text(json.dumps({"time": time.time(), "step": step, "at": at}))
-    # The launcher kills or stops this process now; one it stops and lets go again removes the
-    # marker before it resumes the process, which then goes on from here.
-    deadline = time.monotonic() + 600
-    while marker is None or marker.exists():
-      if time.monotonic() > deadline:
-        raise RuntimeError(f"paused at {spec} but nobody killed or released this process")
-      time.sleep(0.01)
-
-  return hook
-
 
 @dataclasses.dataclass
 class TrainResult:
@@ -142,8 +84,12 @@ class TrainResult:
   last_step: StepResult | None
 
 
-class Trainer:
+class Trainer(RunCheckpoints, Recovers, Relaunches):
   """Owns the coordinator and interpreter of one run (or one process's share of it).
+
+  In a multi-process job a process relaunched into the running job (`Cluster.relaunched`)
+  starts by being admitted (`Relaunches.join`) instead of from a checkpoint, and every process
+  admits relaunched ones between steps (`Relaunches.admit`).
 
   Args:
     cfg: the validated run configuration.
@@ -190,9 +136,6 @@ class Trainer:
     self.source, self.plan = make_data(cfg)
     self.ckpt_dir = self.workdir / "checkpoints"
     self.writer = None
-    self._deferred_save: int | None = None
-    """The step whose periodic checkpoint waits for the writer (`checkpoint_if_due`)."""
-    self._told_slow_save = False
     if self.chief:
       self.writer = CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
       for name in self.writer.remove_unfinished():
@@ -225,6 +168,8 @@ class Trainer:
       transport = ProcessTransport(cluster, layout, pause_hook_from_env())
       nodes = list(range(need))
     self.transport = transport
+    self.nodes = nodes
+    self.membership = []
     self.coordinator = RunCoordinator(cfg, nodes, log=self.log)
     if cluster is None:
       from resilient_jax.profiling import simulated_cpu_devices
@@ -242,9 +187,10 @@ class Trainer:
       # first transfer over a new connection and the split backward's compile would
       # otherwise land inside a recovery.
       mine = {n % pp for n in transport.devices}
-      cluster.connect(layout.processes_of(
-        [n for n in nodes if any(abs(n % pp - s) == 1 for s in mine)]))
-      self.interpreter.warm_up()
+      if not cluster.relaunched:  # a joiner's neighbours are inside a step: `admit` connects
+        cluster.connect(layout.processes_of(
+          [n for n in nodes if any(abs(n % pp - s) == 1 for s in mine)]))
+      self.interpreter.warm_up(everything=cluster.relaunched)
     events = [FaultEvent(f.step, (f.dp, f.stage), rejoin=f.rejoin)
               for f in cfg.faults.schedule] + list(faults)
     self.faults = [(f, f.worker[0] * pp + f.worker[1]) for f in events]
@@ -278,213 +224,13 @@ class Trainer:
     self.microbatch_size = self.cfg.step_batch // num_microbatches(plan)
     return Interpreter(self._programs_for, self.transport, plan,
                        clip_global_norm=self.cfg.optimizer.clip_global_norm,
-                       nonfinite=self.cfg.faults.nonfinite)
+                       nonfinite=self.cfg.faults.nonfinite,
+                       replicas=self.cluster is None or not self.cluster.relaunched)
 
   @property
   def programs(self) -> list[StagePrograms]:
     """The configured grid's stage programs."""
     return self._programs_for(tuple((r.start, r.stop) for r in self.cfg.partition))
-
-  def _load(self, tag: str) -> int:
-    """Loads the newest valid checkpoint into the interpreter; returns its step (0: none).
-
-    In a multi-process job process 0 picks the checkpoint (after its save in flight is
-    committed) and every process loads that one, so all resume from the same step.
-    """
-    loaded: Loaded | None = None
-    if self.writer is not None:
-      self.writer.wait()
-    with reporting(self.log, lambda t: f"restoring a checkpoint from {self.ckpt_dir}: "
-                   f"{t:.0f}s so far"):
-      if self.cluster is None:
-        loaded = load_latest(self.ckpt_dir, log=self.log)
-      elif self.chief:
-        loaded = load_latest(self.ckpt_dir, log=self.log)
-        self.cluster.kv_set(f"restore/{tag}", loaded.step if loaded else 0)
-      else:
-        step = self.cluster.kv_get(f"restore/{tag}")
-        loaded = load(step_dir(self.ckpt_dir, step)) if step else None
-    if loaded is None:
-      return 0
-    check_resumable(self.cfg, loaded)
-    self.interpreter.import_state(loaded.params, loaded.opt_state)
-    lay = loaded.meta["layout"]
-    self.log(f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
-             f"pp={lay['pp']} tp={lay.get('tp', 1)}) onto {_describe(self.coordinator.plan)}"
-             + (f" tp={self.cfg.mesh.tp}" if self.cfg.mesh.tp > 1 else "") + (
-               f", {self.cluster.num_processes} processes" if self.cluster else ""))
-    return loaded.step
-
-  def _save(self, step: int, plan: Plan | None = None) -> None:
-    """Writes a checkpoint of `step` (process 0; the others hand their state over); `plan`:
-    the layout the state is on, when not the coordinator's (it has already moved on)."""
-    plan = plan or self.coordinator.plan
-    if self.cluster is None:
-      state = self.interpreter.export_state()
-    else:
-      sp = self.interpreter.step_program
-      keys = sorted({(p.split, p.stage) for p in sp.slots.values()})
-      holders = {
-        i: min(p.node for p in sp.slots.values() if (p.split, p.stage) == k)
-        for i, k in enumerate(keys)
-      }
-      state = self.transport.share_state(step, holders, self.interpreter.export_state)
-      if self.chief:
-        self.cluster.kv_delete(f"state/{step}")  # the holders' specs, read
-        if state is None:
-          self.log(f"checkpoint of step {step} skipped: a stage's holder died while handing "
-                   "its state over (the previous checkpoint stays the latest)")
-        # The holders may go on (and exit after the last step) once their state is here.
-        self.cluster.kv_set(f"checkpoint/{step}", True)
-      elif self.transport.holds_any(list(holders.values())):
-        # Stay until process 0 has pulled this state (its loss ends this process, exit 5).
-        self.cluster.kv_get(f"checkpoint/{step}")
-    if self.chief and state is not None:
-      self.writer.save(step, *state, checkpoint_meta(self.cfg, plan, step))
-
-  def checkpoint_if_due(self, step: int, last: bool = False) -> bool:
-    """Saves `step` when a checkpoint is due; returns whether it did.
-
-    Due: every `checkpoint.every_steps`, and the last step of the run. A periodic save that
-    comes due while the previous one is still being written waits for it
-    (`checkpoint.if_busy=wait`, logged once when that stalls training), or is deferred to the
-    first step at which the writer is free (`defer`, logged): the latest committed checkpoint
-    is then at most one write older, and it is never overwritten before its successor
-    commits. The last step's save always happens. In a multi-process job process 0 owns the
-    writer, so it decides and the others follow (`save/STEP` in the key-value store).
-    """
-    cfg = self.cfg
-    every = cfg.checkpoint.every_steps
-    if last and (every or cfg.train.stop_after):
-      self._save(step)
-      return True
-    if not (every and (step % every == 0 or self._deferred_save is not None)):
-      return False
-    if cfg.checkpoint.if_busy == "defer" and self._writer_busy(step):
-      if self._deferred_save is None:
-        self._deferred_save = step
-        if self.chief:
-          self.log(f"checkpoint of step {step} deferred: the previous save is still being "
-                   "written; it is taken at the first step after that save commits")
-      return False
-    if self._deferred_save is not None and self.chief:
-      self.log(f"checkpoint of step {step} (due at step {self._deferred_save}, deferred while "
-               "the previous save was written)")
-    self._deferred_save = None
-    self._save(step)
-    waited = self.writer.waited_s[-1] if self.chief and self.writer.waited_s else 0.0
-    if waited > SLOW_SAVE_S and not self._told_slow_save:
-      self._told_slow_save = True
-      self.log(f"checkpoint of step {step} waited {waited:.1f}s for the previous save to be "
-               f"written: writes outlast checkpoint.every_steps={every}; raise it, or set "
-               "checkpoint.if_busy=defer so that training does not wait")
-    return True
-
-  def _writer_busy(self, step: int) -> bool:
-    """Whether process 0's writer is still writing (every process gets its answer)."""
-    busy = self.chief and self.writer.busy()
-    if self.cluster is None:
-      return busy
-    key = f"save/{step}"
-    if self.chief:
-      self.cluster.kv_set(key, busy)
-      return busy
-    # None: process 0 died (its loss ends the job; the next step finds it).
-    return bool(self.cluster.await_key(key, 0, f"process 0's decision to checkpoint step {step}"))
-
-  # ---------------------------------------------------------------- failures
-
-  def _fault_hook(self, step: int) -> Callable[[int, Op], None] | None:
-    pending = [(f, n) for f, n in self.faults if f.step == step and f.after_op is not None]
-    if self.cluster is not None:
-      pause = self.transport.pause
-      if pause is None:
-        return None
-      return lambda node, op: pause(step, str(op)) if op.kind != AR else None
-    if not pending:
-      return None
-
-    def hook(node: int, op: Op) -> None:
-      for f, n in pending:
-        if n == node and (f.after_op == op or op.kind == AR):
-          pending.remove((f, n))
-          raise WorkerLost(node)
-
-    return hook
-
-  def _fail(self, nodes: set[int], step: int, *, mid_step: bool,
-            detect_s: float | None = 0.0, detected_at: float | None = None) -> int | None:
-    """Hands the loss of `nodes` to the policy and applies its decision.
-
-    Args:
-      detect_s: from the fault to its detection, for `goodput.json` (in-process: 0, the
-        injected failure is known at once; None: not known).
-      detected_at: when it was detected (None: now).
-
-    Returns:
-      The step restored from when the policy restored a checkpoint (the caller redoes the
-      steps after it), else None.
-    """
-    lost = sorted(nodes)
-    event = self.goodput.add("failure", step, lost, detect_s=detect_s, at=detected_at,
-                             mid_step=mid_step)
-    event.steps_rerun = 1 if mid_step else 0  # the step in flight is attempted again
-    try:
-      decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
-    except (StageLost, NoDevicesLeft) as e:
-      self._board_failure(lost, step, mid_step, f"the run stops: {e}")
-      if self.cluster is not None:
-        # Every survivor ends with the same code: process 0 (the key-value store) leaves last.
-        self.leave_together(f"ended/{self.attempts}")
-      raise
-    if decision.restore:
-      nodes = self._plan_nodes(decision.plan)
-      where = (f"{_describe(decision.plan)} ({len(nodes)} of {len(self.coordinator.live)} "
-               "surviving nodes)")
-      if self.writer is not None:
-        self.writer.wait()  # a save in flight is a checkpoint to restore
-      if self.chief and not committed_steps(self.ckpt_dir):
-        off = "" if self.cfg.checkpoint.every_steps else " (checkpoint.every_steps=0)"
-        self.log(f"{decision.reason}; there is no checkpoint to restore{off}: starting again "
-                 f"from step 1 on {where}, losing {step - 1} committed step(s)")
-      else:
-        self.log(f"{decision.reason}; restoring the latest checkpoint onto {where}")
-      self.interpreter = self._interpreter(decision.plan)
-      restored = self._load(f"{step}/{self.attempts}")
-      self.board.rewind(restored + 1)  # the steps redone replace their first points
-      self._board_failure(lost, step, mid_step, f"{decision.reason}; going on from step "
-                          f"{restored + 1} on {where}")
-      event.steps_rerun = step - restored - (0 if mid_step else 1)
-      event.extra["outcome"] = decision.reason
-      if restored:
-        self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
-      elif committed_steps(self.ckpt_dir):
-        self.log(f"no checkpoint verified: starting again from step 1, losing {step - 1} "
-                 "committed step(s)")
-      return restored
-    self._board_failure(lost, step, mid_step, f"now {self.coordinator.plan_name} on "
-                        f"{self.coordinator.live_count} live workers")
-    dead = self.coordinator.down_nodes
-    copied = self.interpreter.place(decision.plan, self.interpreter.sources(dead), dead=dead,
-                                    tag=(step, self.attempts))
-    if copied:
-      self.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state from "
-               "surviving replicas")
-    return None
-
-  def _board_failure(self, lost: list[int], step: int, mid_step: bool, outcome: str) -> None:
-    when = "during" if mid_step else "at the start of"
-    self.board.text(step, "failure", f"node(s) {lost} failed {when} step {step} "
-                    f"(policy {self.cfg.resilience.policy}): {outcome}")
-
-  @staticmethod
-  def _plan_nodes(plan: Plan) -> list[int]:
-    if isinstance(plan, PipelineSet):
-      return plan.nodes
-    return sorted(plan.nodes[w] for w in plan.schedule.ops)
-
-  def _kill_times(self) -> dict[int, float]:
-    return {r["process"]: r["time"] for r in read_jsonl(self.workdir / KILLS_FILE)}
 
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
     """Attempts 1-based `step` until an attempt commits, whatever fails during it.
@@ -505,9 +251,11 @@ class Trainer:
       restored = self._fail(starting, step, mid_step=False)
       if restored is not None:
         raise _Restored(restored)
+    pending: list[dict] = self.admit(step)  # relaunched processes come back between steps
+    if self.cluster is not None and self.transport.pause is not None:
+      self.transport.pause(step, "boundary")  # where `launch.local --relaunch` holds process 0
     hook = self._fault_hook(step)
     attempt = 0
-    pending: list[dict] = []
     while True:
       n = num_microbatches(self.coordinator.plan)
       mb_ids, inputs, targets = step_batch(self.cfg, self.source, self.plan, step, n)
@@ -560,6 +308,9 @@ class Trainer:
       # a recovery should find every program it needs already built.
       event["xla_compiles"] = Counts.xla - event["xla_compiles"]
       self.recovery.append(event)
+      if event.get("kind") == "rejoin":
+        self._rejoined(event, step, done_at)
+        continue
       self.board.text(step, "recovery", f"step {step} committed {event['detect_to_next_step_s']}s "
                       f"after the loss of node {event['node']} was detected")
       if "kill_to_next_step_s" in event:
@@ -571,9 +322,6 @@ class Trainer:
       self._write_recovery()
     result.attempts = attempt + 1
     return result, mb_ids
-
-  def _write_recovery(self) -> None:
-    write_json_atomic(self.workdir / "recovery.json", self.recovery)
 
   # ---------------------------------------------------------------- the loop
 
@@ -629,24 +377,15 @@ class Trainer:
 
     return {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
-  def _finish_saving(self) -> None:
-    """Waits (bounded) for the checkpoint save in flight, so no exit path drops it half-way;
-    on an error path its failure is logged rather than raised over the error."""
-    if self.writer is None:
-      return
-    try:
-      if not self.writer.wait(timeout_s=SAVE_WAIT_S):
-        self.log(f"a checkpoint save was still running after {SAVE_WAIT_S:.0f}s; abandoned "
-                 "(its unfinished folder is removed at the next start)")
-    except CheckpointError as e:
-      self.log(f"error: {e}")
-
   def _run(self) -> TrainResult:
     cfg = self.cfg
     if self.chief:
       write_json_atomic(self.workdir / "config.json", dataclasses.asdict(cfg))
     metrics_path = self.workdir / "metrics.jsonl"
-    start = self._load("start") + 1
+    if self.cluster is not None and self.cluster.relaunched:
+      start = self.join()  # into the running job, with state from live peers
+    else:
+      start = self._load("start") + 1
     metrics = []
     if self.chief:
       earlier = read_jsonl(metrics_path, log=self.log)
@@ -786,25 +525,29 @@ class Trainer:
     return "another process of the job received a stop signal"
 
   def leave_together(self, key: str) -> None:
-    """Called by every surviving process before it leaves: process 0, which hosts the
-    key-value store, waits until every other live process of the plan has reached this point
-    too (or is proven dead), so that none of them loses the store while still reading a
-    decision (it would exit 5 instead of reaching the same end). The others go at once."""
+    """Called by every surviving process before it leaves, a barrier in three steps: every
+    other live process writes `{key}/{pid}`; process 0, which hosts the key-value store, waits
+    for them all (or their death) and writes `{key}/all`; each writes `{key}/left/{pid}` once it
+    read that, and process 0 waits for those before it goes. So no process loses the store
+    while still reading a decision (it would exit 5 instead of reaching the same end), and none
+    leaves while a peer may still be pulling what it offered in the last step (Bamboo's replica
+    of its stage), which its exit would cut off."""
+    from resilient_jax.runtime.admission import ENDED_KEY
+
     cl = self.cluster
     me = cl.process_id
     if not self.chief:
       cl.kv_set(f"{key}/{me}", True)
+      cl.await_key(f"{key}/all", 0, f"every process to reach {key}")
+      cl.kv_set(f"{key}/left/{me}", True)
       return
-    others = set(self.transport.layout.processes_of(sorted(self.coordinator.live))) - {me}
-    for p in sorted(others):
+    cl.kv_set(ENDED_KEY, key)  # a relaunched process still waiting to be admitted leaves too
+    others = sorted(set(self.transport.layout.processes_of(sorted(self.coordinator.live))) - {me})
+    for p in others:
       cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
-
-
-def _describe(plan: Plan) -> str:
-  if isinstance(plan, GridPlan):
-    return f"dp={plan.schedule.dp} pp={plan.schedule.pp}"
-  return f"{len(plan.pipelines)} new {plan.name} pipelines"
-
+    cl.kv_set(f"{key}/all", True)
+    for p in others:
+      cl.await_key(f"{key}/left/{p}", p, f"process {p} to leave at {key}")
 
 class NonFiniteSteps(RuntimeError):
   """`train.max_nonfinite_steps` steps in a row had non-finite gradients."""

@@ -310,6 +310,63 @@ def test_tied_head_and_a_nan_step_across_processes(tmp_path):
     assert store.load(path).params
 
 
+@pytest.mark.parametrize("policy, plan, source", [("recycle", "1f1b", "3"),
+                                                   ("bamboo", "bamboo", "0")])
+def test_a_relaunched_process_rejoins(tmp_path, policy, plan, source):
+  """Process 1 is SIGKILLed at the start of step 3 and started again, with the same command,
+  when the job reaches step 5: it joins the job and announces itself while step 5 is in flight
+  (process 0 holds just before it, the others wait inside it), which leaves step 5 as it was;
+  it is admitted before step 6 with its stage's parameters and optimizer state from a live peer
+  over the transfer server (not from a checkpoint: there is none): recycle's from process 3, its
+  data-parallel peer, Bamboo's from process 0, whose replica of stage 1 ran it meanwhile (and
+  which takes its replica back from the returned process). The policy takes it back on the
+  fault-free plan, and every step trains what the fault-free run does."""
+  workdir = tmp_path / "multi"
+  steps = 6
+  proc = run_local(workdir, "--kill=3:1", "--relaunch=5:1",
+                   extra=[f"--config.train.steps={steps}", "--config.checkpoint.every_steps=0",
+                          f"--config.resilience.policy={policy}"])
+  assert proc.returncode == 0, tail(proc)
+  assert "exit codes: p0=0, p1=0 (relaunched), p2=0, p3=0" in proc.stdout, tail(proc)
+  assert f"process(es) 1 relaunched and admitted before step 6, now {plan} on 4 live workers" \
+    in proc.stdout, tail(proc)
+  assert "no heartbeat from process" not in proc.stdout, tail(proc)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=steps, resilience__policy=policy)
+  ref = train(cfg, tmp_path / "in_process", log=lambda _: None)
+  multi = read_rows(workdir / "metrics.jsonl")
+  assert [r["step"] for r in multi] == list(range(1, steps + 1))  # no step lost
+  for m, s in zip(multi, ref.metrics, strict=True):
+    assert m["sample_digest"] == s["sample_digest"], m["step"]
+    assert m["loss"] == pytest.approx(s["loss"], rel=2e-6), m["step"]
+  assert [r["live_workers"] for r in multi] == [4, 4, 3, 3, 3, 4]
+  # After the rejoin the plan is the fault-free one again.
+  plans = (workdir / "schedule.txt").read_text().strip().split("\n\n")
+  assert plans[-1] == plans[0] == ref.coordinator.plan_text() != plans[1]
+  # It arrived (was relaunched and announced itself) while step 5 ran, before step 5 committed.
+  relaunch = [r for r in read_rows(workdir / "kills.jsonl") if r["signal"] == "relaunch"]
+  rejoin = next(e for e in json.loads((workdir / "recovery.json").read_text())
+                if e.get("kind") == "rejoin")
+  assert relaunch[0]["time"] < rejoin["announced_at"] < multi[4]["time"] < rejoin["recovered_at"]
+  assert rejoin["process"] == 1 and rejoin["step"] == 6 and rejoin["generation"] == 1
+  assert rejoin["relaunch_to_next_step_s"] > 0 and rejoin["xla_compiles"] == 0
+  # What moved is one stage's parameters and optimizer state (recycle: the optimizer's step
+  # count, the same in every stage, comes from process 0, the lowest that holds it).
+  from resilient_jax.checkpoint import universal
+
+  interp = ref.interpreter
+  slot = next(s for s, p in interp.step_program.slots.items() if p.stage == 1)
+  state = [*interp.params[slot].values(), *universal.flatten_state(interp.opt_state[slot]).values()]
+  assert rejoin["bytes"] == sum(x.nbytes for x in state)
+  assert max(rejoin["state_from"], key=rejoin["state_from"].get) == source
+  assert re.search(rf"stage=1\) of process 1: its parameters and optimizer state came from "
+                   rf".*process {source} "
+                   r"\(.* over the transfer server", proc.stdout), tail(proc)
+  goodput = json.loads((workdir / "goodput.json").read_text())
+  back = next(e for e in goodput["events"] if e["kind"] == "rejoin")
+  assert back["step"] == 6 and back["nodes"] == [1] and back["bytes_copied"] == rejoin["bytes"]
+  assert back["state_from"] == {"1": rejoin["state_from"]}
+
+
 def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path):
   workdir = tmp_path / "multi"
   ckpt = ["--config.checkpoint.every_steps=1"]
@@ -538,6 +595,7 @@ def test_a_process_declared_dead_exits_7():
           "class Connection:\n"
           "  def _poison_connection(self): print('poisoned', flush=True)\n"
           "c = Cluster.__new__(Cluster); c.process_id = 2; c.client = Store()\n"
+          "c.generations = {3: 1}\n"
           "c._connections = {1: Connection()}\n"
           "c.declared_dead([1, 3], 'step 3'); print('still here', sorted(Store.keys), flush=True)\n"
           "c.declared_dead([2], 'step 4')\n")
@@ -546,5 +604,6 @@ def test_a_process_declared_dead_exits_7():
   from resilient_jax.exit_codes import EXIT_DECLARED_DEAD
 
   assert proc.returncode == EXIT_DECLARED_DEAD == 7
-  assert "poisoned\nstill here ['declared/1', 'declared/3']" in proc.stdout, proc.stderr
+  # Marked per generation: process 3 was admitted back once, so its successor is meant.
+  assert "poisoned\nstill here ['declared/1/0', 'declared/3/1']" in proc.stdout, proc.stderr
   assert "declared this one dead (step 4)" in proc.stderr

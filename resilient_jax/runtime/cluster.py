@@ -29,6 +29,14 @@ is bounded:
   filled asynchronously and turns into an error if the producer dies first. An array on a
   worker's sub-mesh crosses in the layout its receiver keeps it in (`runtime.wire`): one
   replica of a whole array, the pieces of a tensor-parallel split.
+* **Rejoin.** A process started with the `process_id` of one that ran earlier in the same
+  job (its `transfer/{pid}` key is set: the coordination service outlives every process but
+  0) is `relaunched`: it keeps its predecessor's address key as it is (a survivor that has not
+  yet found the predecessor dead probes that address, which refuses, rather than this new
+  server's, which would accept and hide the death), starts its heartbeat only once admitted,
+  and takes from its admission a `generation`: verdicts are per generation (`declared/{pid}/{g}`
+  marks, `readmit` forgets this process's verdict on a peer), so a predecessor's death
+  sentence never ends its successor. Admission itself is `runtime/admission.py`'s.
 * **Watchdogs.** `wait` blocks on device results in a helper thread with a deadline, and `poll`
   (under every wait for keys) has the same deadline; a survivor that waits past
   `distributed.wait_timeout_s` exits with `EXIT_WAIT_TIMEOUT` instead of hanging. Process 0
@@ -160,6 +168,10 @@ class HeartbeatMonitor:
     self.min_beats = min_beats
     self._since: dict[int, tuple[int | None, float, int]] = {}
 
+  def forget(self, process: int) -> None:
+    """Drops what was seen of `process` (admitted back: its silence counts from now on)."""
+    self._since.pop(process, None)
+
   def observe(self, counters: Mapping[int, int], now: float,
               processes: Iterable[int] = ()) -> set[int]:
     """Records one reading of the counters; returns the processes that are silent.
@@ -247,8 +259,19 @@ class Cluster:
     self._heartbeat_interval_s = cfg.heartbeat_timeout_s / 10
     self._heartbeats = HeartbeatMonitor(self.process_id, cfg.heartbeat_timeout_s, min_beats=5)
     self._heartbeats_read = 0.0
-    threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
-    self.kv_set(f"transfer/{self.process_id}", self._server.address())
+    self.generation = 0
+    """How many times this process id was admitted back into the job (0: an original)."""
+    self.generations: dict[int, int] = {}
+    """Other processes' generations, as this process admitted them."""
+    # The coordination service keeps every key for the job's life: a predecessor's address
+    # means this process was relaunched into a running job (see the module docstring).
+    self.relaunched = self.kv_try_get(f"transfer/{self.process_id}") is not None
+    if self.relaunched:
+      self.log(f"process {self.process_id}: relaunched into a running job (generation unknown "
+               "until admitted)")
+    else:
+      self.kv_set(f"transfer/{self.process_id}", self._server.address())
+      self._start_heartbeat()
 
   # ---------------------------------------------------------------- failure of process 0
 
@@ -296,6 +319,33 @@ class Cluster:
 
   # ---------------------------------------------------------------- liveness
 
+  def _start_heartbeat(self) -> None:
+    threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+
+  @property
+  def address(self) -> str:
+    """This process's transfer server (what peers pull from)."""
+    return self._server.address()
+
+  def admitted(self, generation: int) -> None:
+    """This relaunched process was admitted as `generation`: it now answers for its own
+    liveness (heartbeat, address key) like any live process."""
+    self.generation = generation
+    self.relaunched = False
+    self.kv_set(f"transfer/{self.process_id}", self._server.address())
+    self._start_heartbeat()
+
+  def readmit(self, process: int, generation: int, address: str) -> None:
+    """Forgets the verdict on `process`: it was admitted back as `generation`, its transfer
+    server at `address` (its predecessor's connection and address are dropped)."""
+    self._dead.discard(process)
+    # Its predecessor's counter stopped long ago: the new one's silence counts from now.
+    self._heartbeats.forget(process)
+    self._cut_off(process)
+    self._next_probe.pop(process, None)
+    self._addresses[process] = address
+    self.generations[process] = generation
+
   def _beat(self) -> None:
     """Bumps this process's heartbeat counter; and exits with `EXIT_DECLARED_DEAD` once the
     others declared this process dead (it was frozen, e.g. SIGSTOPped, for longer than the
@@ -309,7 +359,7 @@ class Cluster:
         self.client.key_value_set(f"hb/{me}", str(n), allow_overwrite=True)
         # A directory read: empty while nobody is declared, where a key read would raise.
         declared = {k for k, _ in self.client.key_value_dir_get("declared")}
-        if f"declared/{me}" in declared:
+        if f"declared/{me}/{self.generation}" in declared:
           self.declared_dead([me], "its heartbeat stopped for longer than "
                              f"{self.cfg.heartbeat_timeout_s}s")
       except Exception:  # a lost coordination service is the watchdog's business
@@ -375,15 +425,16 @@ class Cluster:
 
   def declared_dead(self, lost: Iterable[int], what: str) -> None:
     """Exits with `EXIT_DECLARED_DEAD` if this process is in an agreed `lost` set; else marks
-    the lost processes `declared/{pid}`, which a lost process that was only frozen reads once
-    it runs again (`_beat`)."""
+    the lost processes `declared/{pid}/{generation}`, which a lost process that was only frozen
+    reads once it runs again (`_beat`); under its generation, so that a successor admitted
+    later is not meant."""
     lost = set(lost)
     if self.process_id in lost:
       exit_now(EXIT_DECLARED_DEAD, f"process {self.process_id}: the other processes declared "
                f"this one dead ({what}) and went on without it; exiting with code "
                f"{EXIT_DECLARED_DEAD}")
     for p in sorted(lost):
-      self.kv_set(f"declared/{p}", True)
+      self.kv_set(f"declared/{p}/{self.generations.get(p, 0)}", True)
       self._cut_off(p)
 
   # ---------------------------------------------------------------- agreement
@@ -513,17 +564,19 @@ class Cluster:
     return [x if isinstance(where, jax.Device) or split_of(s) is not None
             else jax.device_put(x, where) for x, s in zip(got, specs, strict=True)]
 
-  def connect(self, peers: Iterable[int]) -> None:
+  def connect(self, peers: Iterable[int], salt: int = 0) -> None:
     """Opens the transfer connections to `peers` now, with one tiny transfer each way.
 
     The first transfer over a new connection costs a large fraction of a second; a survivor
     that takes over a failed worker's micro-batches would otherwise pay it inside the
-    recovery. Every listed peer must call this with this process among its peers.
+    recovery. Every listed peer must call this with this process among its peers, and the
+    same `salt` (0 at the start; the admission's step when a relaunched process is admitted:
+    its transfers' ids must differ from those its predecessor already pulled).
     """
     peers = sorted(set(peers) - {self.process_id})
     token = jax.device_put(jax.numpy.zeros((1,), jax.numpy.float32), self.device)
     spec = jax.ShapeDtypeStruct((1,), jax.numpy.float32)
-    base = 1 << 61
+    base = (1 << 61) + (salt << 33)
     for p in peers:
       self.offer(base + self.process_id * 65536 + p, [token])
     pulled = [self.pull(p, base + p * 65536 + self.process_id, [spec]) for p in peers]

@@ -10,6 +10,7 @@ refreshed the same way after every step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,11 @@ parameters and flat optimizer entries."""
 class StateHandover:
   """The hand-over part of `Interpreter` (which provides `programs`, `transport`,
   `step_program` and `_specs`)."""
+
+  handed_over: list[tuple[int, int, int]] = []
+  """The last hand-over's transfers between processes: (source node, destination node, bytes);
+  the same list in every process (what the log and `recovery.json` say about where state came
+  from)."""
 
   def _state_specs(self, split: tuple[LayerRange, ...], stage: int) -> dict[str, Any]:
     """Every state key a slot of `(split, stage)` holds ("p/" parameter names, "o/" optimizer
@@ -101,5 +107,9 @@ class StateHandover:
         if owners:  # none: `place` reports the missing key
           wanted.setdefault((owners[0], p.node), set()).add(key)
     transfers = [(src, dst, sorted(keys)) for (src, dst), keys in sorted(wanted.items())]
+    self.handed_over = [
+      (src, dst, sum(math.prod(specs[k].shape) * specs[k].dtype.itemsize for k in keys))
+      for src, dst, keys in transfers
+    ]
     return self._exchange(transfers, sources, specs, channel=0, tag=tag)
 

@@ -126,6 +126,9 @@ class Interpreter(StateHandover):
     clip_global_norm: clip the gradients to this global norm (0: off).
     nonfinite: (step, stage) pairs whose gradients are made NaN on every replica before the
       optimizer step (`faults.nonfinite`: rehearses a diverging step, which the step skips).
+    replicas: take the replicas a slot keeps of another stage (Bamboo) now, from other
+      processes too; False in a process relaunched into a running job, whose peers offer
+      nothing until they admit it (`place` takes them then).
   """
 
   def __init__(
@@ -136,6 +139,7 @@ class Interpreter(StateHandover):
     state: Sequence[Source] | None = None,
     clip_global_norm: float = 0.0,
     nonfinite: Collection[tuple[int, int]] = (),
+    replicas: bool = True,
   ):
     self._programs_for = programs_for
     self.transport = transport
@@ -153,7 +157,8 @@ class Interpreter(StateHandover):
       prog, dev = self.program(slot), self.device(slot)
       self.params[slot] = prog.initial_params(dev)
       self.opt_state[slot] = prog.init_opt_state(self.params[slot], dev)
-    self._refresh_replicas()
+    if replicas:
+      self._refresh_replicas()
 
   # ---------------------------------------------------------------- layout
 
@@ -348,11 +353,14 @@ class Interpreter(StateHandover):
     """Every local parameter by global name, fetched to the host."""
     return {k: np.asarray(v) for k, v in self.export_state()[0].items()}
 
-  def warm_up(self) -> None:
-    """Compiles every local slot's split backward (`B`, `W`) by running it once on zeros.
+  def warm_up(self, everything: bool = False) -> None:
+    """Compiles every local slot's split backward (`B`, `W`) by running it once on zeros; with
+    `everything`, its fused backward and optimizer step too.
 
     Fault-free schedules may use only the fused backward; the replanned schedule after a
-    failure splits it, and compiling then would add to the recovery time.
+    failure splits it, and compiling then would add to the recovery time. A process relaunched
+    into a running job builds everything before it announces itself, so that its first step is
+    not its slowest.
     """
     outs = []
     for slot in self.local_slots:
@@ -363,9 +371,17 @@ class Interpreter(StateHandover):
         if prog.uses_rng else None
       _, res, saved = prog.forward(self.params[slot], zeros(prog.input_spec), tgt, seeds)
       scalar = jax.ShapeDtypeStruct((), jnp.float32)
-      _, taps = prog.backward_input(res, zeros(scalar if prog.info.last else prog.output_spec))
-      outs.append(prog.backward_weight(self.params[slot], saved, taps,
-                                       prog.zero_grads(self.params[slot], dev)))
+      g = zeros(scalar if prog.info.last else prog.output_spec)
+      _, taps = prog.backward_input(res, g)
+      params = self.params[slot]
+      outs.append(prog.backward_weight(params, saved, taps, prog.zero_grads(params, dev)))
+      if everything:
+        _, grads = prog.backward_fused(res, saved, params, g, prog.zero_grads(params, dev))
+        outs.append(prog.optimizer_step(params, self.opt_state[slot], grads, self._owned[slot]))
+        for group in self._groups:  # the gradient all-reduce's own programs
+          if slot in group.holders and len({self.device(h) for h in group.holders}) > 1:
+            zero = prog.zero_grads(params, dev)
+            outs += self.transport.prepare_reduce({dev: {n: zero[n] for n in group.names}})
     self.transport.wait(outs, "the warm-up of the split backward")
 
   # ---------------------------------------------------------------- one step

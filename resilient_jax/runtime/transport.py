@@ -122,10 +122,7 @@ class Transport:
     """Sums `local` (one dict per device this process holds) over `devices` (every member, in
     one order on every member); `index` names the group. Returns one sum per local device, or
     `local` itself when a member's gradients cannot be had (the attempt is then doomed)."""
-    names = tuple(sorted(next(iter(local.values()))))
-    some = next(iter(local.values()))
-    layout = tuple((some[n].shape, some[n].dtype) for n in names)
-    flatten, unflatten = _flatten(names), _unflatten(names, layout)
+    flatten, unflatten = _reduce_programs(local)
     parts = self._gather(index, nodes, devices, {d: flatten(g) for d, g in local.items()})
     if parts is None:
       return local
@@ -141,6 +138,18 @@ class Transport:
     for d in others:
       out[d] = unflatten(jax.device_put(total, d))
     return out
+
+  def prepare_reduce(self, local: PerDevice) -> list[jax.Array]:
+    """Builds the programs `reduce` runs on gradients laid out as `local` (flatten, add,
+    unflatten) by running them once on it; returns their outputs to wait on. A process
+    relaunched into a running job builds them before its first step, which would otherwise."""
+    flatten, unflatten = _reduce_programs(local)
+    outs = []
+    for g in local.values():
+      flat = flatten(g)
+      outs.append(_add(flat, flat))
+      outs.extend(unflatten(flat).values())
+    return outs
 
   def _gather(
     self, index: int, nodes: Sequence[int], devices: Devices, flats: dict[jax.Device, jax.Array]
@@ -186,6 +195,14 @@ def _in_ar_scope(fn: Callable) -> Callable:
       return fn(*args)
 
   return scoped
+
+
+def _reduce_programs(local: PerDevice) -> tuple[Callable, Callable]:
+  """`_flatten` and `_unflatten` for gradients laid out as `local`."""
+  some = next(iter(local.values()))
+  names = tuple(sorted(some))
+  layout = tuple((some[n].shape, some[n].dtype) for n in names)
+  return _flatten(names), _unflatten(names, layout)
 
 
 @functools.cache

@@ -53,6 +53,13 @@ class GridPlan:
 Plan = GridPlan | PipelineSet
 
 
+def describe(plan: Plan) -> str:
+  """The plan's layout in a few words, for log lines: `dp=2 pp=4`, or its pipelines."""
+  if isinstance(plan, GridPlan):
+    return f"dp={plan.schedule.dp} pp={plan.schedule.pp}"
+  return f"{len(plan.pipelines)} new {plan.name} pipelines"
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotProgram:
   """One slot's part of a step.
