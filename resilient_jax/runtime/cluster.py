@@ -223,7 +223,13 @@ class Cluster:
     self.cfg = cfg
     self.log = log
     jax.config.update("jax_enable_recoverability", True)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # No XLA collective spans processes (a reduction is a gather over the transfer server,
+    # `runtime.transport`); the only collectives are those inside a worker's sub-mesh, all on
+    # this process's devices. Without cross-process CPU collectives they rendezvous in the
+    # process: with gloo (jax's default once distributed) each sub-mesh's communicator is
+    # registered in the coordination service under its device ids, and a relaunched process
+    # (same ids; the service outlives it) failed on the key its predecessor left.
+    jax.config.update("jax_cpu_collectives_implementation", None)
     kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": cfg.heartbeat_timeout_s}
     if cfg.coordinator:
       kwargs["coordinator_address"] = cfg.coordinator
