@@ -118,12 +118,12 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
   assert [s for s, _ in texts(workdir / "tb", "recovery")] == [3, 4]
 
 
-@pytest.mark.parametrize("tp, pp, lost_device, lost_at_kill, live", [
-  (1, 4, "1.2", (4, 5, 7), [8, 7, 4, 4, 4]),
-  (2, 2, "1.1", (2,), [4, 3, 2, 2, 2]),
-], ids=["one-device-workers", "tp2-sub-meshes"])
+@pytest.mark.parametrize("tp, pp, lost_device, lost_at_kill, relaunch, live", [
+  (1, 4, "1.2", (4, 5, 7), "", [8, 7, 4, 4, 4]),
+  (2, 2, "1.1", (2,), "4:1", [4, 3, 2, 2, 4]),
+], ids=["one-device-workers", "tp2-sub-meshes-relaunched"])
 def test_sigkill_of_a_host_loses_all_its_workers(tmp_path, tp, pp, lost_device, lost_at_kill,
-                                                 live):
+                                                 relaunch, live):
   """One process per host: 2 processes x 4 simulated devices run a dp=2 grid that fills them
   (pipeline placement: process 1 drives pipeline 1), with pp=4 stages of one device each or
   pp=2 stages of a sub-mesh of tp=2 devices each. At step 2 a device of process 1 is lost
@@ -131,16 +131,20 @@ def test_sigkill_of_a_host_loses_all_its_workers(tmp_path, tp, pp, lost_device, 
   its others, its pipeline's micro-batches crossing to process 0 for the lost stage (so
   activations and their gradients move between the processes' sub-meshes). SIGKILLed at the
   start of step 3, process 1 takes its remaining workers with it at once; process 0 re-routes
-  their micro-batches. Every step trains the fault-free samples to the single-device losses."""
+  their micro-batches. With tp=2 it is then relaunched and admitted before step 5, taking its
+  tensor-parallel state from process 0 piece by piece. Every step trains the fault-free
+  samples to the single-device losses."""
   workdir = tmp_path / "multi"
   args = [a for a in _train_args(workdir) if a not in GRID]
+  flags = [f"--relaunch={relaunch}"] if relaunch else []
   proc = subprocess.run(
     [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=4",
-     "--kill=3:1", "--", *args, "--config.mesh.dp=2", f"--config.mesh.pp={pp}",
+     "--kill=3:1", *flags, "--", *args, "--config.mesh.dp=2", f"--config.mesh.pp={pp}",
      f"--config.mesh.tp={tp}", f"--config.faults.schedule=2:{lost_device}"],
     cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, tail(proc)
-  assert "exit codes: p0=0, p1=killed" in proc.stdout, tail(proc)
+  p1 = "0 (relaunched)" if relaunch else "killed"
+  assert f"exit codes: p0=0, p1={p1}" in proc.stdout, tail(proc)
   grid = "2x4 (dp x pp)" if tp == 1 else "2x2x2 (dp x pp x tp)"
   assert f"training {grid} on 2 processes" in proc.stdout, tail(proc)
   cfg = tiny_config(mesh__dp=2, mesh__pp=pp, train__steps=STEPS)
@@ -150,8 +154,11 @@ def test_sigkill_of_a_host_loses_all_its_workers(tmp_path, tp, pp, lost_device, 
   assert [r["live_workers"] for r in multi] == live
   recovery = json.loads((workdir / "recovery.json").read_text())
   # Worker (1, s) is node 1 * pp + s; the one that lost a device went at step 2.
-  assert sorted((e["node"], e["process"], e["step"]) for e in recovery) == [
-    (n, 1, 3) for n in lost_at_kill]
+  assert sorted((e["node"], e["process"], e["step"]) for e in recovery
+                if e.get("kind") != "rejoin") == [(n, 1, 3) for n in lost_at_kill]
+  rejoins = [(e["nodes"], e["step"], sorted(e["state_from"])) for e in recovery
+             if e.get("kind") == "rejoin"]
+  assert rejoins == ([([2, 3], 5, ["0"])] if relaunch else []), recovery
   assert proc.stdout.count("refuses connections: dead") == 1, tail(proc)
 
 
