@@ -34,9 +34,11 @@ agree to the tests' `LOSS_RTOL`. Report: faults injected, recovered (the victim'
 followed by a committed step, and its relaunch was admitted and trained a committed step),
 mean/p99 kill -> next committed step and relaunch -> admitted, effective training time
 (`goodput.json`; computed the same way from `metrics.jsonl` when the job was preempted), waits
-that hit their bound (exit code 6, heartbeat timeouts), steps lost and re-run; one line
+that hit their bound (exit code 6, heartbeat timeouts), tracebacks in the processes' output,
+steps lost and re-run; one line
 `soak: faults=N recovered=K ...` at the end. Exit code 1 if a fault was not recovered, a step
-was lost or any digest or loss differs; 2 for bad flags.
+was lost, any digest or loss differs, a wait hit its bound, a process raised, hung or exited
+with another code; 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from launch import cli  # noqa: E402
 from launch.local import Job, kill_points  # noqa: E402
+from resilient_jax.exit_codes import EXIT_PREEMPTED, EXIT_WAIT_TIMEOUT  # noqa: E402
 from resilient_jax.files import read_jsonl  # noqa: E402
 
 NUM_PROCESSES = 4
@@ -280,8 +283,10 @@ def check(args: argparse.Namespace, cfg: Any, faults: list[Fault], wall_s: float
     rerun = sum(f.where not in ("start", "save") for f in faults if f.killed_at is not None)
     where_eff = "metrics.jsonl (no goodput.json: the job was preempted)"
   text = log_path.read_text(errors="replace")
-  bound_hits = text.count(f"exiting with code {6}") + text.count("no heartbeat from process")
-  bad_codes = {p: c for p, c in codes.items() if c not in (0, 9 if preempted else 0)}
+  bound_hits = text.count(f"exiting with code {EXIT_WAIT_TIMEOUT}") \
+    + text.count("no heartbeat from process")
+  tracebacks = text.count("Traceback")  # a process that raised what it should have handled
+  bad_codes = {p: c for p, c in codes.items() if c not in (0, EXIT_PREEMPTED if preempted else 0)}
   missed = sum(f.missed for f in faults)
   n, k = len(injected), len(recovered)
   print(f"[soak] faults planned {len(faults)}, injected {n} (start {kinds.get('start', 0)}, "
@@ -297,17 +302,26 @@ def check(args: argparse.Namespace, cfg: Any, faults: list[Fault], wall_s: float
     f"relaunch_to_admitted_mean={_mean(relaunch_to_admit):.2f}s "
     f"p99={percentile(relaunch_to_admit, 99):.2f}s "
     f"relaunch_to_step_mean={_mean(relaunch_to_step):.2f}s "
-    f"effective={effective:.1%} waits_at_bound={bound_hits} steps={last} steps_lost={len(lost)} "
+    f"effective={effective:.1%} waits_at_bound={bound_hits} tracebacks={tracebacks} "
+    f"steps={last} steps_lost={len(lost)} "
     f"steps_rerun={rerun} digest_diffs={digests} loss_diffs={losses}"
   )
   print(summary, flush=True)
   ok = (k == n and not lost and not digests and not losses and len(ref) == len(metrics)
-        and not bad_codes and not hung and not bound_hits)
+        and not bad_codes and not hung and not bound_hits and not tracebacks)
   return 0 if ok else 1
 
 
 def _mean(xs: list[float]) -> float:
   return statistics.fmean(xs) if xs else float("nan")
+
+
+class _Parser(argparse.ArgumentParser):
+  """Bad flags: one `error:` line and exit code 2 (no usage block)."""
+
+  def error(self, message: str) -> None:  # type: ignore[override]
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
   if "--" in argv:
     i = argv.index("--")
     argv, extra = argv[:i], argv[i + 1:]
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = _Parser(description=__doc__.splitlines()[0])
   ap.add_argument("--faults", type=int, default=1000, help="faults to inject (>= 1)")
   ap.add_argument("--seed", type=int, default=0, help="the schedule's random seed")
   ap.add_argument("--minutes", type=float, default=0.0,
