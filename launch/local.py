@@ -456,15 +456,15 @@ def launch(
                   i, events[i][0], events[i][1])
         elif marker.exists() and procs[i].poll() is None:
           step, where, action = events[i]
+          # Recorded first: the survivors may look for the kill as soon as they detect it.
+          job.record(i, step, where, "SIGKILL" if action == "kill" else "SIGSTOP")
           procs[i].send_signal(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
-          now = time.time()
           if action == "kill":
             killed.add(i)
           else:
             hold = stop_s.get(i, 0.0) if isinstance(stop_s, dict) else stop_s
             frozen[i] = time.monotonic() + hold if hold > 0 else float("inf")
             marker.unlink()  # once let go, it goes on from where it stopped
-          job.record(i, step, where, "SIGKILL" if action == "kill" else "SIGSTOP", now)
           job.say("[launch] %s process %d at step %d (%s)",
                   "SIGKILLed" if action == "kill" else "SIGSTOPped", i, step, where)
       if relaunch is not None:
