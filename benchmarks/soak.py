@@ -5,9 +5,10 @@ over; at the end every step must equal the fault-free run.
 
 The job: 4 processes from `launch/local.py` (its `Job`), a 2x2 grid of the runlocal tiny GPT,
 policy recycle, a checkpoint every `--every` steps, `train.steps` long enough for the faults;
-ARGS after `--` are more of `launch.train`'s (e.g. `--config.pipeline.schedule=zb` for split
+ARGS after `--` are more of `launch.train`'s (e.g. `--config.pipeline.schedule=zb-h1` for split
 B/W points). Fault i SIGKILLs a random non-zero process at a random point of step K_i and starts
-it again, with the same command, when the job reaches step R_i = K_i + 1..3; it is admitted
+it again, with the same command, when the job reaches step R_i = K_i + 1..3 (2..3 after a kill
+in a checkpoint save, which the others notice in the next step only); it is admitted
 before step R_i + 1 with its state from a live peer, and fault i+1 comes at step R_i + 1 or
 later, so one process at most is down at a time.
 
@@ -102,7 +103,10 @@ def plan_faults(n: int, seed: int, every: int, points: dict[int, list[str]]) -> 
       step = earliest + rng.randrange(2)
       ops = [p for p in points[proc] if p != "AR"]
       where = {"start": "start", "AR": "AR", "op": rng.choice(ops) if ops else "start"}[kind]
-    relaunch = step + rng.randint(1, 3)
+    # A process killed as it saves has done its part of the step: the others find it dead in
+    # the next step, which must not be the relaunch step, where process 0 holds before anyone
+    # noticed (its hold would count as detection time).
+    relaunch = step + rng.randint(2 if where == "save" else 1, 3)
     faults.append(Fault(proc, step, where, relaunch))
     earliest = relaunch + 1
   return faults
