@@ -12,7 +12,9 @@ its 4 workers are lost at once. `--kill=STEP:PROCESS[:WHERE]`,
 comma-separated; WHERE picks the moment within the step: `start` (default, before the step's
 first op), an op of that process such as `F1`, `B0`, `W3`, `BW0` (1F1B's and GPipe's fused
 backward) or `FR2` (right after it was dispatched), or `AR` (inside the gradient all-reduce, the
-peers already waiting in it): the first of the process's workers to reach it stops it. A kill
+peers already waiting in it), or `save` (as the step's checkpoint save begins, before the
+process hands its state to process 0; the step must save one): the first of the process's
+workers to reach it stops it. A kill
 point none of that process's workers reaches in the configured schedule is an error before
 anything starts. The victim stops at that point and announces it; the launcher then kills it
 and appends the kill time to `WORKDIR/kills.jsonl`, which the survivors use for `recovery.json`.
@@ -56,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TextIO
 
 from absl import flags, logging
 
@@ -84,10 +86,10 @@ _RELAUNCH = flags.DEFINE_string("relaunch", "", "STEP:PROCESS: start a --kill/--
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1; 0 picks a free one.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 1800, "Kill everything after this many seconds.")
 
-# WHERE: the step's start, the gradient all-reduce, or a compute op of any kind a schedule has
-# (F1, B0, W2, BW0, FR3): longest kind first, so that BW0 is not read as B.
+# WHERE: the step's start, its checkpoint save, the gradient all-reduce, or a compute op of any
+# kind a schedule has (F1, B0, W2, BW0, FR3): longest kind first, so that BW0 is not read as B.
 _OP_KINDS = "|".join(sorted(COMPUTE_KINDS, key=len, reverse=True))
-_KILL_RE = re.compile(rf"^(\d+):(\d+)(?::(start|{AR}|(?:{_OP_KINDS})\d+))?$")
+_KILL_RE = re.compile(rf"^(\d+):(\d+)(?::(start|save|{AR}|(?:{_OP_KINDS})\d+))?$")
 
 
 def parse_kills(spec: str, num_processes: int, flag: str = "--kill"
@@ -101,8 +103,8 @@ def parse_kills(spec: str, num_processes: int, flag: str = "--kill"
   for part in filter(None, (p.strip() for p in spec.split(","))):
     m = _KILL_RE.match(part)
     if not m:
-      raise ValueError(f"{flag} entry {part} is not STEP:PROCESS[:WHERE] (WHERE: start, AR, "
-                       f"or an op: {', '.join(k + '0' for k in COMPUTE_KINDS)}, ...)")
+      raise ValueError(f"{flag} entry {part} is not STEP:PROCESS[:WHERE] (WHERE: start, save, "
+                       f"AR, or an op: {', '.join(k + '0' for k in COMPUTE_KINDS)}, ...)")
     step, proc, where = int(m.group(1)), int(m.group(2)), m.group(3) or "start"
     if step < 1 or proc >= num_processes:
       raise ValueError(f"{flag} entry {part}: step must be >= 1 and process below "
@@ -125,38 +127,73 @@ def check_kills(kills: dict[int, tuple[int, str]], cfg: RunConfig, flag: str = "
   Raises:
     ValueError: a step past the run's last step, or an op the process does not run.
   """
-  from resilient_jax.placement import process_slots
-  from resilient_jax.policy.coordinator import RunCoordinator
-  from resilient_jax.schedule.plan import step_program
-
   last = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
   procs = cfg.mesh.num_workers if num_processes is None else num_processes
-  slots = process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, procs,
-                        cfg.mesh.num_devices // procs, cfg.mesh.tp)
-  program = None
+  view = None
   for proc, (step, where) in sorted(kills.items()):
     entry = f"{flag} entry {step}:{proc}" + ("" if where == "start" else f":{where}")
     if step > last:
       raise ValueError(f"{entry}: the run ends after step {last}")
     if where == "start":
       continue
-    if program is None:
-      coordinator = RunCoordinator(cfg, range(cfg.mesh.num_workers), log=lambda _: None)
-      program = step_program(coordinator.plan)
-    nodes = {n for n, (p, _) in slots.items() if p == proc}
-    mine = [p for p in program.slots.values() if p.node in nodes]
+    if where == "save":
+      every = cfg.checkpoint.every_steps
+      if step != last and not (every and step % every == 0):
+        raise ValueError(f"{entry}: step {step} saves no checkpoint (checkpoint.every_steps="
+                         f"{every}, last step {last})")
+      continue
+    view = view or _FirstPlan(cfg, procs)
+    nodes, mine = view.mine(proc)
     held = ", ".join(f"dp {n // cfg.mesh.pp} stage {n % cfg.mesh.pp}" for n in sorted(nodes))
     worker = f"process {proc} (worker{'s' if len(nodes) > 1 else ''} {held})"
     if where == AR:
-      if not any(_shares_parameters(a, b, cfg.model) for a in mine
-                 for b in program.slots.values() if b.node not in nodes):
+      if AR not in view.points(proc):
         raise ValueError(f"{entry}: {worker} reduces its gradients with no other process, so "
                          "it never enters an all-reduce")
       continue
     ops = [op for p in mine for op in p.ops if op.kind in COMPUTE_KINDS]
-    if where not in {str(op) for op in ops}:
+    if where not in view.points(proc):
       raise ValueError(f"{entry}: {worker} does not run {where} under "
-                       f"{program.name}; its ops are {_summary(ops)}")
+                       f"{view.program.name}; its ops are {_summary(ops)}")
+
+
+def kill_points(cfg: RunConfig, num_processes: int | None = None) -> dict[int, list[str]]:
+  """{process: the points inside a step, besides `start` and `save`, where it can be stopped
+  under the plan the run starts with}: its compute ops, and `AR` where it all-reduces a
+  gradient with another process. `benchmarks/soak.py` draws its kill points from these."""
+  procs = cfg.mesh.num_workers if num_processes is None else num_processes
+  view = _FirstPlan(cfg, procs)
+  return {p: view.points(p) for p in range(procs)}
+
+
+class _FirstPlan:
+  """The plan a run starts with, seen by process: built the way the run builds it (pure
+  Python, no JAX), with the workers `mesh.placement` puts on each process
+  (`placement.process_slots`). A kill after a process was lost may find the plan re-routed."""
+
+  def __init__(self, cfg: RunConfig, num_processes: int):
+    from resilient_jax.placement import process_slots
+    from resilient_jax.policy.coordinator import RunCoordinator
+    from resilient_jax.schedule.plan import step_program
+
+    self.cfg = cfg
+    self.slots = process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, num_processes,
+                               cfg.mesh.num_devices // num_processes, cfg.mesh.tp)
+    coordinator = RunCoordinator(cfg, range(cfg.mesh.num_workers), log=lambda _: None)
+    self.program = step_program(coordinator.plan)
+
+  def mine(self, proc: int) -> tuple[set[int], list[SlotProgram]]:
+    """The nodes of process `proc` and their slots' programs."""
+    nodes = {n for n, (p, _) in self.slots.items() if p == proc}
+    return nodes, [p for p in self.program.slots.values() if p.node in nodes]
+
+  def points(self, proc: int) -> list[str]:
+    nodes, mine = self.mine(proc)
+    ops = [str(op) for p in mine for op in p.ops if op.kind in COMPUTE_KINDS]
+    if any(_shares_parameters(a, b, self.cfg.model) for a in mine
+           for b in self.program.slots.values() if b.node not in nodes):
+      ops.append(AR)
+    return list(dict.fromkeys(ops))
 
 
 def parse_relaunch(spec: str, num_processes: int, last_step: int,
@@ -252,13 +289,109 @@ def worker_args(train_args: list[str], num_processes: int, process: int, port: i
   ]
 
 
-def _stream(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
+def _stream(proc: subprocess.Popen, prefix: str, lock: threading.Lock, out: TextIO) -> None:
   """Relays a process's output, each line prefixed: its own absl lines (and errors), as they
   are; the launcher's own lines are absl lines of its own."""
   for raw in iter(proc.stdout.readline, b""):
     line = raw.decode(errors="replace").rstrip("\n")
     with lock:
-      print(f"{prefix}{line}", flush=True)
+      print(f"{prefix}{line}", file=out, flush=True)
+
+
+class Job:
+  """The processes of one local job: starts them (each with its pause points), relays their
+  output, and records the kills and relaunches in `WORKDIR/kills.jsonl`. `launch` drives one
+  through a fixed list of events; `benchmarks/soak.py` through a long random schedule.
+
+  Args:
+    num_processes: processes (hosts) of the job.
+    train_args: `launch.train`'s arguments, the same for every process.
+    workdir: the `--workdir` of `train_args` (created).
+    port: the coordinator's port; 0 picks a free one.
+    devices_per_process: simulated CPU devices of each process.
+    out: where the processes' output goes (prefixed `[pN] `).
+  """
+
+  def __init__(self, num_processes: int, train_args: list[str], workdir: str | os.PathLike, *,
+               port: int = 0, devices_per_process: int = 1, out: TextIO | None = None):
+    self.num_processes = num_processes
+    self.train_args = train_args
+    self.workdir = Path(workdir).absolute()
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self.kills_log = self.workdir / "kills.jsonl"
+    self.kills_log.unlink(missing_ok=True)
+    self.port = port or _free_port()
+    self.pause_dir = Path(tempfile.mkdtemp(prefix="resilient_jax_pause_"))
+    env = simulated_devices_env(dict(os.environ), devices_per_process)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("RESILIENT_JAX_PAUSE", None)
+    self.env = env
+    self.out = out
+    self.lock = threading.Lock()
+    self.procs: dict[int, subprocess.Popen] = {}
+    self.streams: list[threading.Thread] = []
+
+  def start(self, i: int, pause: str | None = None, marker: str | None = None
+            ) -> subprocess.Popen:
+    """Starts (or starts again) process `i`; `pause`: its `RESILIENT_JAX_PAUSE` points, which it
+    announces in the marker file `marker` (default `p{i}`; see `paused`)."""
+    env = dict(self.env)
+    if pause:
+      env["RESILIENT_JAX_PAUSE"] = pause
+      env["RESILIENT_JAX_PAUSE_FILE"] = str(self.marker(marker or f"p{i}"))
+    cmd = [sys.executable, "-m", "launch.train",
+           *worker_args(self.train_args, self.num_processes, i, self.port)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    t = threading.Thread(target=_stream, args=(p, f"[p{i}] ", self.lock,
+                                               self.out or sys.stdout), daemon=True)
+    t.start()
+    self.streams.append(t)
+    self.procs[i] = p
+    return p
+
+  def marker(self, name: str) -> Path:
+    """The pause marker file `name`: it exists while its process waits at a pause point."""
+    return self.pause_dir / name
+
+  def paused(self, name: str) -> dict[str, Any] | None:
+    """What the process waiting on marker `name` wrote ({time, step, at}), or None."""
+    try:
+      text = self.marker(name).read_text()
+    except FileNotFoundError:
+      return None
+    try:
+      return json.loads(text)
+    except ValueError:  # caught half-written: it is read again on the next turn
+      return None
+
+  def alive(self, i: int) -> bool:
+    return i in self.procs and self.procs[i].poll() is None
+
+  def record(self, i: int, step: int, where: str, what: str, now: float | None = None) -> None:
+    """Appends a kill (`what`: SIGKILL, SIGSTOP) or a relaunch to `kills.jsonl`, which the
+    survivors read for `recovery.json`."""
+    with self.kills_log.open("a") as f:
+      f.write(json.dumps({"process": i, "step": step, "at": where,
+                          "time": time.time() if now is None else now, "signal": what}) + "\n")
+
+  def say(self, fmt: str, *args: Any) -> None:
+    """A line of the launcher's own (absl's log), kept apart from the processes' lines."""
+    with self.lock:
+      logging.info(fmt, *args)
+
+  def close(self) -> None:
+    """Kills every process still running, waits for all, removes the pause markers."""
+    for p in self.procs.values():
+      if p.poll() is None:
+        p.kill()
+    for p in self.procs.values():
+      p.wait()
+    for t in self.streams:
+      t.join(timeout=5)
+    for f in self.pause_dir.iterdir():
+      f.unlink()
+    self.pause_dir.rmdir()
 
 
 def launch(
@@ -291,18 +424,9 @@ def launch(
     timeout_s: kill everything after this long (exit code 124).
     devices_per_process: simulated CPU devices of each process.
   """
-  workdir = Path(workdir).absolute()
-  workdir.mkdir(parents=True, exist_ok=True)
-  kills_log = workdir / "kills.jsonl"
-  kills_log.unlink(missing_ok=True)
-  port = port or _free_port()
-  pause_dir = Path(tempfile.mkdtemp(prefix="resilient_jax_pause_"))
-  env_base = simulated_devices_env(dict(os.environ), devices_per_process)
-  env_base.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  env_base["PYTHONUNBUFFERED"] = "1"
-  procs: list[subprocess.Popen] = []
-  lock = threading.Lock()
-  streams = []
+  job = Job(num_processes, train_args, workdir, port=port,
+            devices_per_process=devices_per_process)
+  procs = job.procs
   stops = stops or {}
   events = {**{i: (*e, "kill") for i, e in kills.items()},
             **{i: (*e, "stop") for i, e in stops.items()},
@@ -310,69 +434,50 @@ def launch(
   termed: set[int] = set()
   relaunched: dict[int, str] = {}  # process -> "started" (not yet announced) or "joined"
 
-  def start(i: int, pause: str | None, marker: str) -> subprocess.Popen:
-    env = dict(env_base)
-    env.pop("RESILIENT_JAX_PAUSE", None)
-    if pause:
-      env["RESILIENT_JAX_PAUSE"] = pause
-      env["RESILIENT_JAX_PAUSE_FILE"] = str(pause_dir / marker)
-    cmd = [sys.executable, "-m", "launch.train", *worker_args(train_args, num_processes, i, port)]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    t = threading.Thread(target=_stream, args=(p, f"[p{i}] ", lock), daemon=True)
-    t.start()
-    streams.append(t)
-    return p
-
   try:
     for i in range(num_processes):
       pause = f"{events[i][0]}:{events[i][1]}" if i in events else None
       if relaunch is not None and i == 0:
         pause = f"{relaunch[0]}:boundary"
-      procs.append(start(i, pause, f"p{i}"))
+      job.start(i, pause)
     killed: set[int] = set()
     frozen: dict[int, float] = {}  # process -> when to let it go (inf: never)
     deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for i, p in enumerate(procs)
+    while any(p.poll() is None for i, p in procs.items()
               if frozen.get(i, 0.0) != float("inf")):
       for i in sorted(set(events) - killed - set(frozen) - termed):
-        marker = pause_dir / f"p{i}"
+        marker = job.marker(f"p{i}")
         if marker.exists() and procs[i].poll() is None and events[i][2] == "term":
           termed.add(i)
-          for j, q in enumerate(procs):
+          for j, q in procs.items():
             if q.poll() is None and j not in frozen:
               q.send_signal(signal.SIGTERM)
           marker.unlink()
-          with lock:
-            logging.info("[launch] SIGTERM to every running process (process %d at step %d, %s)",
-                         i, events[i][0], events[i][1])
+          job.say("[launch] SIGTERM to every running process (process %d at step %d, %s)",
+                  i, events[i][0], events[i][1])
         elif marker.exists() and procs[i].poll() is None:
           step, where, action = events[i]
+          # Recorded first: the survivors may look for the kill as soon as they detect it.
+          job.record(i, step, where, "SIGKILL" if action == "kill" else "SIGSTOP")
           procs[i].send_signal(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
-          now = time.time()
           if action == "kill":
             killed.add(i)
           else:
             hold = stop_s.get(i, 0.0) if isinstance(stop_s, dict) else stop_s
             frozen[i] = time.monotonic() + hold if hold > 0 else float("inf")
             marker.unlink()  # once let go, it goes on from where it stopped
-          with kills_log.open("a") as f:
-            f.write(json.dumps({"process": i, "step": step, "at": where, "time": now,
-                                "signal": "SIGKILL" if action == "kill" else "SIGSTOP"}) + "\n")
-          with lock:
-            logging.info("[launch] %s process %d at step %d (%s)",
-                         "SIGKILLed" if action == "kill" else "SIGSTOPped", i, step, where)
+          job.say("[launch] %s process %d at step %d (%s)",
+                  "SIGKILLed" if action == "kill" else "SIGSTOPped", i, step, where)
       if relaunch is not None:
-        _relaunch_step(relaunch, procs, relaunched, killed, frozen, pause_dir, kills_log, lock,
-                       lambda i: start(i, "0:joined", f"p{i}.joined"))
+        _relaunch_step(relaunch, job, relaunched, killed, frozen,
+                       lambda i: job.start(i, "0:joined", f"p{i}.joined"))
       for i, when in sorted(frozen.items()):
         if time.monotonic() >= when:
           frozen[i] = float("nan")  # let go once
           procs[i].send_signal(signal.SIGCONT)
-          with lock:
-            logging.info("[launch] SIGCONT to process %d", i)
+          job.say("[launch] SIGCONT to process %d", i)
       if time.monotonic() > deadline:
-        with lock:
-          logging.info("[launch] timed out after %.0fs; killing every process", timeout_s)
+        job.say("[launch] timed out after %.0fs; killing every process", timeout_s)
         return 124
       time.sleep(0.02)
     still_frozen = [i for i, when in frozen.items() if when == float("inf")]
@@ -380,12 +485,12 @@ def launch(
       procs[i].kill()
       procs[i].wait()
       killed.add(i)
-    for t in streams:
+    for t in job.streams:
       t.join(timeout=5)
-    codes = {i: p.returncode for i, p in enumerate(procs)}
+    codes = {i: p.returncode for i, p in sorted(procs.items())}
     not_reached = sorted(set(events) - killed - set(frozen) - termed - set(relaunched))
     if not_reached:
-      with lock:
+      with job.lock:
         logging.warning("[launch] processes %s never reached their --kill/--stop point",
                         not_reached)
     # A frozen process that was let go ends as the others left it (7: declared dead; 5: the
@@ -399,26 +504,19 @@ def launch(
     print(f"[launch] exit codes: {summary}", flush=True)  # the job's result: on stdout, always
     return next(iter(failed.values())) if failed else 0
   finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-    for p in procs:
-      p.wait()
-    for f in pause_dir.iterdir():
-      f.unlink()
-    pause_dir.rmdir()
+    job.close()
 
 
 def _relaunch_step(
-  relaunch: tuple[int, int], procs: list[subprocess.Popen], relaunched: dict[int, str],
-  killed: set[int], frozen: dict[int, float], pause_dir: Path, kills_log: Path,
-  lock: threading.Lock, start: Callable[[int], subprocess.Popen],
+  relaunch: tuple[int, int], job: Job, relaunched: dict[int, str], killed: set[int],
+  frozen: dict[int, float], start: Callable[[int], subprocess.Popen],
 ) -> None:
   """One turn of the `--relaunch` state machine: once process 0 holds at the relaunch step,
   starts the process again (killing a frozen predecessor first); once the new process has
   announced itself to the job (or died trying), lets both go on."""
   step, i = relaunch
-  held = pause_dir / "p0"
+  procs = job.procs
+  held = job.marker("p0")
   if i not in relaunched:
     if not held.exists() or procs[0].poll() is not None:
       return
@@ -427,16 +525,13 @@ def _relaunch_step(
       procs[i].wait()
     frozen.pop(i, None)
     killed.discard(i)
-    (pause_dir / f"p{i}").unlink(missing_ok=True)  # its predecessor's kill point: done with
-    procs[i] = start(i)
+    job.marker(f"p{i}").unlink(missing_ok=True)  # its predecessor's kill point: done with
+    start(i)
     relaunched[i] = "started"
-    with kills_log.open("a") as f:
-      f.write(json.dumps({"process": i, "step": step, "at": "start", "time": time.time(),
-                          "signal": "relaunch"}) + "\n")
-    with lock:
-      logging.info("[launch] relaunched process %d at step %d", i, step)
+    job.record(i, step, "start", "relaunch")
+    job.say("[launch] relaunched process %d at step %d", i, step)
     return
-  announced = pause_dir / f"p{i}.joined"
+  announced = job.marker(f"p{i}.joined")
   if relaunched[i] == "started" and (announced.exists() or procs[i].poll() is not None):
     relaunched[i] = "joined"
     announced.unlink(missing_ok=True)

@@ -66,6 +66,8 @@ class RunCheckpoints:
     if self.cluster is None:
       state = self.interpreter.export_state()
     else:
+      if self.transport.pause is not None:
+        self.transport.pause(step, "save")  # where `launch.local --kill=STEP:P:save` kills
       sp = self.interpreter.step_program
       keys = sorted({(p.split, p.stage) for p in sp.slots.values()})
       holders = {

@@ -3,11 +3,13 @@ built, and the pause hook that lets `launch/local.py` kill a process at an exact
 
 Test hook for multi-process jobs: `RESILIENT_JAX_PAUSE=STEP:WHERE` makes this process write the
 time to the file named by `RESILIENT_JAX_PAUSE_FILE` and wait at that point of that step
-(`start`, an op such as `F1` or `B0` right after it was dispatched, or `AR` inside the gradient
-all-reduce) until the file is gone, so that `launch/local.py` can SIGKILL it (`--kill`) or
+(`start`, an op such as `F1` or `B0` right after it was dispatched, `AR` inside the gradient
+all-reduce, or `save` as the step's checkpoint save begins, before this process hands its state
+to process 0) until the file is gone, so that `launch/local.py` can SIGKILL it (`--kill`) or
 SIGSTOP it (`--stop`) at exactly that moment. For `--relaunch`, process 0 pauses at `boundary`
 (after the step's admission was decided, before the step is timed) and the relaunched process at
-`0:joined` once it has announced itself.
+`0:joined` once it has announced itself. Several points, comma-separated, each pause once in
+turn (`benchmarks/soak.py` holds process 0 at every relaunch's step).
 """
 
 from __future__ import annotations
@@ -47,16 +49,16 @@ def pause_hook_from_env() -> Callable[[int, str], None] | None:
   spec = os.environ.get(PAUSE_ENV, "")
   if not spec:
     return None
-  step_s, _, where = spec.partition(":")
-  target = (int(step_s), where or "start")
+  targets = set()
+  for point in filter(None, (p.strip() for p in spec.split(","))):
+    step_s, _, where = point.partition(":")
+    targets.add((int(step_s), where or "start"))
   path = os.environ.get(PAUSE_FILE_ENV, "")
 
-  fired = []
-
   def hook(step: int, at: str) -> None:
-    if (step, at) != target or fired:  # once: a re-run of the step goes on through it
+    if (step, at) not in targets:  # each once: a re-run of the step goes on through it
       return
-    fired.append(True)
+    targets.discard((step, at))
     marker = Path(path) if path else None
     if marker is not None:
       marker.write_text(json.dumps({"time": time.time(), "step": step, "at": at}))

@@ -169,6 +169,8 @@ CASES = [
         needles=("--kill entry 9:1", "after step 3")),
   local("local-kill-ar-without-peers", "--num_processes=2", "--kill=2:1:AR", "--", *TRAIN,
         "--config.mesh.dp=1", "--config.mesh.pp=2", needles=("--kill entry 2:1:AR", "all-reduce")),
+  local("local-kill-save-without-a-checkpoint", "--num_processes=4", "--kill=2:1:save", "--",
+        *TRAIN, *GRID, needles=("--kill entry 2:1:save", "saves no checkpoint")),
   local("local-kill-malformed", "--num_processes=4", "--kill=3:1:X2", "--", *TRAIN, *GRID,
         needles=("--kill entry 3:1:X2", "not STEP:PROCESS")),
   local("local-kill-unknown-process", "--num_processes=4", "--kill=3:9", "--", *TRAIN, *GRID,

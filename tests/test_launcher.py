@@ -50,3 +50,41 @@ def test_train_with_a_log_dir_tensorboard_and_a_trace(tmp_path):
   ops = {(e["name"], e["pid"], e["tid"]) for e in timeline if e.get("cat") in kinds}
   assert len(ops) == 8 * (3 * 4 + 1) and annotated_ops(trace) == ops
   assert not list((tmp_path / "profile").glob("step[13]"))
+
+
+def test_the_pause_hook_stops_once_at_each_of_its_points(tmp_path, monkeypatch):
+  """`RESILIENT_JAX_PAUSE` with several points (what `benchmarks/soak.py` gives a process that
+  is killed again after each relaunch, and process 0 that holds at every relaunch): each point
+  pauses once, in turn, announcing itself in the marker file until the launcher removes it."""
+  import threading
+  import time
+
+  from resilient_jax.trainer import pause_hook_from_env
+
+  marker = tmp_path / "p1"
+  monkeypatch.setenv("RESILIENT_JAX_PAUSE", "0:joined,4:F1,7:save")
+  monkeypatch.setenv("RESILIENT_JAX_PAUSE_FILE", str(marker))
+  hook = pause_hook_from_env()
+  seen = []
+
+  def run() -> None:
+    for point in [(0, "joined"), (3, "F1"), (4, "start"), (4, "F1"), (4, "F1"), (7, "save")]:
+      hook(*point)  # returns at once, or once the marker is gone
+      seen.append(point)
+
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  for step, at, before in [(0, "joined", 0), (4, "F1", 3), (7, "save", 5)]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+      try:
+        got = json.loads(marker.read_text())
+        break
+      except (FileNotFoundError, ValueError):  # not yet there, or half written
+        time.sleep(0.005)
+    time.sleep(0.05)  # it waits there: nothing past the point runs
+    assert got | {"time": 0} == {"step": step, "at": at, "time": 0}
+    assert len(seen) == before
+    marker.unlink()
+  t.join(timeout=30)
+  assert len(seen) == 6  # (4, F1) a second time: it went on through it
