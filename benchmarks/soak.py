@@ -284,7 +284,8 @@ def check(args: argparse.Namespace, cfg: Any, faults: list[Fault], wall_s: float
     where_eff = "goodput.json"
   else:  # preempted: goodput.py's formula over the committed steps, wall time of the job
     effective = sum(r.get("step_time_s", 0.0) for r in metrics) / max(wall_s, 1e-9)
-    rerun = sum(f.where not in ("start", "save") for f in faults if f.killed_at is not None)
+    # Every failure in recovery.json was detected inside a step, which was attempted again.
+    rerun = sum(e.get("kind") != "rejoin" for e in recovery)
     where_eff = "metrics.jsonl (no goodput.json: the job was preempted)"
   text = log_path.read_text(errors="replace")
   bound_hits = text.count(f"exiting with code {EXIT_WAIT_TIMEOUT}") \
