@@ -13,17 +13,10 @@ import ml_collections
 
 from configs.sim import gpt3_config
 
+MODEL = dict(name="GPT-3 6.7B", num_layers=32, d_model=4096, num_heads=32, pp=8, tp=1,
+             microbatches=16)
+"""The model and its layout, shared with `configs/sim/hosts.py`."""
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  return gpt3_config(
-    arg,
-    file="configs/sim/gpt3_6_7b.py",
-    name="GPT-3 6.7B",
-    num_layers=32,
-    d_model=4096,
-    num_heads=32,
-    pp=8,
-    tp=1,
-    microbatches=16,
-    default_devices=4096,
-  )
+  return gpt3_config(arg, file="configs/sim/gpt3_6_7b.py", default_devices=4096, **MODEL)

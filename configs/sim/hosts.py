@@ -16,25 +16,15 @@ Variants: `runlocal`: 2 hosts of 4 devices (dp 2 x pp 4), a two-hour trace (test
 
 import ml_collections
 
-from configs.sim import gpt3_config
+from configs.sim import gpt3_6_7b, gpt3_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   runlocal = arg == "runlocal"
   if arg and not runlocal:
     raise ValueError(f"unknown variant {arg!r} of configs/sim/hosts.py (use runlocal)")
-  c = gpt3_config(
-    "runlocal" if runlocal else "512",
-    file="configs/sim/hosts.py",
-    name="GPT-3 6.7B",
-    num_layers=32,
-    d_model=4096,
-    num_heads=32,
-    pp=8,
-    tp=1,
-    microbatches=16,
-    default_devices=512,
-  )
+  c = gpt3_config("runlocal" if runlocal else "512", file="configs/sim/hosts.py",
+                  default_devices=512, **gpt3_6_7b.MODEL)
   c.trace.update(device_mtbf_hours=0.0, node_mtbf_hours=150.0, repair_hours=12.0)
   c.sweep.update(placement="hosts", failures="0,1,2,4,8")
   c.sim.policies = "recycle,oobleck,restart"
