@@ -1,0 +1,62 @@
+"""The key-value store side of `policy/shared.py`: process 0 publishes each decision, the
+others wait for it.
+
+The published bytes go through the coordination service's byte-valued keys (compressed JSON,
+a few tens of kB at 16k devices) under `{key}/data`, then `{key}/ready` (a string key, which a
+waiter can block on: the blocking read has no byte-valued form); `key` is under
+`step/{step}/plan/`: the step's directory, which
+process 0 deletes with the step's other agreements once every process is past it
+(`distributed.kv_keep_steps`). A follower's wait is `Cluster.poll`'s: woken the moment the key
+is written, and bounded by `distributed.wait_timeout_s`, past which it exits with
+`EXIT_WAIT_TIMEOUT`; if process 0 dies instead, the coordinator watchdog ends the process with
+`EXIT_COORDINATOR_LOST` (the job restarts from its latest checkpoint, as for any loss of
+process 0).
+"""
+
+from __future__ import annotations
+
+from resilient_jax.runtime.cluster import Cluster
+
+PLANNER = 0
+"""The process that plans (it hosts the coordination service: see `policy/shared.py`)."""
+
+
+def plan_key(step: int, attempt: int, events: int) -> str:
+  """The key of the decision about an event of `step`, taken after `attempt` (the run's attempt
+  counter) with `events` membership events before it: no two events of a job share it."""
+  return f"step/{step}/plan/{attempt}/{events}"
+
+
+class KVPlanExchange:
+  """`policy.shared.PlanExchange` over the job's key-value store.
+
+  Args:
+    cluster: the joined job.
+  """
+
+  def __init__(self, cluster: Cluster):
+    self.cluster = cluster
+    self.planner = cluster.process_id == PLANNER
+
+  def publish(self, key: str, data: bytes) -> None:
+    cl = self.cluster
+    try:
+      cl.client.key_value_set_bytes(f"{key}/data", data, allow_overwrite=False)
+      cl.client.key_value_set(f"{key}/ready", "1", allow_overwrite=False)
+    except Exception as e:
+      cl.check_coordinator()
+      raise RuntimeError(f"publishing the plan {key} failed: {e}") from None
+
+  def read(self, key: str) -> bytes:
+    cl = self.cluster
+
+    def check() -> bytes | None:
+      try:
+        return cl.client.key_value_try_get_bytes(f"{key}/data")
+      except Exception as e:
+        if "NOT_FOUND" in str(e):
+          return None
+        cl.check_coordinator()
+        raise RuntimeError(f"reading the plan {key} failed: {e}") from None
+
+    return cl.poll(f"process {PLANNER}'s plan {key}", check, wake_key=f"{key}/ready")

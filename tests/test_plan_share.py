@@ -1,0 +1,157 @@
+"""One process plans, the others follow (`policy/shared.py`, `schedule/codec.py`).
+
+A planner coordinator and a follower coordinator share an in-memory exchange (the key-value
+store's part): each failure and rejoin is decided once, by the planner, and the follower's plan,
+built from the published bytes, must equal the planner's op for op and route for route, with
+the same policy, restore, phases and log. The multi-process job that does this through the
+real store is `tests/test_multiprocess.py::test_survivors_recover_after_a_process_is_killed`.
+"""
+
+import pytest
+
+from resilient_jax.policy import NoDevicesLeft, RunCoordinator, StageLost
+from resilient_jax.policy import coordinator as coordinator_module
+from resilient_jax.schedule import codec
+from resilient_jax.schedule.pipelines import PipelineSet
+from resilient_jax.schedule.plan import step_program
+from tests.helpers import tiny_config
+
+
+class _Store:
+  """The exchange's store: written once per key, like the coordination service's."""
+
+  def __init__(self):
+    self.data: dict[str, bytes] = {}
+
+
+class _Exchange:
+  def __init__(self, store: _Store, planner: bool):
+    self.store = store
+    self.planner = planner
+    self.reads = 0
+
+  def publish(self, key, data):
+    assert key not in self.store.data, f"{key} published twice"
+    self.store.data[key] = data
+
+  def read(self, key):
+    self.reads += 1
+    return self.store.data[key]
+
+
+def _pair(cfg, nodes):
+  store = _Store()
+  out = []
+  for planner in (True, False):
+    lines = []
+    coord = RunCoordinator(cfg, nodes, log=lines.append)
+    coord.exchange = _Exchange(store, planner)
+    out.append((coord, lines))
+  return out
+
+
+def _same_plan(a, b):
+  """Op for op, route for route, node for node (every slot of the step program)."""
+  pa, pb = step_program(a), step_program(b)
+  assert pa.name == pb.name
+  assert sorted(pa.slots) == sorted(pb.slots)
+  for slot, prog in pa.slots.items():
+    other = pb.slots[slot]
+    assert (prog.node, prog.split, prog.stage, prog.replica) == \
+      (other.node, other.split, other.stage, other.replica), slot
+    assert tuple(prog.ops) == tuple(other.ops), slot
+  assert list(pa.route) == list(pb.route)
+  assert type(a) is type(b)
+  if isinstance(a, PipelineSet):
+    assert a == b
+
+
+def _apply(pair, event, key):
+  """Applies `event` to the planner, then the follower; returns their decisions."""
+  kind, nodes, step = event
+  out = []
+  for coord, _ in pair:
+    call = coord.fail if kind == "fail" else coord.rejoin
+    out.append(call(nodes, step, key=key))
+  return out
+
+
+EVENTS = {
+  # (policy, dp, pp, events); nodes are d * pp + s.
+  "recycle single then spread": ("recycle", 4, 2, [("fail", {5}, 2), ("fail", {2, 7}, 3),
+                                                    ("rejoin", {5}, 4)]),
+  "auto switches": ("auto", 4, 2, [("fail", {0}, 2), ("fail", {2}, 3), ("fail", {4}, 4)]),
+  "oobleck": ("oobleck", 4, 2, [("fail", {5}, 2), ("rejoin", {5}, 3)]),
+  "bamboo": ("bamboo", 4, 2, [("fail", {1}, 2)]),
+  "restart restores": ("restart", 4, 2, [("fail", {3}, 2)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVENTS))
+def test_followers_build_the_planners_plan(name):
+  policy, dp, pp, events = EVENTS[name]
+  cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, resilience__policy=policy,
+                    resilience__mean_steps_between_failures=500.0)
+  (planner, planner_log), (follower, follower_log) = pair = _pair(cfg, range(dp * pp))
+  for i, event in enumerate(events):
+    mine, theirs = _apply(pair, event, f"step/{event[2]}/plan/{i}/{i}")
+    _same_plan(mine.plan, theirs.plan)
+    _same_plan(planner.plan, follower.plan)
+    assert (mine.restore, mine.reason) == (theirs.restore, theirs.reason)
+    assert follower.policy == planner.policy
+    assert follower.plan_name == planner.plan_name
+    assert follower.live_count == planner.live_count
+    assert follower.down_nodes == planner.down_nodes
+  assert follower.exchange.reads == len(events)
+  assert [(p.schedule_name, p.live, p.predicted_ratio, p.failure_step, p.event)
+          for p in follower.phases] == \
+    [(p.schedule_name, p.live, p.predicted_ratio, p.failure_step, p.event) for p in planner.phases]
+  # The same log, but for the line saying who planned.
+  assert [x for x in planner_log if "plan: decided here" not in x] == \
+    [x for x in follower_log if "plan: followed" not in x]
+  assert sum("plan: decided here" in x for x in planner_log) == len(events)
+  if name == "auto switches":
+    assert planner.policy == "bamboo"  # the switch itself crossed (auto's choice)
+
+
+def test_a_large_grid_crosses_as_its_footprint(monkeypatch):
+  """64 x 4 x 16 is planned on the touched pipelines and expanded: the published plan is the
+  footprint and the sub-grid's lists, and the follower never plans."""
+  dp, pp, m = 64, 4, 16
+  cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, model__num_layers=pp, pipeline__microbatches=m,
+                    pipeline__schedule="zb-h1", train__global_batch=dp * m,
+                    resilience__policy="recycle")
+  (planner, _), (follower, _) = pair = _pair(cfg, range(dp * pp))
+  planned = []
+  real = coordinator_module.RunCoordinator._replan
+  monkeypatch.setattr(coordinator_module.RunCoordinator, "_replan",
+                      lambda self, *a: (planned.append(self), real(self, *a))[1])
+  mine, theirs = _apply(pair, ("fail", {40 * pp + 2, 50 * pp + 1}, 3), "k")
+  assert planned == [planner]
+  shared = codec.from_bytes(planner.exchange.store.data["k"])
+  assert "expanded" in shared["plan"]["grid"]["schedule"]
+  assert len(shared["plan"]["grid"]["schedule"]["expanded"]["pipelines"]) < dp // 2
+  _same_plan(mine.plan, theirs.plan)
+
+
+def test_a_lost_stage_ends_the_followers_too():
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="recycle",
+                    resilience__restore_on_stage_loss=False)
+  pair = _pair(cfg, range(4))
+  for coord, _ in pair:
+    with pytest.raises(StageLost, match="every worker of stage 1"):
+      coord.fail({1, 3}, 2, key="k")
+
+
+def test_no_devices_left_ends_the_followers_too():
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="restart")
+  pair = _pair(cfg, range(4))
+  for coord, _ in pair:
+    with pytest.raises(NoDevicesLeft):
+      coord.fail({0, 1, 2, 3}, 2, key="k")
+
+
+def test_runs_round_trip():
+  for ids in ([], [3], [0, 1, 2, 5, 6, 9], list(range(16384))):
+    assert codec.unruns(codec.runs(ids)) == ids
+  assert codec.runs(list(range(16384))) == [[0, 16384]]
