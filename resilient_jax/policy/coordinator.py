@@ -24,8 +24,9 @@ only when that pays back before the next expected failure, else the node stays i
 When the policy in force cannot go on (a stage lost every worker, a layer lost every replica,
 two neighbouring Bamboo stages died) the decision is a restore onto a fresh layout of the
 survivors: Oobleck's templates on all of them, else `restart.restore_layout`. Planning inputs
-are deterministic (grid shape, failed set, FLOP-based costs), so every process of a job derives
-the same plan.
+are deterministic (grid shape, failed set, FLOP-based costs), so any process would derive the
+same plan; in a multi-process job only process 0 does, and publishes the decision through the
+key-value store for the others to adopt (`exchange`, `policy/shared.py`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,22 @@
 """The key-value store side of `policy/shared.py`: process 0 publishes each decision, the
 others wait for it.
 
-The published bytes go through the coordination service's byte-valued keys (compressed JSON,
-a few tens of kB at 16k devices) under `{key}/data`, then `{key}/ready` (a string key, which a
-waiter can block on: the blocking read has no byte-valued form); `key` is under
-`step/{step}/plan/`: the step's directory, which
-process 0 deletes with the step's other agreements once every process is past it
-(`distributed.kv_keep_steps`). A follower's wait is `Cluster.poll`'s: woken the moment the key
-is written, and bounded by `distributed.wait_timeout_s`, past which it exits with
-`EXIT_WAIT_TIMEOUT`; if process 0 dies instead, the coordinator watchdog ends the process with
-`EXIT_COORDINATOR_LOST` (the job restarts from its latest checkpoint, as for any loss of
-process 0).
+The published bytes (compressed JSON, a few tens of kB at 16k devices) are stored as base85
+text: every value in the store stays a string, which the store's directory reads and blocking
+reads (which a waiter blocks on) need, at a quarter more size. `key` is under
+`step/{step}/plan/`: the step's directory, which process 0 deletes with the step's other
+agreements once every process is past it (`distributed.kv_keep_steps`).
+
+A follower's wait is `Cluster.poll`'s: woken the moment the key is written, and bounded by
+`distributed.wait_timeout_s`, past which it exits with `EXIT_WAIT_TIMEOUT`; if process 0 dies
+instead, the coordinator watchdog ends the process with `EXIT_COORDINATOR_LOST` (the job
+restarts from its latest checkpoint, as for any loss of process 0).
 """
 
 from __future__ import annotations
+
+import base64
+import time
 
 from resilient_jax.runtime.cluster import Cluster
 
@@ -41,8 +44,8 @@ class KVPlanExchange:
   def publish(self, key: str, data: bytes) -> None:
     cl = self.cluster
     try:
-      cl.client.key_value_set_bytes(f"{key}/data", data, allow_overwrite=False)
-      cl.client.key_value_set(f"{key}/ready", "1", allow_overwrite=False)
+      cl.client.key_value_set(key, base64.b85encode(data).decode("ascii"),
+                              allow_overwrite=False)
     except Exception as e:
       cl.check_coordinator()
       raise RuntimeError(f"publishing the plan {key} failed: {e}") from None
@@ -52,11 +55,17 @@ class KVPlanExchange:
 
     def check() -> bytes | None:
       try:
-        return cl.client.key_value_try_get_bytes(f"{key}/data")
+        return base64.b85decode(cl.client.key_value_try_get(key))
       except Exception as e:
         if "NOT_FOUND" in str(e):
           return None
         cl.check_coordinator()
         raise RuntimeError(f"reading the plan {key} failed: {e}") from None
 
-    return cl.poll(f"process {PLANNER}'s plan {key}", check, wake_key=f"{key}/ready")
+    t0 = time.perf_counter()
+    data = cl.poll(f"process {PLANNER}'s plan {key}", check, wake_key=key)
+    # Through the cluster's log, which every process prints (the training log is process 0's):
+    # the line that shows this process followed rather than planned.
+    cl.log(f"process {cl.process_id}: follows process {PLANNER}'s plan {key} ({len(data)} "
+           f"bytes, waited {time.perf_counter() - t0:.3f}s)")
+    return data
