@@ -83,7 +83,9 @@ EVENTS = {
   "auto switches": ("auto", 4, 2, [("fail", {0}, 2), ("fail", {2}, 3), ("fail", {4}, 4)]),
   "oobleck": ("oobleck", 4, 2, [("fail", {5}, 2), ("rejoin", {5}, 3)]),
   "bamboo": ("bamboo", 4, 2, [("fail", {1}, 2)]),
-  "restart restores": ("restart", 4, 2, [("fail", {3}, 2)]),
+  # A restore onto a smaller layout, then a rejoin that grows it back (a planned restart): the
+  # layout itself crosses.
+  "restart shrinks and grows": ("restart", 2, 4, [("fail", {5}, 3), ("rejoin", {5}, 6)]),
 }
 
 
@@ -110,6 +112,8 @@ def test_followers_build_the_planners_plan(name):
   assert [x for x in planner_log if "plan: decided here" not in x] == \
     [x for x in follower_log if "plan: followed" not in x]
   assert sum("plan: decided here" in x for x in planner_log) == len(events)
+  if name == "restart shrinks and grows":
+    assert (mine.restore, follower.grid.dp) == (True, 2) and "growing the layout" in mine.reason
   if name == "auto switches":
     assert planner.policy == "bamboo"  # the switch itself crossed (auto's choice)
 
