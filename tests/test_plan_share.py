@@ -3,14 +3,22 @@
 A planner coordinator and a follower coordinator share an in-memory exchange (the key-value
 store's part): each failure and rejoin is decided once, by the planner, and the follower's plan,
 built from the published bytes, must equal the planner's op for op and route for route, with
-the same policy, restore, phases and log. The multi-process job that does this through the
-real store is `tests/test_multiprocess.py::test_survivors_recover_after_a_process_is_killed`.
+the same policy, restore, phases and log. The store's side (`runtime/plan_exchange.py`) runs on
+a stand-in for the coordination service's client; the multi-process job that does all of it
+through the real store is `tests/test_multiprocess.py::test_sigkill_matches_in_process_run`.
 """
+
+import time
 
 import pytest
 
+from resilient_jax.config import DistributedConfig
+from resilient_jax.exit_codes import EXIT_WAIT_TIMEOUT
 from resilient_jax.policy import NoDevicesLeft, RunCoordinator, StageLost
 from resilient_jax.policy import coordinator as coordinator_module
+from resilient_jax.runtime import cluster as cluster_module
+from resilient_jax.runtime.cluster import Cluster
+from resilient_jax.runtime.plan_exchange import KVPlanExchange, plan_key
 from resilient_jax.schedule import codec
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import step_program
@@ -159,3 +167,70 @@ def test_runs_round_trip():
   for ids in ([], [3], [0, 1, 2, 5, 6, 9], list(range(16384))):
     assert codec.unruns(codec.runs(ids)) == ids
   assert codec.runs(list(range(16384))) == [[0, 16384]]
+
+
+# --- the key-value store's side (runtime/plan_exchange.py), on a stand-in for the client -------
+
+
+class _Client:
+  """The coordination service's string key-value calls, as they behave."""
+
+  def __init__(self):
+    self.kv: dict[str, str] = {}
+    self.read_bytes = 0
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if key in self.kv and not allow_overwrite:
+      raise RuntimeError(f"ALREADY_EXISTS: {key}")
+    self.kv[key] = value
+
+  def key_value_try_get(self, key):
+    if key not in self.kv:
+      raise RuntimeError(f"NOT_FOUND: {key}")
+    self.read_bytes += len(self.kv[key])
+    return self.kv[key]
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key in self.kv:
+      self.read_bytes += len(self.kv[key])
+      return self.kv[key]
+    time.sleep(timeout_ms / 1000)
+    raise RuntimeError("DEADLINE_EXCEEDED")
+
+
+def _cluster(client, process_id, lines):
+  cl = Cluster.__new__(Cluster)  # no jax.distributed: only what the exchange calls
+  cl.cfg = DistributedConfig(wait_timeout_s=1)
+  cl.client, cl.process_id, cl.log = client, process_id, lines.append
+  return cl
+
+
+def test_the_store_carries_the_plan_once_per_follower():
+  client, lines = _Client(), []
+  planner = KVPlanExchange(_cluster(client, 0, lines))
+  follower = KVPlanExchange(_cluster(client, 3, lines))
+  assert (planner.planner, follower.planner) == (True, False)
+  key = plan_key(4, 7, 2)
+  data = bytes(range(256)) * 40  # not text: compressed JSON
+  planner.publish(key, data)
+  assert all(isinstance(v, str) for v in client.kv.values())  # string reads of `step/` work
+  client.read_bytes = 0
+  assert follower.read(key) == data
+  assert client.read_bytes < 1.3 * len(data)  # read once (the wake-up key is tiny)
+  assert lines == [f"process 3: follows process 0's plan {key} ({len(data)} bytes, "
+                   f"waited {lines[0].rsplit('waited ', 1)[1]}"]
+  with pytest.raises(RuntimeError, match="publishing the plan"):
+    planner.publish(key, data)  # written once
+
+
+def test_a_slow_planner_ends_a_follower_with_the_wait_timeout_exit(monkeypatch):
+  def exit_now(code, message):
+    raise SystemExit((code, message))
+
+  monkeypatch.setattr(cluster_module, "exit_now", exit_now)
+  follower = KVPlanExchange(_cluster(_Client(), 2, []))
+  with pytest.raises(SystemExit) as e:
+    follower.read(plan_key(5, 9, 1))
+  code, message = e.value.code
+  assert code == EXIT_WAIT_TIMEOUT == 6
+  assert "waited more than 1s for process 0's plan step/5/plan/9/1" in message
