@@ -88,6 +88,7 @@ EVENTS = {
   # (policy, dp, pp, events); nodes are d * pp + s.
   "recycle single then spread": ("recycle", 4, 2, [("fail", {5}, 2), ("fail", {2, 7}, 3),
                                                     ("rejoin", {5}, 4)]),
+  "recycle host": ("recycle", 4, 2, [("fail", {2, 3}, 2)]),  # both workers of pipeline 1
   "auto switches": ("auto", 4, 2, [("fail", {0}, 2), ("fail", {2}, 3), ("fail", {4}, 4)]),
   "oobleck": ("oobleck", 4, 2, [("fail", {5}, 2), ("rejoin", {5}, 3)]),
   "bamboo": ("bamboo", 4, 2, [("fail", {1}, 2)]),
