@@ -164,6 +164,21 @@ def test_no_devices_left_ends_the_followers_too():
       coord.fail({0, 1, 2, 3}, 2, key="k")
 
 
+def test_a_planner_bug_stops_the_followers_at_once():
+  """Not at their wait's bound: the error is published as the decision."""
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="recycle")
+  (planner, _), (follower, _) = _pair(cfg, range(4))
+
+  def broken(*_, **__):
+    raise ValueError("no plan today")
+
+  planner._plan_of = broken
+  with pytest.raises(ValueError, match="no plan today"):
+    planner.fail({1}, 2, key="k")
+  with pytest.raises(RuntimeError, match="failed to decide k: ValueError: no plan today"):
+    follower.fail({1}, 2, key="k")
+
+
 def test_runs_round_trip():
   for ids in ([], [3], [0, 1, 2, 5, 6, 9], list(range(16384))):
     assert codec.unruns(codec.runs(ids)) == ids

@@ -512,6 +512,10 @@ class RunCoordinator(PhaseLog):
     except NoDevicesLeft as e:
       exchange.publish(key, codec.to_bytes({"no_devices": str(e), "lines": lines}))
       raise
+    except Exception as e:  # a bug: the others stop too, rather than at their wait's bound
+      exchange.publish(key, codec.to_bytes({"planner_error": f"{type(e).__name__}: {e}",
+                                            "lines": lines}))
+      raise
     finally:
       self.log = log
     planned = time.perf_counter() - t0
@@ -546,6 +550,9 @@ class RunCoordinator(PhaseLog):
       raise StageLost(*shared["lost_stage"])
     if "no_devices" in shared:
       raise NoDevicesLeft(shared["no_devices"])
+    if "planner_error" in shared:
+      raise RuntimeError(f"the planner process failed to decide {key}: "
+                         f"{shared['planner_error']}")
     dp, pp, nodes = shared["layout"]
     nodes = codec.unruns(nodes)
     if (dp, pp, nodes) != (self.grid.dp, self.grid.pp, self.grid_nodes):
