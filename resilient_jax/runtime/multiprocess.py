@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from resilient_jax import placement as placement_lib
 from resilient_jax.model.sharding import Where, target, where_key, worker_mesh
 from resilient_jax.runtime.cluster import Cluster
+from resilient_jax.runtime.inbox import Inbox
 from resilient_jax.runtime.transport import (
   STATE,
   Devices,
@@ -159,6 +160,8 @@ class ProcessTransport(Transport):
     self.participants: list[int] = []
     """The processes holding the attempt's nodes."""
     self.doomed: list[str] = []
+    self.inbox = Inbox(cluster)
+    """The attempt's pulls of activations and gradients (`expect`)."""
 
   def device(self, node: int) -> Where:
     return self._where[node]
@@ -171,6 +174,7 @@ class ProcessTransport(Transport):
     self.step, self.attempt = step, attempt
     self.participants = self.layout.processes_of(nodes)
     self.doomed = []
+    self.inbox.clear()
     if self.pause is not None:
       self.pause(step, "start")
 
@@ -184,14 +188,26 @@ class ProcessTransport(Transport):
     else:
       self.cluster.offer(self._tid(key), [value])
 
+  def expect(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: Where) -> None:
+    """Starts the pull of `key` now (`runtime.inbox` says why computations wait for it)."""
+    process = self.process_of(producer)
+    self.inbox.put(key, process, self.cluster.pull(process, self._tid(key), [spec], device))
+
+  def arrived(self, key: Key) -> bool:
+    return self.inbox.arrived(key)
+
+  def wait_arrival(self, keys: Sequence[Key], what: str) -> None:
+    self.inbox.wait_any(keys, what)
+
   def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: Where):
     if self.is_local(producer):
       return super().recv(key, producer, spec, device)
-    process = self.process_of(producer)
-    got = self.cluster.pull(process, self._tid(key), [spec], device)
+    if key not in self.inbox:
+      self.expect(key, producer, spec, device)
+    process, got = self.inbox.take(key)
     if got is None:
       self.doomed.append(f"process {process} unreachable")
-      return jax.device_put(jnp.zeros(spec.shape, spec.dtype), device)
+      return jnp.zeros(spec.shape, spec.dtype, device=device)
     return got[0]
 
   def _failed(self, what: str, err: BaseException) -> None:
