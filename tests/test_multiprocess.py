@@ -162,6 +162,34 @@ def test_sigkill_of_a_host_loses_all_its_workers(tmp_path, tp, pp, lost_device, 
   assert proc.stdout.count("refuses connections: dead") == 1, tail(proc)
 
 
+def test_a_pipeline_that_returns_to_a_process(tmp_path):
+  """2 processes x 2 devices, each process holding a whole pipeline of a dp=2 pp=2 grid. At
+  step 2 a device of process 1 is lost (`faults.schedule`) and Oobleck re-templates the 3 live
+  workers as one 3-stage pipeline whose stages go process 0, process 1, process 0 again, so
+  each process has a worker waiting for the other's activations or gradients while its other
+  worker's ops are queued. That deadlocked (every process exited 6) when a device's queue could
+  hold a computation waiting on a transfer from the other process (`runtime/inbox.py`). Every
+  step trains the fault-free samples to the single-device losses."""
+  workdir = tmp_path / "multi"
+  proc = subprocess.run(
+    [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=2", "--",
+     *_train_args(workdir), "--config.faults.schedule=2:1.1",
+     "--config.resilience.policy=oobleck", "--config.distributed.wait_timeout_s=60"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, tail(proc)
+  assert "exit codes: p0=0, p1=0" in proc.stdout, tail(proc)
+  # The re-templated pipeline's stages, in order, on nodes of process 0, 1, 0 (pipeline
+  # placement, 2 workers per process: nodes 0 and 1 are process 0's).
+  after = (workdir / "schedule.txt").read_text().strip().split("\n\n")[1]
+  nodes = [int(n) for n in re.findall(r"^  s\d .* on node (\d+) \|", after, re.M)]
+  assert [n // 2 for n in nodes] == [0, 1, 0], after
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS)
+  multi = read_rows(workdir / "metrics.jsonl")
+  assert [r["sample_digest"] for r in multi] == expected_digests(cfg)
+  np.testing.assert_allclose([r["loss"] for r in multi], reference_for(cfg)[0], rtol=LOSS_RTOL)
+  assert [r["live_workers"] for r in multi] == [4, 3, 3, 3, 3]
+
+
 _SUB_MESH_TRANSFERS = """
 import sys
 import jax
