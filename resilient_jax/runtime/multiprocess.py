@@ -8,7 +8,8 @@ one process moves with `jax.device_put`, between processes over the transfer ser
 
 * an activation or activation gradient for a slot of another process is offered to it under
   an id derived from (step, attempt, micro-batch, stage, kind), so a stale attempt's data can
-  never be mistaken for the current one's; the consumer pulls it asynchronously;
+  never be mistaken for the current one's; the consumer pulls it asynchronously at the start of
+  the attempt and computes on it once it has arrived (`runtime.inbox`);
 * a reduction whose holders span processes is `Transport.reduce`'s gather, its buffers pulled
   from the other member processes over the same transfers (see `runtime.transport`);
 * the end of the attempt is agreed: every process installs its new state on a commit, or every
