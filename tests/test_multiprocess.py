@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -591,6 +593,56 @@ def test_first_writer_wins_passes_other_errors_on():
   assert first_writer_wins(Client("ALREADY_EXISTS: key k"), "k", {"lost": [2]}) == {"commit": True}
   with pytest.raises(RuntimeError, match="UNAVAILABLE"):
     first_writer_wins(Client("UNAVAILABLE: the service is gone"), "k", {"lost": [2]})
+
+
+class _Pending:
+  """A stand-in for a pulled array: ready once `land` is called."""
+
+  def __init__(self):
+    self._landed = threading.Event()
+
+  def land(self):
+    self._landed.set()
+
+  def is_ready(self):
+    return self._landed.is_set()
+
+  def block_until_ready(self):
+    self._landed.wait()
+    return self
+
+
+def test_inbox_waits_for_the_first_arrival_or_a_dead_producer():
+  """`Inbox.wait_any` returns as soon as one awaited pull lands (woken by it, not by polling),
+  and, for a producer found dead while its pull is pending, returns with that pull settled:
+  `take` then gives None (the caller computes on zeros and dooms the attempt) rather than an
+  array that would hold its device's queue forever."""
+  from types import SimpleNamespace
+
+  from resilient_jax.runtime.inbox import Inbox
+
+  dead: set[int] = set()
+  cluster = SimpleNamespace(process_id=0, cfg=SimpleNamespace(wait_timeout_s=30),
+                            dead=lambda ps: set(ps) & dead)
+  inbox = Inbox(cluster)
+  a, b = _Pending(), _Pending()
+  inbox.put("a", 1, [a])
+  inbox.put("b", 2, [b])
+  inbox.put("gone", 1, None)  # the producer could not be reached: nothing to wait for
+  assert not inbox.arrived("a") and not inbox.arrived("b") and inbox.arrived("gone")
+  assert inbox.arrived("local")  # never pulled: a local key
+  threading.Timer(0.3, b.land).start()
+  t0 = time.monotonic()
+  inbox.wait_any(["a", "b"], "test")
+  assert inbox.arrived("b") and not inbox.arrived("a")
+  assert time.monotonic() - t0 < 5
+  assert inbox.take("b") == (2, [b])
+  dead.add(1)
+  inbox.wait_any(["a"], "test")
+  assert inbox.take("a") == (1, None)
+  inbox.clear()
+  assert inbox.arrived("a")
+  a.land()  # lets its watcher thread go
 
 
 def test_heartbeat_monitor_needs_silence_and_the_observers_own_beats():
