@@ -54,7 +54,10 @@ class Inbox:
     self._pulls: dict[Hashable, tuple[int, list[jax.Array] | None]] = {}
     self._watched: set[Hashable] = set()
     self._lost: set[int] = set()
-    self._woken = threading.Event()
+    # Bumped by every watcher thread whose pull landed; waiters sleep until it moves (a count,
+    # not an event, so that several threads may wait at once without missing a wake-up).
+    self._landed = 0
+    self._changed = threading.Condition()
 
   def clear(self) -> None:
     """Forgets the last attempt's pulls (one still pending stays pending; nothing reads it)."""
@@ -92,20 +95,22 @@ class Inbox:
     A helper thread per key blocks on its arrays and wakes this wait; between wake-ups the
     producers' liveness is checked (`Cluster.dead`, which also fails their pending pulls), so a
     producer found dead ends the wait. Exits the process with `EXIT_WAIT_TIMEOUT` after
-    `distributed.wait_timeout_s`.
+    `distributed.wait_timeout_s`. Several threads may wait at once.
     """
     cl = self.cluster
     deadline = time.monotonic() + cl.cfg.wait_timeout_s
     producers = {self._pulls[k][0] for k in keys if k in self._pulls}
     checked = time.monotonic()
     while True:
-      self._woken.clear()
+      with self._changed:
+        seen = self._landed
       if any(self.arrived(k) for k in keys):
         return
-      for k in keys:
-        if k not in self._watched:
-          self._watched.add(k)
-          threading.Thread(target=self._watch, args=(self._pulls[k][1],), daemon=True).start()
+      with self._changed:
+        unwatched = [k for k in keys if k not in self._watched]
+        self._watched.update(unwatched)
+      for k in unwatched:
+        threading.Thread(target=self._watch, args=(self._pulls[k][1],), daemon=True).start()
       now = time.monotonic()
       if now > deadline:
         exit_now(EXIT_WAIT_TIMEOUT, f"process {cl.process_id}: waited more than "
@@ -113,14 +118,18 @@ class Inbox:
       if now - checked >= HEARTBEAT_CHECK_S:  # not on every arrival: probes cost a connection
         checked = now
         self._lost |= cl.dead(producers)
-      self._woken.wait(HEARTBEAT_CHECK_S)
+      with self._changed:
+        if self._landed == seen:
+          self._changed.wait(HEARTBEAT_CHECK_S)
 
   def _watch(self, arrays: Iterable[jax.Array]) -> None:
     try:
       jax.block_until_ready(list(arrays))
     except Exception:  # noqa: BLE001 - a failed pull has arrived too (as an error)
       pass
-    self._woken.set()
+    with self._changed:
+      self._landed += 1
+      self._changed.notify_all()
 
 
 def transfer_in(
