@@ -16,10 +16,11 @@ So the interpreter pulls every activation and gradient its slots will read from 
 at the start of an attempt (`Inbox.put`: the pulls are asynchronous and cost nothing while
 pending), dispatches an op that reads one only once it has arrived (`arrived`), and, when
 nothing else can be dispatched, waits for the first of those it needs (`wait_any`: bounded by
-`distributed.wait_timeout_s` and abandoned for a producer found dead). Every computation in a
-device's queue then has inputs that are computed or computing in this process, so no queue waits
-on another process, whatever devices a computation's inputs come from, and each slot still runs
-its op list in order, as the schedule assumes.
+`distributed.wait_timeout_s` and abandoned for a producer found dead). The other pulls (a
+reduction's gradient buffers, state hand-overs) are waited for before anything computes on them.
+Every computation in a device's queue then has inputs that are computed or computing in this
+process, so no queue waits on another process, whatever devices a computation's inputs come
+from, and each slot still runs its op list in order, as the schedule assumes.
 """
 
 from __future__ import annotations

@@ -256,15 +256,22 @@ class ProcessTransport(Transport):
       self.pause(self.step, "AR")
     spec = jax.ShapeDtypeStruct(mine[0].shape, mine[0].dtype)
     parts = dict(flats)
-    for q in procs:
-      if q == me:
-        continue
+    others = [q for q in procs if q != me]
+    for q in others:
       theirs = sorted((d for d in devices if _process_of(d) == q), key=where_key)
       got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec] * len(theirs), first)
       if got is None:
         self.doomed.append(f"all-reduce {index}: process {q} unreachable")
         return None
       parts.update(zip(theirs, got, strict=True))
+    # Landed before anything sums them: no device's queue waits on another process
+    # (`runtime.inbox`).
+    pulled = [x for d, x in parts.items() if d not in flats]
+    err = self.cluster.wait(pulled, f"all-reduce {index}'s gradients from processes {others}",
+                            others)
+    if err is not None:
+      self._failed(f"all-reduce {index}", err)
+      return None
     return parts
 
   def _reduce_id(self, index: int, sender: int, receiver: int) -> int:
