@@ -4,12 +4,14 @@ A plan is compiled to a `StepProgram` (`schedule/plan.py`): slots, each with a n
 split, a stage and an op list with global micro-batch ids, and each micro-batch's route
 through the slots. The interpreter holds the parameters and optimizer state of the slots on
 this process's nodes and walks their op lists, dispatching an op as soon as the ops it depends
-on have been dispatched (JAX's asynchronous dispatch then overlaps the devices). Everything
-that crosses a slot boundary goes through the `Transport`: activations and activation
-gradients (`send`/`recv`), the gradient reductions (`reduce`), and the end of the step
-(`conclude`: commit, or the set of nodes lost). The in-process transport moves arrays between
-local devices; the multi-process one pulls them from other processes and agrees on every
-collective and on the step's outcome through the coordination service (`runtime/multiprocess.py`).
+on have been dispatched and what it reads from another process has arrived (JAX's asynchronous
+dispatch then overlaps the devices; `runtime/inbox.py` says why a device's queue must never
+wait on another process). Everything that crosses a slot boundary goes through the
+`Transport`: activations and activation gradients (`send`/`recv`), the gradient reductions
+(`reduce`), and the end of the step (`conclude`: commit, or the set of nodes lost). The
+in-process transport moves arrays between local devices; the multi-process one pulls them from
+other processes and agrees on every collective and on the step's outcome through the
+coordination service (`runtime/multiprocess.py`).
 
 **Gradient reduction is keyed by parameter name.** Every parameter's gradient is summed over
 every slot that holds it, whichever stage that is in its pipeline: a grid's stage group, a tied
@@ -44,6 +46,7 @@ from jax.profiler import TraceAnnotation
 from resilient_jax.compiled import Built, OnEachDevice
 from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.runtime.handover import Source, StateHandover
+from resilient_jax.runtime.inbox import expect_inputs, transfer_in
 from resilient_jax.runtime.transport import ACT, GRAD, Outcome, Transport
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
 from resilient_jax.schedule.pipelines import LayerRange
@@ -441,11 +444,9 @@ class Interpreter(StateHandover):
       p = sp.slots[slot]
       progs = self.programs(p.split)
       prog, dev, s, mb, key = progs[p.stage], self.device(slot), p.stage, op.mb, (slot, op.mb)
+      incoming = transfer_in(sp, prog, slot, op)
       if op.kind == F:
-        if s == 0:
-          x = jax.device_put(inputs[mb], dev)
-        else:
-          x = tp.recv((mb, s - 1, ACT), sp.slots[sp.route[mb][s - 1]].node, prog.input_spec, dev)
+        x = jax.device_put(inputs[mb], dev) if incoming is None else tp.recv(*incoming, dev)
         tgt = jax.device_put(targets[mb], dev) if p.last else None
         out, residuals[key], saved[key] = prog.forward(self.params[slot], x, tgt,
                                                        seeds_of(prog, mb, dev))
@@ -469,10 +470,12 @@ class Interpreter(StateHandover):
         return list(acc[slot].values())[:1]
       if op.kind not in (B, BW):
         raise ValueError(f"not a compute op: {op}")
-      if p.last:
-        g = jax.device_put(jnp.float32(1.0), dev)
+      if incoming is None:  # the last stage: the loss's own gradient
+        # From the host: `jnp.float32(1.0)` is a computation on the process's first device,
+        # which would make this stage's backward wait for everything queued there.
+        g = jax.device_put(np.float32(1.0), dev)
       else:
-        g = tp.recv((mb, s + 1, GRAD), sp.slots[sp.route[mb][s + 1]].node, prog.output_spec, dev)
+        g = tp.recv(*incoming, dev)
       if op.kind == B:
         dx, taps[key] = prog.backward_input(residuals.pop(key), g)
       else:
@@ -526,8 +529,18 @@ class Interpreter(StateHandover):
       if after_op is not None:
         after_op(sp.slots[slot].node, op)
 
-    def ready(slot: Slot, op: Op) -> bool:
+    # Every array a local op reads from another process is pulled now and the op dispatched
+    # once it arrived (`runtime.inbox` says why).
+    remote_in = expect_inputs(sp, self.program, self.device, tp, self.local_slots)
+
+    def waits(slot: Slot, op: Op) -> bool:
+      """Whether the op's dependencies are dispatched (those in other processes: not waited
+      for; their data is)."""
       return all(d in done or d[0] not in local for d in sp.dependencies(slot, op))
+
+    def ready(slot: Slot, op: Op) -> bool:
+      key = remote_in.get((slot, op))
+      return waits(slot, op) and (key is None or tp.arrived(key))
 
     def finish(slot: Slot, op: Op, start: float, outs: Any) -> None:
       if profile:
@@ -591,6 +604,15 @@ class Interpreter(StateHandover):
           if op.kind != OPT:
             after(slot, op)
           remaining[0] -= 1
+      if not progressed:
+        # Heads whose only missing input is on its way from another process.
+        pending = [remote_in[h] for h in ((s, sp.slots[s].ops[pos[s]]) for s in local
+                                          if pos[s] < len(sp.slots[s].ops))
+                   if h in remote_in and waits(*h)]
+        if pending:
+          tp.wait_arrival(pending, f"step {step}'s activations and gradients from other "
+                          "processes")
+          continue
       if not progressed and not try_reduce(blocking_ok=True):
         heads = {s: str(sp.slots[s].ops[pos[s]]) for s in local if pos[s] < len(sp.slots[s].ops)}
         raise RuntimeError(f"plan {sp.name} cannot make progress; stuck at {heads}")
