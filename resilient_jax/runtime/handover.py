@@ -68,16 +68,17 @@ class StateHandover:
 
   def _exchange(
     self, transfers: list[tuple[int, int, list[str]]], sources: Sequence[Source],
-    specs: Mapping[str, Any], channel: int, tag: tuple[int, int],
+    specs: Mapping[str, Any], channel: int, tag: tuple[int, int], lost_ok: bool = False,
   ) -> list[Source]:
     """Runs `transfers` (source node, destination node, keys) between processes; returns what
-    arrived here as sources."""
+    arrived here as sources (with `lost_ok`, without what a process that died did not serve:
+    `Transport.exchange`)."""
 
     def lookup(node: int, key: str) -> jax.Array:
       dev, table = self.transport.device(node), (1 if key.startswith("p/") else 2)
       return next(src[table][key[2:]] for src in sources if src[0] == dev and key[2:] in src[table])
 
-    received = self.transport.exchange(transfers, lookup, specs, channel, tag)
+    received = self.transport.exchange(transfers, lookup, specs, channel, tag, lost_ok)
     return [
       (self.transport.device(node),
        {k[2:]: v for k, v in got.items() if k.startswith("p/")},

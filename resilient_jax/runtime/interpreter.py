@@ -44,6 +44,7 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from resilient_jax.compiled import Built, OnEachDevice
+from resilient_jax.logs import info
 from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.runtime.handover import Source, StateHandover
 from resilient_jax.runtime.inbox import expect_inputs, transfer_in
@@ -308,12 +309,21 @@ class Interpreter(StateHandover):
         remote.append((src_node, p.node, sorted(keys)))
     if not remote:
       return
-    got = self._exchange(remote, self.sources(), specs, channel=channel, tag=tag)
+    # A source process that died after the step committed and before serving its state leaves
+    # its successor's replica out (none is better than a stale one): the step that finds it
+    # dead hands that stage's state over from a live data-parallel peer instead, and the FR
+    # ops of the slot skip until the next refresh.
+    got = self._exchange(remote, self.sources(), specs, channel=channel, tag=tag, lost_ok=True)
     for slot, p in sorted(sp.slots.items()):
       if p.replica is None or slot in self.replicas or not self.transport.is_local(p.node):
         continue
       dev = self.device(slot)
-      _, params, entries = next(src for src in got if src[0] == dev)
+      arrived = next((src for src in got if src[0] == dev), None)
+      if arrived is None:
+        info(f"replica of stage {p.replica} on worker {slot} not refreshed: its source was "
+             "lost; a failover takes that stage's state from a live peer")
+        continue
+      _, params, entries = arrived
       prog = self.programs(p.split)[p.replica]
       template = jax.eval_shape(prog.optimizer.init, prog.abstract_params())
       self.replicas[slot] = (
@@ -459,6 +469,8 @@ class Interpreter(StateHandover):
             fr_in[key] = out
         return [out]
       if op.kind == FR:
+        if slot not in self.replicas:  # its refresh lost the source (`_refresh_replicas`)
+          return []
         r = p.replica
         x = jax.device_put(inputs[mb], dev) if p.last else fr_in.pop(key)
         tgt = jax.device_put(targets[mb], dev) if r == len(p.split) - 1 else None

@@ -189,12 +189,16 @@ class Transport:
     jax.block_until_ready(tree)
 
   def exchange(
-    self, transfers: Sequence[Transfer], lookup: Lookup, specs: Specs, channel: int, tag: Tag
+    self, transfers: Sequence[Transfer], lookup: Lookup, specs: Specs, channel: int, tag: Tag,
+    lost_ok: bool = False,
   ) -> dict[int, dict[str, jax.Array]]:
     """Moves state between processes: each (source node, destination node, keys) is offered by
     the source's process (`lookup` gives its arrays) and pulled by the destination's. Every
-    process passes the same list; returns {local destination node: {key: array}}."""
-    del lookup, specs, channel, tag
+    process passes the same list; returns {local destination node: {key: array}}.
+
+    With `lost_ok`, a transfer whose source process died before it was served is left out of
+    the result (the caller can do without it); otherwise that raises `RuntimeError`."""
+    del lookup, specs, channel, tag, lost_ok
     if any(not (self.is_local(a) and self.is_local(b)) for a, b, _ in transfers):
       raise ValueError("a single-process run has no other process to exchange state with")
     return {}  # every node is local: `Interpreter.place` copies between devices itself
