@@ -18,6 +18,16 @@ Times, interleaved and repeated (medians):
   - BW: `StagePrograms.backward_fused` (B then W in one program, what 1F1B runs);
   - F split (`StagePrograms.forward`) against F plain (the fwd half of the same fwd_and_bwd).
 
+Every program is timed twice per call: wall time, and the CPU time of this process
+(`time.process_time`: every thread's), with the minor page faults per call. On a host shared
+with other jobs, wall time stretches with the load (Llama's fused backward: 40 ms at load 1,
+110-440 ms at load 5-15) while CPU time moves a few percent; both ratios are printed.
+Two diagnostics locate what the split costs beyond the fused backward:
+  - B without hand-over: B returning dx only (XLA keeps the cotangents W would read in its
+    temporaries): t(B) minus this is what writing the hand-over costs B;
+  - W beyond BW: t(W) minus (t(BW) - t(B)): what W costs alone beyond W inside one program
+    with B, i.e. reading the hand-over back from memory instead of from cache.
+
 Memory comes from `compiled.memory_analysis()` and the byte sizes of the live buffers: what is
 held from F until the backward (deduplicated by buffer, parameters excluded) plus the backward
 programs' temporaries and outputs. Parameters and gradient accumulators are the same on both
@@ -80,23 +90,31 @@ def pointers(tree) -> set[int]:
 
 def time_interleaved(
   fns: dict[str, Callable[[], object]], repeats: int, inner: int
-) -> dict[str, list[float]]:
-  """Per-call seconds of each fn: `repeats` rounds, each timing every fn (rotating the order)."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
+  """Per-call wall seconds, process CPU seconds and minor page faults of each fn: `repeats`
+  rounds, each timing every fn (rotating the order)."""
+  import resource
+
   import jax
 
   names = list(fns)
-  out: dict[str, list[float]] = {n: [] for n in names}
+  wall: dict[str, list[float]] = {n: [] for n in names}
+  cpu: dict[str, list[float]] = {n: [] for n in names}
+  faults: dict[str, list[float]] = {n: [] for n in names}
   for r in range(repeats):
     order = names[r % len(names) :] + names[: r % len(names)]
     for n in order:
       fn = fns[n]
       jax.block_until_ready(fn())
-      t0 = time.perf_counter()
+      f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      t0, c0 = time.perf_counter(), time.process_time()
       for _ in range(inner):
         res = fn()
       jax.block_until_ready(res)
-      out[n].append((time.perf_counter() - t0) / inner)
-  return out
+      wall[n].append((time.perf_counter() - t0) / inner)
+      cpu[n].append((time.process_time() - c0) / inner)
+      faults[n].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / inner)
+  return wall, cpu, faults
 
 
 def lower(program, *args):
@@ -200,8 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     dx, acc[0] = prog.backward_fused(residuals, saved, params, g, acc[0])
     return dx, acc[0]
 
+  # B returning dx only: the cotangents it would hand over stay XLA temporaries.
+  b_no_handover = jax.jit(lambda r, g: prog.split.backward_input(r, [g])[0][0])
   fns = {
     "B": lambda: prog.backward_input(residuals, g),
+    "B_no_handover": lambda: b_no_handover(residuals, g),
     "W": run_w,
     "fused": lambda: fused_bwd(fused_res, g),
     "fused_acc": run_fused_acc,
@@ -213,9 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     fns["fused_3d"] = lambda: fused_bwd_3d(fused_res_3d, g)
   inner = args.inner
   if inner <= 0:
-    probe = time_interleaved({"fused": fns["fused"]}, 1, 2)["fused"][0]
+    probe = time_interleaved({"fused": fns["fused"]}, 1, 2)[0]["fused"][0]
     inner = max(2, min(100, round(0.2 / max(probe, 1e-6))))
-  times = time_interleaved(fns, args.repeats, inner)
+  times, cpu_times, faults = time_interleaved(fns, args.repeats, inner)
   med = {n: statistics.median(v) for n, v in times.items()}
   # The ratio per round (the five programs of a round ran within moments of each other) is
   # more robust to the shared cores' load than the ratio of medians; both are printed.
@@ -296,6 +317,27 @@ def main(argv: list[str] | None = None) -> None:
     f"F split/plain    {med['F_split'] / med['F_plain']:9.3f}   "
     f"(median of per-round ratios {statistics.median(f_rounds):.3f})"
   )
+  cpu = {n: statistics.median(v) for n, v in cpu_times.items()}
+
+  def cpu_ratio(parts: tuple[str, ...], base: str) -> str:
+    rounds = [sum(cpu_times[p][r] for p in parts) / cpu_times[base][r]
+              for r in range(args.repeats)]
+    return (f"{sum(cpu[p] for p in parts) / cpu[base]:.3f} (median of per-round ratios "
+            f"{statistics.median(rounds):.3f})")
+
+  print("CPU time per call (every thread of this process; moves little with the host's load):")
+  print("  " + ", ".join(f"{n} {cpu[n] * 1e3:.2f} ms" for n in
+                         ("B", "W", "fused", "fused_acc", "BW", "B_no_handover")))
+  print(f"  (B+W)/fused {cpu_ratio(('B', 'W'), 'fused')}; (B+W)/(fused+acc) "
+        f"{cpu_ratio(('B', 'W'), 'fused_acc')}; BW/fused {cpu_ratio(('BW',), 'fused')}")
+  print(f"  B writing the hand-over: t(B) - t(B without hand-over) = "
+        f"{(cpu['B'] - cpu['B_no_handover']) * 1e3:.2f} ms CPU "
+        f"({(med['B'] - med['B_no_handover']) * 1e3:.2f} ms wall)")
+  print(f"  W reading it back: t(W) - (t(BW) - t(B)) = "
+        f"{(cpu['W'] - cpu['BW'] + cpu['B']) * 1e3:.2f} ms CPU "
+        f"({(med['W'] - med['BW'] + med['B']) * 1e3:.2f} ms wall)")
+  print("  minor page faults per call: " + ", ".join(
+    f"{n} {statistics.median(faults[n]):.0f}" for n in ("B", "W", "fused", "BW")))
   print("memory (MiB; parameters and gradient accumulators excluded):")
   print(
     f"  split: held F->B/W {held_split * mib:.2f} (residuals {held_res_only * mib:.2f} + "
