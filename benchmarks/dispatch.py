@@ -17,6 +17,9 @@ warm-up steps that compile, and medians are printed:
   - dispatch CPU ms/op: CPU time of the threads that dispatched, summed, per op (on a loaded
     machine the wall time also counts waiting for a core; the CPU time does not);
   - step ms: the whole step, until its new parameters are ready;
+  - caller CPU ms/op: CPU time of the calling thread over the whole `run_step` (dispatch,
+    then concluding the step), per op: the one figure a library without dispatch modes gives,
+    to compare with it (with dispatch threads it leaves their CPU time out);
   - mode/serial (the last mode given): the ratio of the medians, and the median of the
     per-round ratios.
 
@@ -25,7 +28,7 @@ bitwise equal, which is checked and printed.
 
 `--tree` imports the library from another checkout (e.g. the merge base, extracted with
 `git archive`), to measure the code before a change with the same script; a library without
-dispatch modes runs as `base` and its CPU time is the calling thread's over `run_step`.
+dispatch modes runs as `serial` and its dispatch CPU is the caller's over `run_step`.
 """
 
 from __future__ import annotations
@@ -88,20 +91,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("error: this library has no dispatch modes: pass --modes=serial")
       trainers[f"{dp}x{pp} {mode}"] = trainer
 
-  def run(name: str, t: int) -> tuple[float, float, float, float]:
+  def run(name: str, t: int) -> tuple[float, float, float, float, float]:
     trainer = trainers[name]
     c0, w0 = time.thread_time(), time.perf_counter()
     result, _ = trainer.run_step(t)
     cpu = time.thread_time() - c0
     jax.block_until_ready(list(trainer.interpreter.params.values()))
     step = time.perf_counter() - w0
-    return result.loss, result.dispatch_time_s, getattr(result, "dispatch_cpu_s", cpu), step
+    return result.loss, result.dispatch_time_s, getattr(result, "dispatch_cpu_s", cpu), step, cpu
 
   names = list(trainers)
   for t in range(1, args.warmup + 1):
     for n in names:
       run(n, t)
-  rows: dict[str, list[tuple[float, float, float, float]]] = collections.defaultdict(list)
+  rows: dict[str, list[tuple[float, float, float, float, float]]] = collections.defaultdict(list)
   load_before = os.getloadavg()
   for i in range(args.steps):
     t = args.warmup + 1 + i
@@ -116,17 +119,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(jax.devices())} simulated devices in one process, {os.cpu_count()} cores; "
         f"{args.steps} timed steps per variant after {args.warmup} warm-up")
   print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-  print(f"{'grid':5} {'mode':8} {'ops':>4} {'dispatch wall ms/op':>20} {'dispatch CPU ms/op':>19} "
-        f"{'step ms':>8}")
+  print(f"{'grid':5} {'mode':9} {'ops':>4} {'dispatch wall ms/op':>20} {'dispatch CPU ms/op':>19} "
+        f"{'step ms':>8} {'caller CPU ms/op':>17}")
   for dp, pp in grids:
     g = f"{dp}x{pp}"
     ops = sum(len(s.ops) for s in trainers[f"{g} {modes[0]}"].interpreter.step_program
               .slots.values())
     for mode in modes:
       r = rows[f"{g} {mode}"]
-      print(f"{g:5} {mode:8} {ops:4d} {statistics.median(x[1] for x in r) / ops * 1e3:20.3f} "
+      print(f"{g:5} {mode:9} {ops:4d} {statistics.median(x[1] for x in r) / ops * 1e3:20.3f} "
             f"{statistics.median(x[2] for x in r) / ops * 1e3:19.3f} "
-            f"{statistics.median(x[3] for x in r) * 1e3:8.1f}")
+            f"{statistics.median(x[3] for x in r) * 1e3:8.1f} "
+            f"{statistics.median(x[4] for x in r) / ops * 1e3:17.3f}")
     if len(modes) > 1:
       b = rows[f"{g} {modes[-1]}"]
       for mode in modes[:-1]:

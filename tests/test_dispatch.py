@@ -39,7 +39,7 @@ def test_a_failure_on_a_dispatch_thread_reaches_the_caller(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=1)
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   ex = trainer.interpreter
-  assert ex.dispatch == "pipelines"  # the default: a thread per pipeline
+  ex.dispatch = "pipelines"  # a thread per pipeline
   before = {k: np.asarray(v) for k, v in ex.export_state()[0].items()}
   _, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, 1)
   # An injected loss after a forward, any other error after a fused backward.

@@ -20,7 +20,7 @@ every group of its names is reduced, so each stage steps its optimizer as soon a
 gradients are ready (the staggered optimizer ReCycle fills bubbles with).
 
 One attempt at a step is a `StepRun` (`runtime/step_run.py`): its state and the dispatch of
-the local slots' op lists, by one thread per slot (the default) or one thread for all.
+the local slots' op lists, by one thread (the default) or a thread per pipeline or slot.
 
 Each op's dispatch is annotated for `jax.profiler` (`TraceAnnotation`: its name in the schedule,
 `F3`, with stage, micro-batch and pipeline; always on: about half a microsecond an op when no
@@ -78,9 +78,10 @@ class Interpreter(StateHandover):
       nothing until they admit it (`place` takes them then).
   """
 
-  dispatch = "pipelines"
-  """How `run_step` dispatches the local slots' ops: a thread per pipeline, per slot, or one
-  for all (`runtime.step_run.DISPATCH_MODES`); the benchmarks set it per instance to compare."""
+  dispatch = "serial"
+  """How `run_step` dispatches the local slots' ops: one thread for all, or a thread per
+  pipeline or per slot (`runtime.step_run.DISPATCH_MODES`, which says why one is the default);
+  set per instance to compare (`benchmarks/dispatch.py`)."""
 
   def __init__(
     self,

@@ -6,29 +6,38 @@ Ops are dispatched as soon as the ops they depend on have been (JAX's asynchrono
 overlaps the devices); the dependencies of every op are resolved once per plan
 (`Interpreter.dispatch_lists`), not per op.
 
-**Two ways to dispatch, the same ops in the same order per slot.**
+**Who dispatches: one mechanism, a number of threads (`DISPATCH_MODES`).** The local slots are
+split among owners; each owner sweeps its slots round-robin, dispatching each slot's ops in
+order as far as their dependencies allow, and waits when none can go on.
 
-* `threads` (the default): one dispatch thread per local slot runs its op list in order and
-  waits on an event per op it depends on; the calling thread runs the gradient reductions as
-  their holders arrive. Most of an op's host time is the compiled program's C++ call
-  (flattening a hundred or more argument and result arrays), part of which runs without the
-  GIL, so with several devices per process the slots' dispatch overlaps
-  (`benchmarks/dispatch.py` measures both ways side by side; `docs/benchmarks.md`).
-* `serial`: one thread walks all slots round-robin; kept for profile mode, whose per-op timing
-  waits for every op and so serialises the devices anyway, and as the benchmark's baseline.
+* `serial` (the default): one owner, the calling thread, which also runs the reductions
+  between its sweeps. Profile mode always runs so (its per-op timing waits for every op,
+  which serialises the devices anyway).
+* `pipelines`: a thread per data-parallel pipeline (its stages pass activations among
+  themselves without crossing threads); `slots`: a thread per slot. The calling thread runs
+  the reductions as their holders arrive.
 
-Both keep the rules that make a step correct and reproducible:
+Where the host's time per op goes (8 simulated devices in one process; `docs/benchmarks.md`):
+most of it is the compiled program's C++ call, about a microsecond per argument and result
+array (a stage's parameters, gradients, optimizer state and residuals: 50 to 440 arrays a
+call), then placing data and Python around it. Part of the C++ call runs without the GIL, so
+threads can overlap it; measured side by side on a loaded 2-core machine they did not win
+consistently (per-round step ratios against `serial` from 0.77 to 1.26) and spent 0 to 20%
+more CPU on handing the GIL over, so `serial` stays the default and the thread modes are there
+to measure on hosts with cores to spare (`benchmarks/dispatch.py`).
+
+Every mode keeps the rules that make a step correct and reproducible:
 
 * each slot runs its ops in its schedule's order, so every program sees the same inputs;
 * a reduction sums its members in one order (`Transport.reduce`), so results are bitwise the
-  same whichever way and whatever the interleaving;
+  same whichever mode and whatever the interleaving;
 * reductions with holders in other processes run in the one global group order, so no two
-  processes wait on each other (in `serial`, only when nothing else can be dispatched, since
-  the one thread blocks in them; in `threads`, the reducing thread may block while the slots
-  go on);
+  processes wait on each other (with one owner, only when nothing else can be dispatched,
+  since the one thread blocks in them; with several, the reducing thread may block while the
+  owners go on);
 * `after_op` fires after the same ops (and per slot inside its reduction); a `WorkerLost` it
   raises, or any error, stops every dispatch thread and is raised to the caller, the committed
-  state untouched.
+  state untouched. (With several owners, the others go on while a pause hook holds one.)
 """
 
 from __future__ import annotations
