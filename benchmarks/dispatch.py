@@ -15,7 +15,8 @@ warm-up steps that compile, and medians are printed:
   - dispatch wall ms/op: the wall time of the dispatch loop (every op dispatched, before
     waiting for the devices), per op;
   - dispatch CPU ms/op: CPU time of the threads that dispatched, summed, per op (on a loaded
-    machine the wall time also counts waiting for a core; the CPU time does not);
+    machine the wall time also counts waiting for a core; the CPU time does not), median and
+    mean (the mean also counts the garbage collector's rare full passes: `--no_gc_freeze`);
   - step ms: the whole step, until its new parameters are ready;
   - caller CPU ms/op: CPU time of the calling thread over the whole `run_step` (dispatch,
     then concluding the step), per op: the one figure a library without dispatch modes gives,
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
   p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
   p.add_argument("--tree", default="", help="import resilient_jax from this checkout")
+  p.add_argument("--no_gc_freeze", action="store_true",
+                 help="leave the set-up's objects in the garbage collector (as before)")
   return p.parse_args(argv)
 
 
@@ -100,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     step = time.perf_counter() - w0
     return result.loss, result.dispatch_time_s, getattr(result, "dispatch_cpu_s", cpu), step, cpu
 
+  if not args.no_gc_freeze:
+    import gc
+
+    gc.freeze()  # as `Trainer.run` does before its steps
   names = list(trainers)
   for t in range(1, args.warmup + 1):
     for n in names:
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.steps} timed steps per variant after {args.warmup} warm-up")
   print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
   print(f"{'grid':5} {'mode':9} {'ops':>4} {'dispatch wall ms/op':>20} {'dispatch CPU ms/op':>19} "
-        f"{'step ms':>8} {'caller CPU ms/op':>17}")
+        f"{'(mean)':>7} {'step ms':>8} {'caller CPU ms/op':>17}")
   for dp, pp in grids:
     g = f"{dp}x{pp}"
     ops = sum(len(s.ops) for s in trainers[f"{g} {modes[0]}"].interpreter.step_program
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
       r = rows[f"{g} {mode}"]
       print(f"{g:5} {mode:9} {ops:4d} {statistics.median(x[1] for x in r) / ops * 1e3:20.3f} "
             f"{statistics.median(x[2] for x in r) / ops * 1e3:19.3f} "
+            f"{statistics.mean(x[2] for x in r) / ops * 1e3:7.3f} "
             f"{statistics.median(x[3] for x in r) * 1e3:8.1f} "
             f"{statistics.median(x[4] for x in r) / ops * 1e3:17.3f}")
     if len(modes) > 1:
