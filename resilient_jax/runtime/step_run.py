@@ -183,7 +183,7 @@ class StepRun:
     self.done: set[tuple[Slot, Op]] = set()
     self.t0 = 0.0
     self.dispatch_cpu_s = 0.0  # the dispatching threads' CPU time
-    self._placed: dict[tuple[Slot, int], dict[int, jax.Array]] = {}
+    self._placed: dict[tuple[Slot, str], dict[int, jax.Array]] = {}
     self.transfers: contextlib.AbstractContextManager = contextlib.nullcontext()
     """Held around the transport's send and recv: a lock when several threads dispatch."""
 
@@ -194,13 +194,23 @@ class StepRun:
       self.acc[slot] = self.ip.program(slot).zero_grads(self.ip.params[slot], self.ip.device(slot))
     return self.acc[slot]
 
-  def data(self, slot: Slot, batch: np.ndarray) -> dict[int, jax.Array]:
-    """`batch` (the inputs or the targets) of every micro-batch `slot` reads, on its device:
+  def data(self, slot: Slot, which: str) -> dict[int, jax.Array]:
+    """The `which` ("inputs" or "targets") of every micro-batch `slot` reads, on its device:
     placed in one call at its first use (a call per micro-batch cost more host time than the
-    op that reads it)."""
-    key = (slot, id(batch))
+    op that reads it). The first stage's forward reads inputs, the last stage's targets; a
+    Bamboo replica forward (FR) on the last stage reads the first stage's inputs, and targets
+    too when the replica is itself a last stage."""
+    key = (slot, which)
     if key not in self._placed:
-      mbs = sorted({op.mb for op in self.sp.slots[slot].ops if op.kind in (F, FR)})
+      p = self.sp.slots[slot]
+      if which == "inputs":
+        reads = {F} if p.stage == 0 else set()
+        reads |= {FR} if p.last else set()
+      else:
+        reads = {F} if p.last else set()
+        reads |= {FR} if p.replica == len(p.split) - 1 else set()
+      mbs = sorted({op.mb for op in p.ops if op.kind in reads})
+      batch = self.inputs if which == "inputs" else self.targets
       self._placed[key] = dict(zip(mbs, jax.device_put([batch[mb] for mb in mbs],
                                                        self.ip.device(slot)), strict=True))
     return self._placed[key]
@@ -220,12 +230,12 @@ class StepRun:
     prog, dev, s, mb, key = progs[p.stage], ip.device(slot), p.stage, op.mb, (slot, op.mb)
     if op.kind == F:
       if s == 0:
-        x = self.data(slot, self.inputs)[mb]
+        x = self.data(slot, "inputs")[mb]
       else:
         with self.transfers:
           x = tp.recv((mb, s - 1, ACT), sp.slots[sp.route[mb][s - 1]].node, prog.input_spec,
                       dev)
-      tgt = self.data(slot, self.targets)[mb] if p.last else None
+      tgt = self.data(slot, "targets")[mb] if p.last else None
       out, self.residuals[key], self.saved[key] = prog.forward(
         ip.params[slot], x, tgt, self.seeds_of(prog, mb, dev))
       if p.last:
@@ -239,8 +249,8 @@ class StepRun:
       return [out]
     if op.kind == FR:
       r = p.replica
-      x = self.data(slot, self.inputs)[mb] if p.last else self.fr_in.pop(key)
-      tgt = self.data(slot, self.targets)[mb] if r == len(p.split) - 1 else None
+      x = self.data(slot, "inputs")[mb] if p.last else self.fr_in.pop(key)
+      tgt = self.data(slot, "targets")[mb] if r == len(p.split) - 1 else None
       rep = progs[r]
       return [rep.forward(ip.replicas[slot][0], x, tgt, self.seeds_of(rep, mb, dev))[0]]  # unread
     if op.kind == W:
