@@ -7,7 +7,7 @@ Run:
 
 With one process per host (`mesh.placement`, `launch.local --devices_per_process`) a process
 dispatches the ops of all its host's workers. For each grid dp x pp (8 devices in all) and
-each dispatch mode of `runtime.step_run` (`pipelines`: a dispatch thread per pipeline;
+each dispatch mode of `runtime.dispatch` (`pipelines`: a dispatch thread per pipeline;
 `slots`: one per worker; `serial`: one thread for all), a `Trainer` on the tiny config runs
 `Trainer.run_step`; steps are interleaved round-robin (the order rotates every round) after
 warm-up steps that compile, and medians are printed:

@@ -1,12 +1,12 @@
-"""The interpreter's dispatch (`runtime.step_run`): the same training whichever threads dispatch
+"""The interpreter's dispatch (`runtime.dispatch`): the same training whichever threads dispatch
 the ops, and a failure on a dispatch thread reaches the caller with the committed state kept."""
 
 import numpy as np
 import pytest
 
 from resilient_jax.recipe import step_batch
+from resilient_jax.runtime.dispatch import DISPATCH_MODES
 from resilient_jax.runtime.interpreter import Interpreter, WorkerLost
-from resilient_jax.runtime.step_run import DISPATCH_MODES
 from resilient_jax.schedule.core import BW, F, Op
 from resilient_jax.trainer import Trainer
 from tests.helpers import tiny_config

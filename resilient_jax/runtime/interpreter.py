@@ -19,8 +19,8 @@ device are added there first (a Bamboo node running two stages). A slot's `AR` f
 every group of its names is reduced, so each stage steps its optimizer as soon as its own
 gradients are ready (the staggered optimizer ReCycle fills bubbles with).
 
-One attempt at a step is a `StepRun` (`runtime/step_run.py`): its state and the dispatch of
-the local slots' op lists, by one thread (the default) or a thread per pipeline or slot.
+One attempt at a step is a `StepRun` (`runtime/step_run.py`): its state and its ops, dispatched
+by one thread (the default) or a thread per pipeline or slot (`runtime/dispatch.py`).
 
 Each op's dispatch is annotated for `jax.profiler` (`TraceAnnotation`: its name in the schedule,
 `F3`, with stage, micro-batch and pipeline; always on: about half a microsecond an op when no
@@ -80,8 +80,8 @@ class Interpreter(StateHandover):
 
   dispatch = "serial"
   """How `run_step` dispatches the local slots' ops: one thread for all, or a thread per
-  pipeline or per slot (`runtime.step_run.DISPATCH_MODES`, which says why one is the default);
-  set per instance to compare (`benchmarks/dispatch.py`)."""
+  pipeline or per slot (`runtime.dispatch.DISPATCH_MODES`; that module says why one thread is
+  the default); set per instance to compare (`benchmarks/dispatch.py`)."""
 
   def __init__(
     self,
