@@ -5,18 +5,24 @@
 Per grid (dp pipelines x pp stages x m micro-batches each, zb-h1 base, recycle policy) and
 failure pattern, on a fresh `RunCoordinator` (empty plan caches), the time of:
 
-  fail      `RunCoordinator.fail`: what the coordinator does on a failure (plan the touched
-            pipelines, expand to the grid, predict the step time, log); every process of a job
-            runs it.
+  fail      `RunCoordinator.fail` on the job's planner (process 0): plan the touched
+            pipelines, expand to the grid, predict the step time, log, and publish the decision
+            (`policy/shared.py`: encode and compress; the key-value write itself is left out).
+  kB        the published decision's size.
+  pub s     of `fail`, the publishing: encoding the plan and compressing it.
+  follow s  `RunCoordinator.fail` on every other process: decompress and decode the published
+            bytes, expand the plan, adopt it (the key-value read itself is left out).
   runtime   what a process then does before running (its part of `Interpreter.place`): the step
             program of the new plan, the old (already built) and new plan's slots walked as the
             hand-over does (node, split, stage of every slot), one host's 8 workers' op lists
             and the dependencies of every op on them.
-  replan    fail + runtime: the recovery path's planning cost (wall time).
+  replan    fail + follow + runtime: the recovery path's planning cost (wall time): a follower
+            starts reading once process 0 has published.
   cpu       the same in CPU time of this process: on a shared machine (load above its cores)
             wall time also counts waiting for a core.
   cached    `fail` of the same failure on a fresh coordinator that shares the first one's
-            policies (their plan cache): the expansion and bookkeeping without the planning.
+            policies (their plan cache): the expansion and bookkeeping without the planning
+            (and without publishing).
   full      the old path for comparison (grids up to --full_max devices): `plan_adaptive` on the
             whole grid, `validate`, and the two `simulate` calls `fail` made.
 
@@ -40,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs.gpt_tiny import get_config  # noqa: E402
 from resilient_jax.config import RunConfig, from_config_dict  # noqa: E402
 from resilient_jax.policy import RunCoordinator  # noqa: E402
-from resilient_jax.schedule import adaptive, expand  # noqa: E402
+from resilient_jax.schedule import adaptive, codec, expand  # noqa: E402
 from resilient_jax.schedule.cost import simulate  # noqa: E402
 from resilient_jax.schedule.plan import StepProgram, step_program  # noqa: E402
 from resilient_jax.schedule.routing import FailureState  # noqa: E402
@@ -82,6 +88,28 @@ def _runtime_part(coord: RunCoordinator, before: StepProgram) -> None:
         pass
 
 
+class _Exchange:
+  """The key-value store's part of `policy.shared.PlanExchange`, in memory: the benchmark times
+  what the processes do around the store, not the store."""
+
+  def __init__(self, store: dict[str, bytes], planner: bool):
+    self.store = store
+    self.planner = planner
+
+  def publish(self, key: str, data: bytes) -> None:
+    self.store[key] = data
+
+  def read(self, key: str) -> bytes:
+    return self.store[key]
+
+
+def _publish_time(coord: RunCoordinator) -> float:
+  """What publishing the plan costs of `fail` (the planner encodes and compresses it)."""
+  t0 = time.perf_counter()
+  codec.to_bytes({"plan": codec.encode_plan(coord.plan)})
+  return time.perf_counter() - t0
+
+
 def _full(dp: int, pp: int, m: int, coord: RunCoordinator) -> float:
   gc.collect()
   t0 = time.perf_counter()
@@ -110,8 +138,8 @@ def main() -> None:
   args = ap.parse_args()
   print(f"machine load at start: {_uptime()}")
   head = (f"{'grid':>11} {'devices':>7} {'pattern':>9} {'touched':>7} {'sub ops':>7} "
-          f"{'fail s':>7} {'runtime s':>9} {'replan s':>8} {'cpu s':>6} {'cached s':>8} "
-          f"{'full s':>7}")
+          f"{'fail s':>7} {'kB':>6} {'pub s':>6} {'follow s':>8} {'runtime s':>9} "
+          f"{'replan s':>8} {'cpu s':>6} {'cached s':>8} {'full s':>7}")
   print(head)
   print("-" * len(head))
   worst: dict[int, float] = {}
@@ -123,31 +151,39 @@ def main() -> None:
     for name, nodes in _patterns(dp, pp).items():
       best = None
       for _ in range(args.repeats):
+        store: dict[str, bytes] = {}
         coord = RunCoordinator(cfg, range(devices), log=lambda _: None)
+        coord.exchange = _Exchange(store, planner=True)
+        follower = RunCoordinator(cfg, range(devices), log=lambda _: None)
+        follower.exchange = _Exchange(store, planner=False)
         old = step_program(coord.plan)  # the runtime holds it already
         # No garbage left from the cells before (the collector stays on while timing).
         gc.collect()
         c0, t0 = time.process_time(), time.perf_counter()
-        coord.fail(nodes, step=1)
+        coord.fail(nodes, step=1, key="k")
         t1 = time.perf_counter()
-        _runtime_part(coord, old)
-        c2, t2 = time.process_time(), time.perf_counter()
+        follower.fail(nodes, step=1, key="k")
+        t2 = time.perf_counter()
+        _runtime_part(follower, old)
+        c3, t3 = time.process_time(), time.perf_counter()
+        pub = _publish_time(coord)
         again = RunCoordinator(cfg, range(devices), log=lambda _: None)
         again.policies = coord.policies  # the plan cache of the first job
         again.active = coord.policies["recycle"]
         gc.collect()
-        t3 = time.perf_counter()
-        again.fail(nodes, step=1)
         t4 = time.perf_counter()
-        row = (t1 - t0, t2 - t1, t2 - t0, c2 - c0, t4 - t3)
-        best = row if best is None or row[2] < best[2] else best
+        again.fail(nodes, step=1)
+        t5 = time.perf_counter()
+        row = (t1 - t0, len(store["k"]) / 1e3, pub, t2 - t1, t3 - t2, t3 - t0, c3 - c0, t5 - t4)
+        best = row if best is None or row[5] < best[5] else best
       fp = expand.footprint(dp, pp, m, coord.dead)
       full = f"{_full(dp, pp, m, coord):7.2f}" if devices <= args.full_max else f"{'-':>7}"
-      fail_s, runtime_s, replan_s, cpu_s, cached_s = best
+      fail_s, kb, pub_s, follow_s, runtime_s, replan_s, cpu_s, cached_s = best
       worst[devices] = max(worst.get(devices, 0.0), replan_s)
       print(f"{dp:>4}x{pp:>2}x{m:>2} {devices:>7} {name:>9} {len(fp.pipelines):>7} "
-            f"{fp.compute_ops:>7} {fail_s:>7.3f} {runtime_s:>9.3f} {replan_s:>8.3f} "
-            f"{cpu_s:>6.3f} {cached_s:>8.3f} {full}", flush=True)
+            f"{fp.compute_ops:>7} {fail_s:>7.3f} {kb:>6.1f} {pub_s:>6.3f} {follow_s:>8.3f} "
+            f"{runtime_s:>9.3f} {replan_s:>8.3f} {cpu_s:>6.3f} {cached_s:>8.3f} {full}",
+            flush=True)
   print(f"machine load at end: {_uptime()}")
   for devices, t in sorted(worst.items()):
     print(f"worst replan at {devices} devices: {t:.3f} s")

@@ -63,7 +63,8 @@ class Recovers:
                              mid_step=mid_step)
     event.steps_rerun = 1 if mid_step else 0  # the step in flight is attempted again
     try:
-      decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step)
+      decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step,
+                                                 key=self._plan_key(step))
     except (StageLost, NoDevicesLeft) as e:
       self._board_failure(lost, step, mid_step, f"the run stops: {e}")
       if self.cluster is not None:
@@ -104,6 +105,16 @@ class Recovers:
       self.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state from "
                "surviving replicas")
     return None
+
+  def _plan_key(self, step: int) -> str | None:
+    """Where process 0 publishes its decision about the event now being applied (None in one
+    process): named by the step, the attempt counter and the membership events so far, which
+    every process of the job agrees on (`runtime/plan_exchange.py`)."""
+    if self.cluster is None:
+      return None
+    from resilient_jax.runtime.plan_exchange import plan_key
+
+    return plan_key(step, self.attempts, len(self.membership))
 
   def _board_failure(self, lost: list[int], step: int, mid_step: bool, outcome: str) -> None:
     when = "during" if mid_step else "at the start of"

@@ -72,7 +72,7 @@ def apply_rejoin(trainer: Trainer, nodes: set[int], step: int, *, remote: bool =
   """
   coord = trainer.coordinator
   old_plan = coord.plan
-  decision = coord.rejoin(nodes, step)
+  decision = coord.rejoin(nodes, step, key=trainer._plan_key(step))
   event = trainer.goodput.add("rejoin", step, sorted(nodes), policy=coord.policy,
                               plan=coord.plan_name, live_workers=coord.live_count)
   if decision.restore:

@@ -172,7 +172,11 @@ class Trainer(RunCheckpoints, Recovers, Relaunches):
     self.nodes = nodes
     self.membership = []
     self.coordinator = RunCoordinator(cfg, nodes, log=self.log)
-    if cluster is None:
+    if cluster is not None:  # process 0 plans each failure and rejoin, the others read its plan
+      from resilient_jax.runtime.plan_exchange import KVPlanExchange
+
+      self.coordinator.exchange = KVPlanExchange(cluster)
+    else:
       from resilient_jax.profiling import simulated_cpu_devices
 
       # Failures are then reported in replayed step times (`policy/phases.py`).

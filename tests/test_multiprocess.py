@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -112,6 +114,13 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
     assert f"process {p} refuses connections: dead" in proc.stdout, tail(proc)
     assert f"no heartbeat from process {p}" not in proc.stdout, tail(proc)
     assert e["kill_to_detect_s"] > 0 and e["xla_compiles"] == 0, e
+  # Each failure was planned once, by process 0 (`policy/shared.py`); every other survivor
+  # built its plan from what process 0 published (p2 and p3 after the first, p3 after the
+  # second).
+  lines = proc.stdout.splitlines()
+  planned = [x[:4] for x in lines if "plan: decided here" in x]
+  followed = sorted(x[:4] for x in lines if "follows process 0's plan step/" in x)
+  assert planned == ["[p0]", "[p0]"] and followed == ["[p2]", "[p3]", "[p3]"], tail(proc)
   # Process 0's TensorBoard events: every step's loss, each failure and recovery as text.
   assert_losses_match(workdir, read_rows(workdir / "metrics.jsonl"))
   assert [s for s, _ in texts(workdir / "tb", "failure")] == [3, 4]
@@ -160,6 +169,34 @@ def test_sigkill_of_a_host_loses_all_its_workers(tmp_path, tp, pp, lost_device, 
              if e.get("kind") == "rejoin"]
   assert rejoins == ([([2, 3], 5, ["0"])] if relaunch else []), recovery
   assert proc.stdout.count("refuses connections: dead") == 1, tail(proc)
+
+
+def test_a_pipeline_that_returns_to_a_process(tmp_path):
+  """2 processes x 2 devices, each process holding a whole pipeline of a dp=2 pp=2 grid. At
+  step 2 a device of process 1 is lost (`faults.schedule`) and Oobleck re-templates the 3 live
+  workers as one 3-stage pipeline whose stages go process 0, process 1, process 0 again, so
+  each process has a worker waiting for the other's activations or gradients while its other
+  worker's ops are queued. That deadlocked (every process exited 6) when a device's queue could
+  hold a computation waiting on a transfer from the other process (`runtime/inbox.py`). Every
+  step trains the fault-free samples to the single-device losses."""
+  workdir = tmp_path / "multi"
+  proc = subprocess.run(
+    [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=2", "--",
+     *_train_args(workdir), "--config.faults.schedule=2:1.1",
+     "--config.resilience.policy=oobleck", "--config.distributed.wait_timeout_s=60"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, tail(proc)
+  assert "exit codes: p0=0, p1=0" in proc.stdout, tail(proc)
+  # The re-templated pipeline's stages, in order, on nodes of process 0, 1, 0 (pipeline
+  # placement, 2 workers per process: nodes 0 and 1 are process 0's).
+  after = (workdir / "schedule.txt").read_text().strip().split("\n\n")[1]
+  nodes = [int(n) for n in re.findall(r"^  s\d .* on node (\d+) \|", after, re.M)]
+  assert [n // 2 for n in nodes] == [0, 1, 0], after
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=STEPS)
+  multi = read_rows(workdir / "metrics.jsonl")
+  assert [r["sample_digest"] for r in multi] == expected_digests(cfg)
+  np.testing.assert_allclose([r["loss"] for r in multi], reference_for(cfg)[0], rtol=LOSS_RTOL)
+  assert [r["live_workers"] for r in multi] == [4, 3, 3, 3, 3]
 
 
 _SUB_MESH_TRANSFERS = """
@@ -563,6 +600,56 @@ def test_first_writer_wins_passes_other_errors_on():
   assert first_writer_wins(Client("ALREADY_EXISTS: key k"), "k", {"lost": [2]}) == {"commit": True}
   with pytest.raises(RuntimeError, match="UNAVAILABLE"):
     first_writer_wins(Client("UNAVAILABLE: the service is gone"), "k", {"lost": [2]})
+
+
+class _Pending:
+  """A stand-in for a pulled array: ready once `land` is called."""
+
+  def __init__(self):
+    self._landed = threading.Event()
+
+  def land(self):
+    self._landed.set()
+
+  def is_ready(self):
+    return self._landed.is_set()
+
+  def block_until_ready(self):
+    self._landed.wait()
+    return self
+
+
+def test_inbox_waits_for_the_first_arrival_or_a_dead_producer():
+  """`Inbox.wait_any` returns as soon as one awaited pull lands (woken by it, not by polling),
+  and, for a producer found dead while its pull is pending, returns with that pull settled:
+  `take` then gives None (the caller computes on zeros and dooms the attempt) rather than an
+  array that would hold its device's queue forever."""
+  from types import SimpleNamespace
+
+  from resilient_jax.runtime.inbox import Inbox
+
+  dead: set[int] = set()
+  cluster = SimpleNamespace(process_id=0, cfg=SimpleNamespace(wait_timeout_s=30),
+                            dead=lambda ps: set(ps) & dead)
+  inbox = Inbox(cluster)
+  a, b = _Pending(), _Pending()
+  inbox.put("a", 1, [a])
+  inbox.put("b", 2, [b])
+  inbox.put("gone", 1, None)  # the producer could not be reached: nothing to wait for
+  assert not inbox.arrived("a") and not inbox.arrived("b") and inbox.arrived("gone")
+  assert inbox.arrived("local")  # never pulled: a local key
+  threading.Timer(0.3, b.land).start()
+  t0 = time.monotonic()
+  inbox.wait_any(["a", "b"], "test")
+  assert inbox.arrived("b") and not inbox.arrived("a")
+  assert time.monotonic() - t0 < 5
+  assert inbox.take("b") == (2, [b])
+  dead.add(1)
+  inbox.wait_any(["a"], "test")
+  assert inbox.take("a") == (1, None)
+  inbox.clear()
+  assert inbox.arrived("a")
+  a.land()  # lets its watcher thread go
 
 
 def test_heartbeat_monitor_needs_silence_and_the_observers_own_beats():

@@ -24,13 +24,15 @@ only when that pays back before the next expected failure, else the node stays i
 When the policy in force cannot go on (a stage lost every worker, a layer lost every replica,
 two neighbouring Bamboo stages died) the decision is a restore onto a fresh layout of the
 survivors: Oobleck's templates on all of them, else `restart.restore_layout`. Planning inputs
-are deterministic (grid shape, failed set, FLOP-based costs), so every process of a job derives
-the same plan.
+are deterministic (grid shape, failed set, FLOP-based costs), so any process would derive the
+same plan; in a multi-process job only process 0 does, and publishes the decision through the
+key-value store for the others to adopt (`exchange`, `policy/shared.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Collection, Sequence
 
 from resilient_jax.config import FaultsConfig, MeshConfig, RunConfig
@@ -41,7 +43,8 @@ from resilient_jax.policy.phases import Phase, PhaseLog
 from resilient_jax.policy.registry import build_policies
 from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.policy.restart import NoDevicesLeft, restore_layout
-from resilient_jax.schedule import oobleck
+from resilient_jax.policy.shared import PlanExchange
+from resilient_jax.schedule import codec, oobleck
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import simulate
 from resilient_jax.schedule.generators import generate
@@ -92,6 +95,10 @@ class RunCoordinator(PhaseLog):
     nodes: the nodes the run may use, in order.
     log: where decisions are reported.
   """
+
+  exchange: PlanExchange | None = None
+  """In a multi-process job, how the planner process shares its decisions with the others (set
+  by the runtime; `policy/shared.py`); None: every decision is made here."""
 
   def __init__(self, cfg: RunConfig, nodes: Sequence[int], log: Callable[[str], None] = info):
     self.cfg = cfg
@@ -228,8 +235,17 @@ class RunCoordinator(PhaseLog):
 
   # ---------------------------------------------------------------- failures
 
-  def fail(self, nodes: Collection[int], step: int, *, mid_step: bool = False) -> Decision:
+  def fail(self, nodes: Collection[int], step: int, *, mid_step: bool = False,
+           key: str | None = None) -> Decision:
     """Marks `nodes` dead and decides what runs next.
+
+    Args:
+      nodes: the nodes lost.
+      step: the step they were lost at (or before).
+      mid_step: lost during the step rather than at its start (for the log).
+      key: in a multi-process job, the event's key under which the planner process publishes
+        the decision and the others read it (`policy/shared.py`); None: decide here (a
+        single-process run, or a relaunched process replaying the history).
 
     Raises:
       StageLost: a stage lost every worker and `resilience.restore_on_stage_loss` is false.
@@ -238,7 +254,6 @@ class RunCoordinator(PhaseLog):
     new = sorted(n for n in nodes if n in self.live)
     if not new:
       return Decision(self.plan, False)
-    before = self.predicted_makespan()
     when = "during" if mid_step else "at the start of"
     position = {n: w for w, n in self._node_of().items()}
     for n in new:
@@ -252,6 +267,11 @@ class RunCoordinator(PhaseLog):
     workers = frozenset(position[n] for n in new if n in position)
     if not workers:
       return Decision(self.plan, False)
+    return self._decided(key, lambda: self._replan(workers, new, step))
+
+  def _replan(self, workers: frozenset[Worker], new: list[int], step: int) -> Decision:
+    """`fail`'s decision, once `workers` (of `new` nodes) are marked lost."""
+    before = self.predicted_makespan()
     old_dead, self.dead = self.dead, self.dead | workers
     if self.policy in ("recycle", "naive", "restart"):
       lost = self._lost_stage(workers, step)
@@ -277,7 +297,7 @@ class RunCoordinator(PhaseLog):
     """The run's nodes that are not live now (failed, not rejoined)."""
     return set(self.nodes) - self.live
 
-  def rejoin(self, nodes: Collection[int], step: int) -> Decision:
+  def rejoin(self, nodes: Collection[int], step: int, *, key: str | None = None) -> Decision:
     """Marks `nodes` live again at the start of `step` and decides what runs next (the mirror
     of `fail`; the rule is `rejoin.rejoin_choice`, the simulator's too).
 
@@ -308,6 +328,12 @@ class RunCoordinator(PhaseLog):
       self.log(f"REJOIN: worker (dp={d}, stage={s}) rejoined at the start of step {step}")
     workers = frozenset(position[n] for n in new if n in position) & self.dead
     outside = [n for n in new if n not in position]
+    if not workers and not outside:
+      return Decision(self.plan, False)
+    return self._decided(key, lambda: self._take_in(workers, outside, step))
+
+  def _take_in(self, workers: frozenset[Worker], outside: list[int], step: int) -> Decision:
+    """`rejoin`'s decision: `workers` (positions of the grid) back, `outside` nodes grow it."""
     decision = Decision(self.plan, False)
     if workers:
       decision = self._take_back(workers, step)
@@ -456,6 +482,99 @@ class RunCoordinator(PhaseLog):
     ratio = self.predicted_makespan() / self.fault_free_makespan
     self._new_phase(self.plan_name, self.live_count, ratio, step)
     return Decision(self.plan, True, reason)
+
+
+  # ---------------------------------------------------------------- one planner per job
+
+  def _decided(self, key: str | None, decide: Callable[[], Decision]) -> Decision:
+    """`decide()` here, or, in a multi-process job (`exchange` set and a `key`), on the planner
+    process only: it publishes what it decided under `key`, the others adopt that
+    (`policy/shared.py`). Either way the caller gets the same `Decision`."""
+    exchange = self.exchange
+    if key is None or exchange is None:
+      return decide()
+    if not exchange.planner:
+      t0 = time.perf_counter()
+      raw = exchange.read(key)
+      decision = self._adopt(codec.from_bytes(raw), key)
+      self.log(f"  plan: followed the planner's decision {key} ({len(raw)} bytes; read and "
+               f"built in {time.perf_counter() - t0:.3f}s)")
+      return decision
+    lines: list[str] = []
+    log, phases = self.log, len(self.phases)
+    self.log = lambda line: (lines.append(line), log(line))[-1]
+    t0 = time.perf_counter()
+    try:
+      decision = decide()
+    except StageLost as e:
+      exchange.publish(key, codec.to_bytes({"lost_stage": [e.stage, e.step], "lines": lines}))
+      raise
+    except NoDevicesLeft as e:
+      exchange.publish(key, codec.to_bytes({"no_devices": str(e), "lines": lines}))
+      raise
+    except Exception as e:  # a bug: the others stop too, rather than at their wait's bound
+      exchange.publish(key, codec.to_bytes({"planner_error": f"{type(e).__name__}: {e}",
+                                            "lines": lines}))
+      raise
+    finally:
+      self.log = log
+    planned = time.perf_counter() - t0
+    new_phase = self.phases[-1] if len(self.phases) > phases else None
+    raw = codec.to_bytes({
+      "plan": codec.encode_plan(decision.plan),
+      "restore": decision.restore,
+      "reason": decision.reason,
+      "policy": self.active.name,
+      "layout": [self.grid.dp, self.grid.pp, codec.runs(self.grid_nodes)],
+      "partition": [list(r) for r in self.partition],
+      "dead": sorted(map(list, self.dead)),
+      "phase": None if new_phase is None else [
+        new_phase.schedule_name, new_phase.live, new_phase.predicted_ratio,
+        new_phase.failure_step, new_phase.event],
+      "lines": lines,
+    })
+    exchange.publish(key, raw)
+    self.log(f"  plan: decided here in {planned:.3f}s, published as {key} ({len(raw)} bytes)")
+    return decision
+
+  def _adopt(self, shared: dict, key: str) -> Decision:
+    """Makes the planner's published decision this coordinator's (see `_decided`).
+
+    Only what the runtime reads of a coordinator follows it (the plan and its policy, layout,
+    failed workers, phases, the log); the policies' own state stays as it was, since a
+    follower never plans again: the planner is the same process for the whole job.
+    """
+    for line in shared["lines"]:
+      self.log(line)
+    if "lost_stage" in shared:
+      raise StageLost(*shared["lost_stage"])
+    if "no_devices" in shared:
+      raise NoDevicesLeft(shared["no_devices"])
+    if "planner_error" in shared:
+      raise RuntimeError(f"the planner process failed to decide {key}: "
+                         f"{shared['planner_error']}")
+    dp, pp, nodes = shared["layout"]
+    nodes = codec.unruns(nodes)
+    if (dp, pp, nodes) != (self.grid.dp, self.grid.pp, self.grid_nodes):
+      self.grid = dataclasses.replace(self.grid, dp=dp, pp=pp)
+      self.grid_nodes = nodes
+      self._positions = None
+    self.partition = tuple(tuple(r) for r in shared["partition"])
+    self.dead = frozenset(tuple(w) for w in shared["dead"])
+    self.active = self.policies[shared["policy"]]
+    self.instance = None  # the planner's alone
+    plan = codec.decode_plan(shared["plan"])
+    if isinstance(plan, PipelineSet):
+      self.pipeline_set = plan
+    else:
+      if dict(plan.nodes) != self._node_of():
+        raise RuntimeError(f"the planner's decision {key} places workers on other nodes than "
+                           "this process's layout")
+      self.schedule = plan.schedule
+    if shared["phase"] is not None:
+      name, live, ratio, step, event = shared["phase"]
+      self._new_phase(name, live, ratio, step, event=event)
+    return Decision(plan, shared["restore"], shared["reason"])
 
 
 def _renumber(pipelines: PipelineSet, nodes: Sequence[int]) -> PipelineSet:

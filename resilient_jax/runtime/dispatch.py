@@ -8,8 +8,7 @@ split among owners; each owner sweeps its slots round-robin, dispatching each sl
 order as far as their dependencies allow, and waits when none can go on.
 
 * `serial` (the default): one owner, the calling thread, which also runs the reductions
-  between its sweeps. Profile mode always runs so (its per-op timing waits for every op,
-  which serialises the devices anyway).
+  between its sweeps. Profile mode and multi-process jobs always run so (see `owners`).
 * `pipelines`: a thread per data-parallel pipeline (its stages pass activations among
   themselves without crossing threads); `slots`: a thread per slot. The calling thread runs
   the reductions as their holders arrive.
@@ -44,7 +43,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from resilient_jax.schedule.core import AR
+from resilient_jax.schedule.core import AR, Op
 from resilient_jax.schedule.plan import Slot
 
 if TYPE_CHECKING:
@@ -58,16 +57,21 @@ make progress."""
 _POLL_S = 0.5  # how often a waiting thread looks whether the attempt was abandoned
 
 
-def owners(slots: list[Slot], mode: str, profile: bool = False) -> list[list[Slot]]:
+def owners(slots: list[Slot], mode: str, one_thread: bool = False) -> list[list[Slot]]:
   """The local slots each dispatch thread runs; one list: the calling thread runs them all.
-  Profile mode waits for every op, which serialises the devices: one thread.
+
+  `one_thread` (whatever `mode` says): profile mode, whose per-op timing waits for every op and
+  so serialises the devices anyway; and a multi-process job, whose ops reading another
+  process's data wait for it to arrive (`runtime.inbox`): the one thread then blocks in
+  `Transport.wait_arrival` only when nothing local can go on, which several threads could not
+  know of each other.
 
   Raises:
     ValueError: `mode` is not one of `DISPATCH_MODES`.
   """
   if mode not in DISPATCH_MODES:
     raise ValueError(f"dispatch mode {mode!r} is not one of {DISPATCH_MODES}")
-  if mode == "serial" or profile:
+  if mode == "serial" or one_thread:
     return [list(slots)]
   if mode == "slots":
     return [[s] for s in slots]
@@ -161,7 +165,7 @@ class Dispatcher:
       progressed = False
       for slot in slots:
         ops = lists[slot]
-        while pos[slot] < len(ops) and all(d in done for d in ops[pos[slot]][1]):
+        while pos[slot] < len(ops) and self._ready(slot, *ops[pos[slot]]):
           op = ops[pos[slot]][0]
           if op.kind == AR and (slot, op) not in done:
             if slot in arrived:
@@ -184,6 +188,14 @@ class Dispatcher:
         deadline = time.monotonic() + WAIT_BOUND_S
         continue
       if inline:
+        # Heads whose only missing input is on its way from another process.
+        pending = [run.remote_in[(s, lists[s][pos[s]][0])] for s in slots
+                   if pos[s] < len(lists[s]) and (s, lists[s][pos[s]][0]) in run.remote_in
+                   and all(d in done for d in lists[s][pos[s]][1])]
+        if pending:
+          run.tp.wait_arrival(pending, f"step {run.step}'s activations and gradients from other "
+                              "processes")
+          continue
         if not self._try_reduce(blocking_ok=True):
           heads = {s: str(lists[s][pos[s]][0]) for s in slots if pos[s] < len(lists[s])}
           raise RuntimeError(f"plan {run.sp.name} cannot make progress; stuck at {heads}")
@@ -196,6 +208,14 @@ class Dispatcher:
           self.cond.wait(_POLL_S)
       if self.errors:
         raise _Abandoned()
+
+  def _ready(self, slot: Slot, op: Op, deps: tuple[tuple[Slot, Op], ...]) -> bool:
+    """Whether `op` may be dispatched: the local ops it depends on are, and what it reads from
+    another process has arrived (ops of other processes are not waited for; their data is)."""
+    if not all(d in self.run.done for d in deps):
+      return False
+    key = self.run.remote_in.get((slot, op))
+    return key is None or self.run.tp.arrived(key)
 
   def _try_reduce(self, blocking_ok: bool) -> bool:
     """Runs the reductions that may run now (`StepRun.next_groups`); whether any ran."""

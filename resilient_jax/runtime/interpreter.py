@@ -4,12 +4,14 @@ A plan is compiled to a `StepProgram` (`schedule/plan.py`): slots, each with a n
 split, a stage and an op list with global micro-batch ids, and each micro-batch's route
 through the slots. The interpreter holds the parameters and optimizer state of the slots on
 this process's nodes and walks their op lists, dispatching an op as soon as the ops it depends
-on have been dispatched (JAX's asynchronous dispatch then overlaps the devices). Everything
-that crosses a slot boundary goes through the `Transport`: activations and activation
-gradients (`send`/`recv`), the gradient reductions (`reduce`), and the end of the step
-(`conclude`: commit, or the set of nodes lost). The in-process transport moves arrays between
-local devices; the multi-process one pulls them from other processes and agrees on every
-collective and on the step's outcome through the coordination service (`runtime/multiprocess.py`).
+on have been dispatched and what it reads from another process has arrived (JAX's asynchronous
+dispatch then overlaps the devices; `runtime/inbox.py` says why a device's queue must never
+wait on another process). Everything that crosses a slot boundary goes through the
+`Transport`: activations and activation gradients (`send`/`recv`), the gradient reductions
+(`reduce`), and the end of the step (`conclude`: commit, or the set of nodes lost). The
+in-process transport moves arrays between local devices; the multi-process one pulls them from
+other processes and agrees on every collective and on the step's outcome through the
+coordination service (`runtime/multiprocess.py`).
 
 **Gradient reduction is keyed by parameter name.** Every parameter's gradient is summed over
 every slot that holds it, whichever stage that is in its pipeline: a grid's stage group, a tied

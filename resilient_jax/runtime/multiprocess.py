@@ -8,7 +8,8 @@ one process moves with `jax.device_put`, between processes over the transfer ser
 
 * an activation or activation gradient for a slot of another process is offered to it under
   an id derived from (step, attempt, micro-batch, stage, kind), so a stale attempt's data can
-  never be mistaken for the current one's; the consumer pulls it asynchronously;
+  never be mistaken for the current one's; the consumer pulls it asynchronously at the start of
+  the attempt and computes on it once it has arrived (`runtime.inbox`);
 * a reduction whose holders span processes is `Transport.reduce`'s gather, its buffers pulled
   from the other member processes over the same transfers (see `runtime.transport`);
 * the end of the attempt is agreed: every process installs its new state on a commit, or every
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 from resilient_jax import placement as placement_lib
 from resilient_jax.model.sharding import Where, target, where_key, worker_mesh
 from resilient_jax.runtime.cluster import Cluster
+from resilient_jax.runtime.inbox import Inbox
 from resilient_jax.runtime.transport import (
   STATE,
   Devices,
@@ -159,6 +161,8 @@ class ProcessTransport(Transport):
     self.participants: list[int] = []
     """The processes holding the attempt's nodes."""
     self.doomed: list[str] = []
+    self.inbox = Inbox(cluster)
+    """The attempt's pulls of activations and gradients (`expect`)."""
 
   def device(self, node: int) -> Where:
     return self._where[node]
@@ -171,6 +175,7 @@ class ProcessTransport(Transport):
     self.step, self.attempt = step, attempt
     self.participants = self.layout.processes_of(nodes)
     self.doomed = []
+    self.inbox.clear()
     if self.pause is not None:
       self.pause(step, "start")
 
@@ -184,14 +189,26 @@ class ProcessTransport(Transport):
     else:
       self.cluster.offer(self._tid(key), [value])
 
+  def expect(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: Where) -> None:
+    """Starts the pull of `key` now (`runtime.inbox` says why computations wait for it)."""
+    process = self.process_of(producer)
+    self.inbox.put(key, process, self.cluster.pull(process, self._tid(key), [spec], device))
+
+  def arrived(self, key: Key) -> bool:
+    return self.inbox.arrived(key)
+
+  def wait_arrival(self, keys: Sequence[Key], what: str) -> None:
+    self.inbox.wait_any(keys, what)
+
   def recv(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: Where):
     if self.is_local(producer):
       return super().recv(key, producer, spec, device)
-    process = self.process_of(producer)
-    got = self.cluster.pull(process, self._tid(key), [spec], device)
+    if key not in self.inbox:
+      self.expect(key, producer, spec, device)
+    process, got = self.inbox.take(key)
     if got is None:
       self.doomed.append(f"process {process} unreachable")
-      return jax.device_put(jnp.zeros(spec.shape, spec.dtype), device)
+      return jnp.zeros(spec.shape, spec.dtype, device=device)
     return got[0]
 
   def _failed(self, what: str, err: BaseException) -> None:
@@ -239,15 +256,22 @@ class ProcessTransport(Transport):
       self.pause(self.step, "AR")
     spec = jax.ShapeDtypeStruct(mine[0].shape, mine[0].dtype)
     parts = dict(flats)
-    for q in procs:
-      if q == me:
-        continue
+    others = [q for q in procs if q != me]
+    for q in others:
       theirs = sorted((d for d in devices if _process_of(d) == q), key=where_key)
       got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec] * len(theirs), first)
       if got is None:
         self.doomed.append(f"all-reduce {index}: process {q} unreachable")
         return None
       parts.update(zip(theirs, got, strict=True))
+    # Landed before anything sums them: no device's queue waits on another process
+    # (`runtime.inbox`).
+    pulled = [x for d, x in parts.items() if d not in flats]
+    err = self.cluster.wait(pulled, f"all-reduce {index}'s gradients from processes {others}",
+                            others)
+    if err is not None:
+      self._failed(f"all-reduce {index}", err)
+      return None
     return parts
 
   def _reduce_id(self, index: int, sender: int, receiver: int) -> int:

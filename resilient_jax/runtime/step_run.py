@@ -27,7 +27,8 @@ from jax.profiler import TraceAnnotation
 from resilient_jax.compiled import Built, OnEachDevice
 from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.runtime.dispatch import Dispatcher, owners
-from resilient_jax.runtime.transport import ACT, GRAD, Outcome
+from resilient_jax.runtime.inbox import expect_inputs, transfer_in
+from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
 from resilient_jax.schedule.plan import Slot
 from resilient_jax.stages import StagePrograms
@@ -139,6 +140,8 @@ class StepRun:
     self.arrived: set[Slot] = set()
     self.ar_start: dict[Slot, float] = {}
     self.done: set[tuple[Slot, Op]] = set()
+    self.remote_in: dict[tuple[Slot, Op], Key] = {}
+    """The transfer key of every local op's input from another process (`runtime.inbox`)."""
     self.t0 = 0.0
     self.dispatch_cpu_s = 0.0  # the dispatching threads' CPU time
     self._placed: dict[tuple[Slot, str], dict[int, jax.Array]] = {}
@@ -186,13 +189,13 @@ class StepRun:
     p = sp.slots[slot]
     progs = ip.programs(p.split)
     prog, dev, s, mb, key = progs[p.stage], ip.device(slot), p.stage, op.mb, (slot, op.mb)
+    incoming = transfer_in(sp, prog, slot, op)
     if op.kind == F:
-      if s == 0:
+      if incoming is None:
         x = self.data(slot, "inputs")[mb]
       else:
         with self.transfers:
-          x = tp.recv((mb, s - 1, ACT), sp.slots[sp.route[mb][s - 1]].node, prog.input_spec,
-                      dev)
+          x = tp.recv(*incoming, dev)
       tgt = self.data(slot, "targets")[mb] if p.last else None
       out, self.residuals[key], self.saved[key] = prog.forward(
         ip.params[slot], x, tgt, self.seeds_of(prog, mb, dev))
@@ -217,12 +220,11 @@ class StepRun:
       return list(self.acc[slot].values())[:1]
     if op.kind not in (B, BW):
       raise ValueError(f"not a compute op: {op}")
-    if p.last:
+    if incoming is None:  # the last stage: the loss's own gradient, placed from the host
       g = ip.loss_seed(dev)
     else:
       with self.transfers:
-        g = tp.recv((mb, s + 1, GRAD), sp.slots[sp.route[mb][s + 1]].node, prog.output_spec,
-                    dev)
+        g = tp.recv(*incoming, dev)
     if op.kind == B:
       dx, self.taps[key] = prog.backward_input(self.residuals.pop(key), g)
     else:
@@ -337,7 +339,12 @@ class StepRun:
     self.t0 = time.perf_counter()
     cpu = time.thread_time()
     self.tp.begin(self.step, self.attempt, self.sp.nodes)
-    Dispatcher(self, owners(self.ip.local_slots, mode, self.profile)).dispatch()
+    # Every array a local op reads from another process is pulled now and the op dispatched
+    # once it arrived (`runtime.inbox` says why).
+    self.remote_in = expect_inputs(self.sp, self.ip.program, self.ip.device, self.tp,
+                                   self.ip.local_slots)
+    one = self.profile or self.tp.remote_collectives
+    Dispatcher(self, owners(self.ip.local_slots, mode, one)).dispatch()
     self.dispatch_cpu_s += time.thread_time() - cpu
     return self._conclude(time.perf_counter() - self.t0)
 

@@ -116,6 +116,21 @@ class Transport:
     del producer, spec
     return jax.device_put(self._box.pop(key), device)
 
+  def expect(self, key: Key, producer: int, spec: jax.ShapeDtypeStruct, device: Where) -> None:
+    """Announces, at the start of an attempt, a `recv` of `key` from `producer`, a node of
+    another process (none here: every node is local)."""
+    del key, producer, spec, device
+
+  def arrived(self, key: Key) -> bool:
+    """Whether `recv(key, ...)` can be computed on without waiting for another process (an
+    expected array that has landed; always, for one from a local node)."""
+    del key
+    return True
+
+  def wait_arrival(self, keys: Sequence[Key], what: str) -> None:
+    """Blocks (bounded) until one of the expected `keys` `arrived`."""
+    del keys, what
+
   def reduce(
     self, index: int, nodes: Sequence[int], devices: Devices, local: PerDevice
   ) -> PerDevice:

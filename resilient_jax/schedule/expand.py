@@ -144,26 +144,32 @@ class ExpandedOps(Mapping[Worker, tuple[Op, ...]]):
       micro-batches (`base`'s fault-free lists when nothing failed); `Schedule.to_text` shows
       them as one line, `folded_note`.
     folded_note: what they run, in words.
+    footprint: the failure's touched sub-grid.
+    sub: the plan of that sub-grid (None when nothing failed): with `footprint` and `base`,
+      all the plan is (`schedule/codec.py` publishes these, not the lists).
   """
 
-  def __init__(self, fp: Footprint, sub: Mapping[Worker, tuple[Op, ...]] | None, base: str):
+  def __init__(self, fp: Footprint, sub: Schedule | None, base: str):
     self.base = base
+    self.footprint = fp
+    self.sub = sub
     self._fp = fp
-    self._sub = sub or {}
+    self._sub = sub.ops if sub is not None else {}
     self._local = {d: i for i, d in enumerate(fp.pipelines)}
     if fp.spare:
       del self._local[fp.pipelines[-1]]
     m = fp.m
-    if sub is None or not fp.spare:
+    if not self._sub or not fp.spare:
       self._healthy = _pattern(base, fp.pp, m)
     else:
       # The spare's lists with local ids 0..m-1: one pattern per stage, shifted per pipeline.
       spare = len(fp.pipelines) - 1
       self._healthy = tuple(
-        tuple(Op(op.kind, op.mb - spare * m) if op.mb >= 0 else op for op in sub[(spare, s)])
+        tuple(Op(op.kind, op.mb - spare * m) if op.mb >= 0 else op
+              for op in self._sub[(spare, s)])
         for s in range(fp.pp)
       )
-    template = fp.pipelines[-1] if sub is not None and fp.spare else None
+    template = fp.pipelines[-1] if self._sub and fp.spare else None
     self.folded = frozenset(
       d for d in range(fp.dp) if d not in self._local and d != template
     )
@@ -269,5 +275,5 @@ def expand(sub: Schedule | None, fp: Footprint, base: str) -> Schedule:
     pp=fp.pp,
     microbatches=fp.m,
     route=ExpandedRoute(fp),
-    ops=ExpandedOps(fp, sub.ops if sub is not None else None, base),
+    ops=ExpandedOps(fp, sub, base),
   )
