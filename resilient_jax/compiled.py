@@ -175,8 +175,7 @@ class OnEachDevice:
     device = _placement(leaves) if leaves else (_default_device(),)
     if device is None:  # nothing committed: jit places it
       return self._jit(*args)
-    sig = (treedef, tuple((x.shape, x.dtype, getattr(x, "weak_type", False), _layout(x))
-                          for x in leaves))
+    sig = _signature(treedef, leaves, multi=len(device) > 1)
     program = self._programs.get((device, sig))
     if program is None:
       with self._lock:
@@ -245,6 +244,26 @@ def _placement(leaves: list[Any]) -> Placement | None:
         return tuple(x.sharding.mesh.devices.flat)
       return None
   return None
+
+
+def _signature(treedef: Any, leaves: list[Any], multi: bool) -> _Signature:
+  """What a program is compiled for: the arguments' structure, shapes, dtypes and weak types,
+  and on a sub-mesh (`multi`) how each is split over it.
+
+  The interpreter calls a program for every op, with a stage's parameters, gradients and
+  optimizer state as arguments (over a hundred leaves), so this is on the host's critical
+  path: a `jax.Array`'s `aval` (shape, dtype, weak type in one hashable) costs a sixteenth of
+  reading the three apart, and on one device every committed argument is on that device, so
+  none has a layout to record.
+  """
+  try:
+    avals = tuple([x.aval for x in leaves])
+  except AttributeError:  # a NumPy array among them
+    avals = tuple(x.aval if isinstance(x, jax.Array) else (np.shape(x), np.result_type(x))
+                  for x in leaves)
+  if not multi:
+    return (treedef, avals)
+  return (treedef, avals, tuple(_layout(x) for x in leaves))
 
 
 def _layout(x: Any) -> Any:

@@ -249,8 +249,11 @@ class StagePrograms:
     # they stay the programs they were (their outputs are placed afterwards).
     self._init_opt = OnEachDevice(_on_submesh(
       lambda p: pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1)
+    # Kept arguments on one device too: its zeros then come back committed to the slot's
+    # device, made there, instead of on the default device and copied (`zero_grads` runs for
+    # every slot at every step, and placing a whole tree cost milliseconds of host time).
     self._zeros = OnEachDevice(_on_submesh(
-      lambda p: pin(jax.tree.map(jnp.zeros_like, p), self.param_specs), tp), keep_unused=tp > 1)
+      lambda p: pin(jax.tree.map(jnp.zeros_like, p), self.param_specs), tp), keep_unused=True)
 
   def _pin(self, tree: Any, specs: Any) -> Any:
     """`tree` constrained to `specs` on a sub-mesh; unchanged when `tp` is 1."""
@@ -302,7 +305,9 @@ class StagePrograms:
     return {n: jax.device_put(jnp.float32(n in names), where) for n in self.param_names}
 
   def zero_grads(self, params: Params, where: Where) -> Params:
-    return jax.device_put(self._zeros(params), self.param_shardings(where))
+    """Zeros shaped and placed as `params` (which live at `where`), made on their device."""
+    zeros = self._zeros(params)  # on one device: committed there already
+    return zeros if self.tp == 1 else jax.device_put(zeros, self.param_shardings(where))
 
 
 def _scoped(name: str, fn: Callable, tp: int = 1) -> Callable:

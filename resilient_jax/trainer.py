@@ -30,6 +30,7 @@ process: `profile/stepN/` (`jax.profiler` traces of `profile.trace_steps`).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -357,9 +358,13 @@ class Trainer(RunCheckpoints, Recovers, Relaunches):
     ends the run, a checkpoint save in flight is committed (or its error reported) first.
     """
     handlers = self._catch_stop_signals()
+    # Objects built before the steps leave the cyclic collector's full passes, which stalled
+    # dispatch ~150 ms every ~10 steps (docs/benchmarks.md); they still go at refcount zero.
+    gc.freeze()
     try:
       return self._run()
     finally:
+      gc.unfreeze()
       for signum, previous in handlers.items():
         signal.signal(signum, previous)
       self._finish_saving()

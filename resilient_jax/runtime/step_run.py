@@ -1,0 +1,407 @@
+"""One attempt at a step: its state and the dispatch of every local op (`Interpreter.run_step`).
+
+A `StepRun` holds what lives only for one attempt (activations, residuals, gradient
+accumulators, the optimistic new state) and dispatches the op lists of this process's slots.
+Ops are dispatched as soon as the ops they depend on have been (JAX's asynchronous dispatch then
+overlaps the devices); the dependencies of every op are resolved once per plan
+(`Interpreter.dispatch_lists`), not per op.
+
+Who dispatches the ops, in one thread or several, and the rules that keep a step
+reproducible either way, are `runtime/dispatch.py`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.profiler import TraceAnnotation
+
+from resilient_jax.compiled import Built, OnEachDevice
+from resilient_jax.model.sharding import Where, where_key
+from resilient_jax.runtime.dispatch import Dispatcher, owners
+from resilient_jax.runtime.inbox import expect_inputs, transfer_in
+from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome
+from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
+from resilient_jax.schedule.plan import Slot
+from resilient_jax.stages import StagePrograms
+
+if TYPE_CHECKING:
+  from resilient_jax.runtime.interpreter import Interpreter
+
+Params = dict[str, jax.Array]
+AfterOp = Callable[[int, Op], None]
+"""Called with (node, op with its global micro-batch id) after each op is dispatched, and with
+`Op(AR)` per slot inside its reduction; may raise `WorkerLost` to inject a failure."""
+DispatchList = tuple[tuple[Op, tuple[tuple[Slot, Op], ...]], ...]
+"""A slot's ops in order, each with the ops of local slots it waits for."""
+
+@dataclasses.dataclass
+class OpRecord:
+  """One executed op; times are host wall-clock seconds from the step start."""
+
+  worker: Slot
+  op: Op
+  start: float
+  end: float
+
+
+@dataclasses.dataclass
+class StepResult:
+  loss: float
+  microbatch_losses: dict[int, float]
+  step_time_s: float
+  records: list[OpRecord]
+  """Per-op timings; filled only in profile mode (each op is then waited for)."""
+  processed: list[int]
+  """Micro-batch ids whose loss was computed (each exactly once when committed)."""
+  dispatch_time_s: float = 0.0
+  """Host time until every op was dispatched, before waiting for the devices (benchmarks)."""
+  dispatch_cpu_s: float = 0.0
+  """CPU time of the threads that dispatched the ops, summed (benchmarks: with one thread per
+  slot, the host's work is spread over them)."""
+  committed: bool = True
+  lost: frozenset[int] = frozenset()
+  """Nodes that died during the step (multi-process; the step did not commit)."""
+  detected_at: float = 0.0
+  """`time.time()` when the outcome was known."""
+  grad_norm: float = 0.0
+  """The global norm of the step's gradients, over every parameter once."""
+  skipped: bool = False
+  """The gradients were not finite: every stage kept its state (the step committed nothing)."""
+  clipped: bool = False
+  """Global-norm clipping scaled the gradients (each stage redid its optimizer step)."""
+  attempts: int = 1
+  """Attempts the step took (set by the training loop)."""
+  stop: bool = False
+  """A process asked to stop after this step (`Outcome.stop`)."""
+  built: Built = Built()
+  """What the attempt built; its seconds are not counted in `step_time_s` (set by the training
+  loop)."""
+
+
+class WorkerLost(Exception):
+  """Raised by a fault hook when a node dies in the middle of a step."""
+
+  def __init__(self, node: int):
+    super().__init__(f"node {node} failed")
+    self.node = node
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionGroup:
+  """One reduction: the names `names`, summed over `holders`."""
+
+  index: int
+  holders: tuple[Slot, ...]
+  names: tuple[str, ...]
+
+
+class StepRun:
+  """One attempt at a step of `interp`'s current plan (see `Interpreter.run_step`)."""
+
+  def __init__(
+    self,
+    interp: Interpreter,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    *,
+    step: int,
+    attempt: int,
+    profile: bool,
+    after_op: AfterOp | None,
+    seeds: np.ndarray | None,
+  ):
+    self.ip = interp
+    self.sp = interp.step_program
+    self.tp = interp.transport
+    self.inputs, self.targets, self.seeds = inputs, targets, seeds
+    self.step, self.attempt, self.profile, self.after_op = step, attempt, profile, after_op
+    self.residuals: dict[tuple[Slot, int], Any] = {}
+    self.saved: dict[tuple[Slot, int], Any] = {}
+    self.taps: dict[tuple[Slot, int], Any] = {}
+    self.fr_in: dict[tuple[Slot, int], jax.Array] = {}
+    self.losses: dict[int, jax.Array] = {}
+    self.processed: list[int] = []
+    self.acc: dict[Slot, Params] = {}
+    self.new_state: dict[Slot, tuple[Params, Any]] = {}
+    self.sumsq: list[jax.Array] = []
+    self.records: list[OpRecord] = []
+    self.local = set(interp.local_slots)
+    self.slot_groups = {s: [g for g in interp.groups if s in g.holders] for s in self.local}
+    self.group_done: set[int] = set()
+    self.arrived: set[Slot] = set()
+    self.ar_start: dict[Slot, float] = {}
+    self.done: set[tuple[Slot, Op]] = set()
+    self.remote_in: dict[tuple[Slot, Op], Key] = {}
+    """The transfer key of every local op's input from another process (`runtime.inbox`)."""
+    self.t0 = 0.0
+    self.dispatch_cpu_s = 0.0  # the dispatching threads' CPU time
+    self._placed: dict[tuple[Slot, str], dict[int, jax.Array]] = {}
+    self.transfers: contextlib.AbstractContextManager = contextlib.nullcontext()
+    """Held around the transport's send and recv: a lock when several threads dispatch."""
+
+  # ------------------------------------------------------------ the ops
+
+  def grads_of(self, slot: Slot) -> Params:
+    if slot not in self.acc:
+      self.acc[slot] = self.ip.program(slot).zero_grads(self.ip.params[slot], self.ip.device(slot))
+    return self.acc[slot]
+
+  def data(self, slot: Slot, which: str) -> dict[int, jax.Array]:
+    """The `which` ("inputs" or "targets") of every micro-batch `slot` reads, on its device:
+    placed in one call at its first use (a call per micro-batch cost more host time than the
+    op that reads it). The first stage's forward reads inputs, the last stage's targets; a
+    Bamboo replica forward (FR) on the last stage reads the first stage's inputs, and targets
+    too when the replica is itself a last stage."""
+    key = (slot, which)
+    if key not in self._placed:
+      p = self.sp.slots[slot]
+      if which == "inputs":
+        reads = {F} if p.stage == 0 else set()
+        reads |= {FR} if p.last else set()
+      else:
+        reads = {F} if p.last else set()
+        reads |= {FR} if p.replica == len(p.split) - 1 else set()
+      mbs = sorted({op.mb for op in p.ops if op.kind in reads})
+      batch = self.inputs if which == "inputs" else self.targets
+      self._placed[key] = dict(zip(mbs, jax.device_put([batch[mb] for mb in mbs],
+                                                       self.ip.device(slot)), strict=True))
+    return self._placed[key]
+
+  def seeds_of(self, prog: StagePrograms, mb: int, dev: Where) -> jax.Array | None:
+    if not prog.uses_rng:
+      return None
+    if self.seeds is None:
+      raise ValueError("the model draws random numbers: run_step needs per-sample seeds")
+    return jax.device_put(self.seeds[mb], dev)
+
+  def compute(self, slot: Slot, op: Op) -> list[jax.Array]:
+    """Dispatches a compute op (F, FR, B, W, BW); returns an output to wait on (profile)."""
+    sp, tp, ip = self.sp, self.tp, self.ip
+    p = sp.slots[slot]
+    progs = ip.programs(p.split)
+    prog, dev, s, mb, key = progs[p.stage], ip.device(slot), p.stage, op.mb, (slot, op.mb)
+    incoming = transfer_in(sp, prog, slot, op)
+    if op.kind == F:
+      if incoming is None:
+        x = self.data(slot, "inputs")[mb]
+      else:
+        with self.transfers:
+          x = tp.recv(*incoming, dev)
+      tgt = self.data(slot, "targets")[mb] if p.last else None
+      out, self.residuals[key], self.saved[key] = prog.forward(
+        ip.params[slot], x, tgt, self.seeds_of(prog, mb, dev))
+      if p.last:
+        self.losses[mb] = out
+        self.processed.append(mb)
+      else:
+        with self.transfers:
+          tp.send((mb, s, ACT), out, sp.slots[sp.route[mb][s + 1]].node)
+        if p.replica is not None:
+          self.fr_in[key] = out
+      return [out]
+    if op.kind == FR:
+      if slot not in ip.replicas:  # its refresh lost the source (`Interpreter.refresh_replicas`)
+        return []
+      r = p.replica
+      x = self.data(slot, "inputs")[mb] if p.last else self.fr_in.pop(key)
+      tgt = self.data(slot, "targets")[mb] if r == len(p.split) - 1 else None
+      rep = progs[r]
+      return [rep.forward(ip.replicas[slot][0], x, tgt, self.seeds_of(rep, mb, dev))[0]]  # unread
+    if op.kind == W:
+      self.acc[slot] = prog.backward_weight(ip.params[slot], self.saved.pop(key),
+                                            self.taps.pop(key), self.grads_of(slot))
+      return list(self.acc[slot].values())[:1]
+    if op.kind not in (B, BW):
+      raise ValueError(f"not a compute op: {op}")
+    if incoming is None:  # the last stage: the loss's own gradient, placed from the host
+      g = ip.loss_seed(dev)
+    else:
+      with self.transfers:
+        g = tp.recv(*incoming, dev)
+    if op.kind == B:
+      dx, self.taps[key] = prog.backward_input(self.residuals.pop(key), g)
+    else:
+      dx, self.acc[slot] = prog.backward_fused(self.residuals.pop(key), self.saved.pop(key),
+                                               ip.params[slot], g, self.grads_of(slot))
+    if dx is not None:
+      with self.transfers:
+        tp.send((mb, s, GRAD), dx, sp.slots[sp.route[mb][s - 1]].node)
+      return [dx]
+    if op.kind == B:
+      return list(jax.tree.leaves(self.taps[key]))[:1]
+    return list(self.acc[slot].values())[:1]
+
+  def optimize(self, slot: Slot) -> tuple[Params, jax.Array]:
+    """The slot's optimistic optimizer step: unclipped, checked against the global norm when
+    the step concludes."""
+    ip = self.ip
+    grads = self.grads_of(slot)
+    if (self.step, self.sp.slots[slot].stage) in ip.nonfinite:
+      grads = _make_nan(grads)
+    stepped, opt_state, share = ip.program(slot).optimizer_step(
+      ip.params[slot], ip.opt_state[slot], grads, ip.owned[slot])
+    self.new_state[slot] = (stepped, opt_state)
+    self.sumsq.append(share)
+    return stepped, share
+
+  def run_op(self, slot: Slot, op: Op) -> None:
+    """Dispatches one op of `slot` (not AR) and records it done."""
+    start = time.perf_counter() - self.t0
+    with TraceAnnotation(str(op), stage=self.sp.slots[slot].stage, mb=op.mb, pipeline=slot[0]):
+      outs = self.optimize(slot) if op.kind == OPT else self.compute(slot, op)
+      self.finish(slot, op, start, outs)
+    if op.kind != OPT:
+      self.after(slot, op)
+
+  def after(self, slot: Slot, op: Op) -> None:
+    if self.after_op is not None:
+      self.after_op(self.sp.slots[slot].node, op)
+
+  def finish(self, slot: Slot, op: Op, start: float, outs: Any) -> None:
+    if self.profile:
+      jax.block_until_ready(outs)
+      self.records.append(OpRecord(slot, op, start, time.perf_counter() - self.t0))
+    self.done.add((slot, op))
+
+  # ------------------------------------------------------------ reductions
+
+  def reduce(self, group: ReductionGroup) -> None:
+    """Sums `group`'s names over its holders: on-device first, then one collective."""
+    ip, sp = self.ip, self.sp
+    began = time.perf_counter() - self.t0
+    for h in group.holders:
+      self.ar_start.setdefault(h, began)  # an AR's record starts with its first collective
+    per_dev: dict[Where, Params] = {}
+    for h in group.holders:
+      if h in ip.params:
+        dev, g = ip.device(h), self.grads_of(h)
+        part = {n: g[n] for n in group.names}
+        per_dev[dev] = {n: per_dev[dev][n] + v for n, v in part.items()} if dev in per_dev \
+          else part
+    devices = tuple(sorted({ip.device(h) for h in group.holders}, key=where_key))
+    nodes = sorted({sp.slots[h].node for h in group.holders})
+    if len(devices) > 1:
+      per_dev = self.tp.reduce(group.index, nodes, devices, per_dev)
+    for h in group.holders:
+      if h in ip.params:
+        self.acc[h] = {**self.grads_of(h), **per_dev[ip.device(h)]}
+
+  def complete(self, g: ReductionGroup) -> list[Slot]:
+    """Finishes the AR of every local holder of `g` whose groups are now all reduced (at
+    once, so that a profiled AR ends when its collective does); returns those slots."""
+    finished = []
+    for h in g.holders:
+      if h in self.arrived and (h, Op(AR)) not in self.done and all(
+        x.index in self.group_done for x in self.slot_groups[h]
+      ):
+        self.finish(h, Op(AR), self.ar_start[h], [self.acc.get(h)])
+        finished.append(h)
+        self.after(h, Op(AR))
+    return finished
+
+  def next_groups(self, blocking_ok: bool) -> list[ReductionGroup]:
+    """The groups that may run now: every group whose local holders have all arrived at their
+    AR; one with holders on other processes only when `blocking_ok`, and only in the global
+    group order (a later group waits for an earlier one), so no two processes wait on each
+    other."""
+    ready = []
+    for g in self.ip.groups:
+      if g.index in self.group_done or not any(h in self.local for h in g.holders):
+        continue
+      if not all(h in self.arrived for h in g.holders if h in self.local):
+        if self.tp.remote_collectives:
+          return ready  # keep the global order
+        continue
+      if any(h not in self.local for h in g.holders) and not blocking_ok:
+        return ready
+      ready.append(g)
+      if self.tp.remote_collectives:
+        return ready  # one at a time: the next may wait on this one's outcome elsewhere
+    return ready
+
+  def run_group(self, g: ReductionGroup) -> list[Slot]:
+    with TraceAnnotation("AR", group=g.index, stage=self.sp.slots[g.holders[0]].stage):
+      self.reduce(g)
+    self.group_done.add(g.index)
+    return self.complete(g)
+
+  # ------------------------------------------------------------ dispatch
+
+  def run(self, mode: str) -> StepResult:
+    """Dispatches every local op (`mode`: one of `dispatch.DISPATCH_MODES`), then concludes."""
+    self.t0 = time.perf_counter()
+    cpu = time.thread_time()
+    self.tp.begin(self.step, self.attempt, self.sp.nodes)
+    # Every array a local op reads from another process is pulled now and the op dispatched
+    # once it arrived (`runtime.inbox` says why).
+    self.remote_in = expect_inputs(self.sp, self.ip.program, self.ip.device, self.tp,
+                                   self.ip.local_slots)
+    one = self.profile or self.tp.remote_collectives
+    Dispatcher(self, owners(self.ip.local_slots, mode, one)).dispatch()
+    self.dispatch_cpu_s += time.thread_time() - cpu
+    return self._conclude(time.perf_counter() - self.t0)
+
+  def _conclude(self, dispatch_time: float) -> StepResult:
+    ip, tp, t0 = self.ip, self.tp, self.t0
+    new_state = self.new_state
+    outcome: Outcome = tp.conclude(self.losses, [p for p, _ in new_state.values()], self.sumsq)
+    if not outcome.committed:
+      return StepResult(0.0, {}, time.perf_counter() - t0, self.records, [], dispatch_time,
+                        self.dispatch_cpu_s, committed=False, lost=frozenset(outcome.lost),
+                        detected_at=outcome.detected_at)
+    norm = math.sqrt(outcome.grad_sumsq) if outcome.grad_sumsq >= 0 else math.nan
+    skipped = not math.isfinite(norm)
+    clipped = not skipped and 0 < ip.clip_global_norm < norm
+    if clipped:
+      # Post-validation: every process knows the same global norm, so every stage redoes its
+      # step with the same factor, from the committed state (the optimistic one is dropped).
+      scale = jnp.float32(ip.clip_global_norm / norm)
+      for slot in new_state:
+        new_state[slot] = ip.program(slot).optimizer_step(
+          ip.params[slot], ip.opt_state[slot], self.acc[slot], ip.owned[slot],
+          jax.device_put(scale, ip.device(slot)))[:2]
+    if not skipped:
+      for slot, (params, opt_state) in new_state.items():
+        ip.params[slot], ip.opt_state[slot] = params, opt_state
+      ip.refresh_replicas((self.step, self.attempt))
+    elapsed = time.perf_counter() - t0
+    mb_losses = outcome.losses
+    return StepResult(
+      loss=float(sum(mb_losses[mb] for mb in sorted(mb_losses))),
+      microbatch_losses=mb_losses,
+      step_time_s=elapsed,
+      records=self.records,
+      processed=sorted(mb_losses) if outcome.remote else self.processed,
+      dispatch_time_s=dispatch_time,
+      dispatch_cpu_s=self.dispatch_cpu_s,
+      detected_at=outcome.detected_at,
+      grad_norm=norm,
+      skipped=skipped,
+      clipped=clipped,
+      stop=outcome.stop,
+    )
+
+
+def local_dispatch_lists(interp: Interpreter, slots: Sequence[Slot]) -> dict[Slot, DispatchList]:
+  """Every local slot's ops with the ops of local slots each waits for, resolved once per plan
+  (ops of other processes' slots arrive through the transport)."""
+  sp = interp.step_program
+  local = set(slots)
+  return {
+    s: tuple((op, tuple(d for d in sp.dependencies(s, op) if d[0] in local))
+             for op in sp.slots[s].ops)
+    for s in slots
+  }
+
+
+_make_nan = OnEachDevice(lambda grads: jax.tree.map(lambda g: g * jnp.nan, grads))
+"""`faults.nonfinite`'s injection: a stage's gradients, all NaN."""
