@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -639,10 +638,8 @@ def test_inbox_waits_for_the_first_arrival_or_a_dead_producer():
   assert not inbox.arrived("a") and not inbox.arrived("b") and inbox.arrived("gone")
   assert inbox.arrived("local")  # never pulled: a local key
   threading.Timer(0.3, b.land).start()
-  t0 = time.monotonic()
-  inbox.wait_any(["a", "b"], "test")
+  inbox.wait_any(["a", "b"], "test")  # a timeout would end the process (`exit_now`)
   assert inbox.arrived("b") and not inbox.arrived("a")
-  assert time.monotonic() - t0 < 5
   assert inbox.take("b") == (2, [b])
   dead.add(1)
   inbox.wait_any(["a"], "test")
