@@ -348,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
   args = ap.parse_args(argv)
   if args.faults < 1 or args.minutes < 0 or args.every < 1 or args.heartbeat_s < 1:
     ap.error("--faults, --every and --heartbeat_s must be >= 1 and --minutes >= 0")
+  if args.workdir and Path(args.workdir).exists() and any(Path(args.workdir).iterdir()):
+    # The job would resume the run found there: its faults before that step never happen and
+    # its earlier steps are another run's.
+    ap.error(f"--workdir={args.workdir} is not empty: give a new or empty directory")
   from resilient_jax import configure_jax
 
   configure_jax(NUM_PROCESSES)  # the fault-free reference: the same 2x2 grid in this process
