@@ -27,6 +27,8 @@ Two diagnostics locate what the split costs beyond the fused backward:
     temporaries): t(B) minus this is what writing the hand-over costs B;
   - W beyond BW: t(W) minus (t(BW) - t(B)): what W costs alone beyond W inside one program
     with B, i.e. reading the hand-over back from memory instead of from cache.
+A third times B then W as a pair, W reading the hand-over B has just written (fresh buffers,
+as a pipeline hands them over; `W` alone re-reads the same buffers call after call).
 
 Memory comes from `compiled.memory_analysis()` and the byte sizes of the live buffers: what is
 held from F until the backward (deduplicated by buffer, parameters excluded) plus the backward
@@ -218,6 +220,13 @@ def main(argv: list[str] | None = None) -> None:
     dx, acc[0] = prog.backward_fused(residuals, saved, params, g, acc[0])
     return dx, acc[0]
 
+  acc_p = [prog.zero_grads(params, dev)]
+
+  def run_b_then_w():
+    _, handover = prog.backward_input(residuals, g)
+    acc_p[0] = prog.backward_weight(params, saved, handover, acc_p[0])
+    return acc_p[0]
+
   # B returning dx only: the cotangents it would hand over stay XLA temporaries.
   b_no_handover = jax.jit(lambda r, g: prog.split.backward_input(r, [g])[0][0])
   fns = {
@@ -227,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     "fused": lambda: fused_bwd(fused_res, g),
     "fused_acc": run_fused_acc,
     "BW": run_bw,
+    "B_then_W": run_b_then_w,
     "F_split": lambda: prog.forward(params, x, None),
     "F_plain": lambda: fused_fwd(params, x),
   }
@@ -336,8 +346,10 @@ def main(argv: list[str] | None = None) -> None:
   print(f"  W reading it back: t(W) - (t(BW) - t(B)) = "
         f"{(cpu['W'] - cpu['BW'] + cpu['B']) * 1e3:.2f} ms CPU "
         f"({(med['W'] - med['BW'] + med['B']) * 1e3:.2f} ms wall)")
+  print(f"  B then W (W reading the hand-over B has just written): {cpu['B_then_W'] * 1e3:.2f} ms "
+        f"CPU; (B then W)/fused {cpu_ratio(('B_then_W',), 'fused')}")
   print("  minor page faults per call: " + ", ".join(
-    f"{n} {statistics.median(faults[n]):.0f}" for n in ("B", "W", "fused", "BW")))
+    f"{n} {statistics.median(faults[n]):.0f}" for n in ("B", "W", "fused", "BW", "B_then_W")))
   print("memory (MiB; parameters and gradient accumulators excluded):")
   print(
     f"  split: held F->B/W {held_split * mib:.2f} (residuals {held_res_only * mib:.2f} + "
