@@ -53,8 +53,12 @@ def test_b_and_w_equal_the_backward_and_norm_gradients_are_not_deferred():
   # The dense layer's weight gradient (x^T g) is deferred to W: B hands over the cotangent of
   # its pre-activation. The norm's scale and bias gradients are token reductions B computes at
   # little cost and hands over as two vectors, rather than the full-size cotangent of the
-  # norm's output (T * D floats) for W to reduce.
-  assert sorted(int(np.prod(v.shape)) for v in handover) == [D, D, T * H]
+  # norm's output (T * D floats) for W to reduce. The dense layer's bias gradient (`sum(g)`)
+  # is B's too: it reads `g` while B has it in cache, and W, which needs `g` for x^T g
+  # anyway, reads it once.
+  assert sorted(int(np.prod(v.shape)) for v in handover) == [D, D, H, T * H]
+  assert {split.jaxpr.eqns[i].primitive.name for i in split._w_eqns} <= {"dot_general",
+                                                                          "transpose"}
   b_dots = [split.jaxpr.eqns[i] for i in split._b_eqns
             if split.jaxpr.eqns[i].primitive.name == "dot_general"]
   w_dots = [split.jaxpr.eqns[i] for i in split._w_eqns
