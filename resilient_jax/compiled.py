@@ -148,11 +148,14 @@ class OnEachDevice:
     keep_unused: as for `jax.jit`: a program whose outputs do not read its arguments' values
       (an initializer) then still runs where they live, so it can be loaded on another
       sub-mesh (otherwise jit drops them and places it on the default device).
+    compiler_options: XLA options for this program's compile (`Lowered.compile`), e.g.
+      `RUN_ONCE` for a program that runs once, where compile time is all its cost.
   """
 
   def __init__(self, fn: Callable, donate_argnums: int | Sequence[int] = (),
-               keep_unused: bool = False):
+               keep_unused: bool = False, compiler_options: dict[str, Any] | None = None):
     self._jit = jax.jit(fn, donate_argnums=donate_argnums, keep_unused=keep_unused)
+    self._options = dict(compiler_options or {})
     self._programs: dict[tuple[Placement, _Signature], Callable] = {}
     self._blobs: dict[_Signature, _Blob | None] = {}
     self._lock = threading.Lock()
@@ -198,19 +201,19 @@ class OnEachDevice:
       lowered = self._jit.lower(*args)
       if _jax_cache_on():  # its executables may not re-serialize whole: compile per device
         self._blobs[sig] = None
-        program = lowered.compile()
+        program = lowered.compile(self._options or None)
         Counts.compiled += 1
         self.built += 1
         self._programs[(device, sig)] = program
         return program
-      path = _disk_path(lowered)
+      path = _disk_path(lowered, self._options)
       kept = _read(path)
       if kept is not None:
         self._blobs[sig] = (kept[0], lowered.in_tree, lowered.out_tree, kept[1])
         program = _load(self._blobs[sig], device)
         Counts.from_disk += program is not None
       if program is None:
-        program = lowered.compile()
+        program = lowered.compile(self._options or None)
         Counts.compiled += 1
         self._blobs[sig] = _serialize(program, path, device)
       self.built += 1
@@ -218,7 +221,7 @@ class OnEachDevice:
       blob = self._blobs[sig]
       program = None if blob is None else _load(blob, device)
       if program is None:
-        program = self._jit.lower(*args).compile()
+        program = self._jit.lower(*args).compile(self._options or None)
         Counts.compiled += 1
         self.built += 1
       else:
@@ -278,15 +281,23 @@ def _layout(x: Any) -> Any:
   return None
 
 
-def _disk_path(lowered: jax.stages.Lowered) -> str | None:
+RUN_ONCE = {"xla_backend_optimization_level": 0}
+"""Compiler options of a program that runs once (a model's initializer): on XLA:CPU a random
+initializer of the tiny GPT compiles in 0.7 s instead of 1.8 s, and runs in milliseconds
+either way."""
+
+
+def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any]) -> str | None:
   """Where the program's serialized executable is kept, or None without a cache folder."""
   if not _cache_dir:
     return None
   device = jax.devices()[0]
   key = hashlib.sha256()
+  # Compiler options only where given: the keys of every other program stay as they were.
+  compile_options = [repr(sorted(options.items()))] if options else []
   for part in (lowered.as_text(), _scopes(lowered), jax.__version__, jaxlib.__version__,
                device.platform, device.device_kind, device.client.platform_version,
-               os.environ.get("XLA_FLAGS", "")):
+               os.environ.get("XLA_FLAGS", ""), *compile_options):
     key.update(part.encode())
     key.update(b"\0")
   return os.path.join(_cache_dir, key.hexdigest())

@@ -32,9 +32,13 @@ on how the model was cut.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Sequence
+import hashlib
+import threading
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -114,6 +118,7 @@ class StagePrograms:
     self._initial = {n: np.asarray(v) for n, v in flat_params(module, names).items()}
     self.param_names: tuple[str, ...] = tuple(sorted(self._initial))
     self._shapes = shapes = {n: v.shape for n, v in self._initial.items()}
+    self._abstract = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self._initial.items()}
     self.param_specs = sharding.partition_specs(sharding.logical_axes(module, names), shapes, tp)
     """Each parameter's split over the worker's sub-mesh (all replicated when `tp` is 1)."""
     opt_template = jax.eval_shape(optimizer.init, self.abstract_params())
@@ -269,7 +274,15 @@ class StagePrograms:
     return self._binder(params)
 
   def abstract_params(self) -> dict[str, jax.ShapeDtypeStruct]:
-    return {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self._initial.items()}
+    return dict(self._abstract)
+
+  def for_model(self, model: Any, names: dict[int, str]) -> StagePrograms:
+    """These programs, starting from `model`'s parameter values (a model of the same
+    `model_signature`): the compiled programs are shared, only the initial values differ."""
+    other = copy.copy(self)
+    module = cut(model, self.info.layers, first=self.info.first, last=self.info.last)
+    other._initial = {n: np.asarray(v) for n, v in flat_params(module, names).items()}
+    return other
 
   # `where` is a worker's `model.sharding.Where`: its device (tp=1), or its sub-mesh, over
   # which whole arrays are replicated and parameter-shaped ones split by `param_specs`.
@@ -346,16 +359,95 @@ def build_stage_programs(
   optimizer: optax.GradientTransformation,
   global_batch: int,
   tp: int = 1,
+  optimizer_key: Hashable | None = None,
 ) -> list[StagePrograms]:
   """Programs for every stage, chaining each stage's output shape into the next one's input;
-  `tp`: devices of each worker's sub-mesh."""
+  `tp`: devices of each worker's sub-mesh.
+
+  With `optimizer_key` (a hashable description of everything `optimizer` computes with, e.g.
+  `recipe.optimizer_key`), the programs are shared by every caller of this process that asks
+  for the same stages of a model of the same `model_signature`: a second trainer of the same
+  configuration (a test suite, a notebook, a sweep, `benchmarks/`) neither traces, lowers nor
+  loads its programs again, it only reads its own initial parameter values. The last
+  `SHARED_PROGRAMS` distinct requests are kept; `clear_shared_programs` drops them.
+  """
+  names = variable_names(model)
+  key = None
+  if optimizer_key is not None:
+    key = (model_signature(model), tuple((r.start, r.stop) for r in partition), microbatch_size,
+           seq_len, global_batch, tp, optimizer_key)
+    try:
+      hash(key)
+    except TypeError:  # a static attribute of the model that cannot be hashed: not shared
+      key = None
+  if key is not None:
+    with _shared_lock:
+      shared = _shared.get(key)
+      if shared is not None:
+        _shared.move_to_end(key)
+    if shared is not None:
+      return [prog.for_model(model, names) for prog in shared]
   tokens = jax.ShapeDtypeStruct((microbatch_size, seq_len), jnp.int32)
   spec = tokens
   programs = []
-  names = variable_names(model)
   for s, layers in enumerate(partition):
     info = StageInfo(index=s, num_stages=len(partition), layers=layers)
     prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names, tp)
     programs.append(prog)
     spec = prog.output_spec
+  if key is not None:
+    with _shared_lock:
+      # Kept without this model's initial values: a kept entry holds compiled programs and
+      # traced functions, not a copy of any model's parameters (the `Binder` keeps none; a
+      # model with its own `loss` method is held by it, up to `SHARED_PROGRAMS` entries).
+      _shared[key] = [_without_initial(p) for p in programs]
+      while len(_shared) > SHARED_PROGRAMS:
+        _shared.popitem(last=False)
   return programs
+
+
+SHARED_PROGRAMS = 32
+"""How many distinct stage-program requests a process keeps for reuse (`build_stage_programs`)."""
+_shared: collections.OrderedDict[Hashable, list[StagePrograms]] = collections.OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def clear_shared_programs() -> None:
+  """Drops the stage programs kept for reuse (their compiled executables go with the last
+  trainer that holds them)."""
+  with _shared_lock:
+    _shared.clear()
+
+
+def _without_initial(prog: StagePrograms) -> StagePrograms:
+  kept = copy.copy(prog)
+  kept._initial = {}
+  return kept
+
+
+def model_signature(model: Any) -> Hashable:
+  """What a stage's programs depend on of `model`, short of tracing it.
+
+  Its structure (`nnx.graphdef`: module classes, their static attributes, which variables are
+  shared), and every variable's path, type, shape, dtype and metadata (the logical axes that
+  split it over a sub-mesh). Parameter values are arguments of every program, so they are left
+  out; the values of the other variables (RNG stream keys and counts, which the programs read
+  as constants) are in, by digest. `flax.nnx.jit` keys its own traces on the graphdef the same
+  way.
+  """
+  parts = []
+  try:
+    for path, node in nnx.iter_graph(model):
+      if not isinstance(node, nnx.Variable):
+        continue
+      value = node[...]
+      meta = repr(sorted(node.get_metadata().items()))
+      part = (path, type(node).__name__, tuple(np.shape(value)), str(value.dtype), meta)
+      if not isinstance(node, nnx.Param):
+        data = jax.random.key_data(value) if jnp.issubdtype(value.dtype, jax.dtypes.prng_key) \
+          else value
+        part += (hashlib.sha256(np.asarray(data).tobytes()).hexdigest(),)
+      parts.append(part)
+    return nnx.graphdef(model), tuple(parts)
+  except (AttributeError, TypeError, ValueError):  # a variable holding something unusual:
+    return object()  # a signature equal to no other, so its programs are its own

@@ -62,6 +62,7 @@ from resilient_jax.recipe import (
   make_model,
   make_optimizer,
   num_microbatches,
+  optimizer_key,
   processed_ids,
   sample_seeds,
   step_batch,
@@ -222,6 +223,7 @@ class Trainer(RunCheckpoints, Recovers, Relaunches):
         make_optimizer(cfg),
         cfg.step_batch,
         tp=cfg.mesh.tp,
+        optimizer_key=optimizer_key(cfg),
       )
     return self._programs[key]
 

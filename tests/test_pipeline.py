@@ -10,6 +10,7 @@ import pytest
 
 from resilient_jax import data as data_lib
 from resilient_jax.compiled import Counts, OnEachDevice
+from resilient_jax.stages import clear_shared_programs, model_signature
 from resilient_jax.trainer import Trainer, train
 from tests.helpers import assert_matches_reference, quick_only, tiny_config
 
@@ -49,6 +50,7 @@ def test_uneven_partition_matches(tmp_path):
 
 def test_data_parallel_replicas_stay_identical(tmp_path):
   cfg = tiny_config(mesh__dp=4, mesh__pp=2, pipeline__schedule="zb-h1")
+  clear_shared_programs()  # programs of its own, to count where they were loaded
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   result = trainer.run()
   # Each stage program was compiled once (or read from disk) and loaded on the other three
@@ -67,6 +69,7 @@ def test_data_parallel_replicas_stay_identical(tmp_path):
 
 def test_workdir_outputs(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, pipeline__schedule="zb-h1")
+  clear_shared_programs()  # an earlier trainer's programs would leave nothing to build
   lines = []
   train(cfg, tmp_path, log=lines.append)
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -98,6 +101,39 @@ def test_workdir_outputs(tmp_path):
   assert not any("building" in line for line in lines[1:])
   for r in rows:
     assert r["samples_per_s"] == pytest.approx(r["samples"] / r["step_time_s"], rel=1e-3)
+
+
+def test_trainers_of_one_configuration_share_their_programs(tmp_path):
+  """A second trainer of the same stages reuses the first one's programs (nothing traced,
+  lowered, read or loaded again) and starts from its own model's parameters (another seed);
+  a model that differs in a shape, or in an RNG key its programs read as a constant, does not
+  match."""
+  first = Trainer(tiny_config(mesh__dp=1, mesh__pp=2), tmp_path / "a", log=lambda _: None)
+  first.run()
+  programs = [p for prog in first.programs for p in prog.compiled_programs()]
+  before = [(p.built, p.devices) for p in programs]
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__seed=7)
+  second = Trainer(cfg, tmp_path / "b", log=lambda _: None)
+  result = second.run()
+  assert [(p.built, p.devices) for p in programs] == before
+  for a, b in zip(first.programs, second.programs, strict=True):
+    assert a.backward_fused is b.backward_fused and a.optimizer_step is b.optimizer_step
+    assert not np.array_equal(a._initial["head.proj.kernel" if a.info.last else
+                                         "embed.wte.embedding"],
+                              b._initial["head.proj.kernel" if b.info.last else
+                                         "embed.wte.embedding"])
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
+
+  from flax import nnx
+
+  class Noisy(nnx.Module):
+    def __init__(self, seed: int, width: int = 4):
+      self.w = nnx.Param(jnp.zeros((width,)))
+      self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=seed))
+
+  assert model_signature(Noisy(0)) == model_signature(nnx.clone(Noisy(0)))
+  assert model_signature(Noisy(0)) != model_signature(Noisy(1))
+  assert model_signature(Noisy(0)) != model_signature(Noisy(0, width=5))
 
 
 def test_one_compile_serves_every_device():

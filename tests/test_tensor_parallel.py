@@ -15,7 +15,7 @@ from resilient_jax.config import ConfigError
 from resilient_jax.model.sharding import target, worker_mesh
 from resilient_jax.placement import process_slots
 from resilient_jax.schedule.core import F, Op
-from resilient_jax.stages import build_stage_programs
+from resilient_jax.stages import build_stage_programs, clear_shared_programs
 from resilient_jax.trainer import FaultEvent, Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
 
@@ -125,6 +125,7 @@ def test_bamboo_replicas_on_sub_meshes(tmp_path):
   takes over when that stage's worker fails."""
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, mesh__tp=2, train__steps=3, faults__schedule="2:1.1",
                     resilience__policy="bamboo")
+  clear_shared_programs()  # programs of its own, to count where they were loaded
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   ex = trainer.interpreter
   params, _ = next(iter(ex.replicas.values()))

@@ -127,7 +127,10 @@ class Binder:
     for path, var in nnx.to_flat_state(state):
       node = by_path[tuple(path)]
       name = names[id(node)]
-      self.leaves.append((name, isinstance(node, nnx.Param), var[...]))
+      # A parameter's value always comes from `apply`'s or `__call__`'s arguments: not kept,
+      # so programs kept for reuse (`stages.build_stage_programs`) hold no model's weights.
+      is_param = isinstance(node, nnx.Param)
+      self.leaves.append((name, is_param, None if is_param else var[...]))
       if isinstance(node, nnx.RngKey):
         self.rng_keys.append(name)
       elif isinstance(node, nnx.RngCount):
