@@ -406,8 +406,13 @@ def build_stage_programs(
   return programs
 
 
-SHARED_PROGRAMS = 32
-"""How many distinct stage-program requests a process keeps for reuse (`build_stage_programs`)."""
+SHARED_PROGRAMS = 8
+"""How many distinct stage-program requests a process keeps for reuse (`build_stage_programs`).
+
+Few: each holds its programs' executables loaded on every device that ran them, and on
+XLA:CPU every loaded executable maps memory of its own. Kept by the hundred (32 entries over
+the test suite's configurations), they took a process past Linux's 65530 memory maps
+(`vm.max_map_count`), and loading the next executable crashed it (SIGSEGV)."""
 _shared: collections.OrderedDict[Hashable, list[StagePrograms]] = collections.OrderedDict()
 _shared_lock = threading.Lock()
 
