@@ -11,8 +11,10 @@ parallelism (`benchmarks/cold_start.py` counts them).
 The serialized programs are also kept on disk (`set_cache_dir`, which `runtime_setup` points at
 `programs/` of the library's cache folder), keyed by the lowered module, the JAX and jaxlib
 versions, the platform and `XLA_FLAGS`, not by device, so a restarted or relaunched job loads
-instead of compiling. The key also holds the ops' named scopes (`jax.named_scope`), which the
-module's text leaves out but the executable carries into profiles.
+instead of compiling; processes that need a program at the same time compile it once between
+them (`compile_claims`: the others wait for the kept file). The key also holds the ops' named
+scopes (`jax.named_scope`), which the module's text leaves out but the executable carries into
+profiles.
 
 Platform fact (jax 0.10, CPU): an executable that JAX read back from its own persistent
 compilation cache serializes without its kernels, and the copy fails at run time ("Function ...
@@ -49,6 +51,8 @@ import jaxlib
 import numpy as np
 from jax._src.lib import xla_client  # CompileOptions, DeviceAssignment: no public home
 from jax.experimental import serialize_executable
+
+from resilient_jax import compile_claims
 
 log = logging.getLogger(__name__)
 
@@ -207,15 +211,20 @@ class OnEachDevice:
         self._programs[(device, sig)] = program
         return program
       path = _disk_path(lowered, self._options)
-      kept = _read(path)
+      kept, here = None, None
+      if path is not None:  # one compile per cache folder, whoever else needs it now
+        kept, compiled_here = compile_claims.compile_once(
+          path, _read, lambda: self._compile_and_keep(lowered, path, device))
+        if compiled_here:
+          kept, here = None, kept
       if kept is not None:
         self._blobs[sig] = (kept[0], lowered.in_tree, lowered.out_tree, kept[1])
         program = _load(self._blobs[sig], device)
         Counts.from_disk += program is not None
+      if here is not None:
+        program, self._blobs[sig] = here
       if program is None:
-        program = lowered.compile(self._options or None)
-        Counts.compiled += 1
-        self._blobs[sig] = _serialize(program, path, device)
+        program, self._blobs[sig] = self._compile_and_keep(lowered, path, device)
       self.built += 1
     else:
       blob = self._blobs[sig]
@@ -228,6 +237,14 @@ class OnEachDevice:
         Counts.loaded += 1
     self._programs[(device, sig)] = program
     return program
+
+
+  def _compile_and_keep(self, lowered: jax.stages.Lowered, path: str | None,
+                        device: Placement) -> tuple[Any, _Blob | None]:
+    """Compiles `lowered` (for `device`), keeps it at `path`; the program and its blob."""
+    program = lowered.compile(self._options or None)
+    Counts.compiled += 1
+    return program, _serialize(program, path, device)
 
 
 def _default_device() -> jax.Device:
