@@ -410,9 +410,10 @@ SHARED_PROGRAMS = 8
 """How many distinct stage-program requests a process keeps for reuse (`build_stage_programs`).
 
 Few: each holds its programs' executables loaded on every device that ran them, and on
-XLA:CPU every loaded executable maps memory of its own. Kept by the hundred (32 entries over
-the test suite's configurations), they took a process past Linux's 65530 memory maps
-(`vm.max_map_count`), and loading the next executable crashed it (SIGSEGV)."""
+XLA:CPU every loaded executable maps memory of its own, against Linux's limit of 65530 maps
+per process (`vm.max_map_count`). With 32 kept, the test suite's process crashed (SIGSEGV)
+loading an executable late in the suite, its map count growing past 24k halfway; with 8 it
+peaks at 36k maps (2026-11-25)."""
 _shared: collections.OrderedDict[Hashable, list[StagePrograms]] = collections.OrderedDict()
 _shared_lock = threading.Lock()
 
