@@ -55,6 +55,11 @@ def run_local(workdir, *flags, extra=(), timeout=300, processes=4):
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+_STAGE_PER_PROCESS = "--config.mesh.placement=stage"
+"""Two processes of two workers each, process 1 holding both workers of stage 1: killing it
+loses the whole stage."""
+
+
 def read_rows(path):
   return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
@@ -331,14 +336,16 @@ def test_every_policy_survives_a_sigkill(tmp_path, policy):
 
 
 def test_tied_head_and_a_nan_step_across_processes(tmp_path):
-  """The tied embedding lives on stage 0 and the last stage (different processes): its
-  gradient is summed over the workers of both, before and after a failure. Stage 1's gradients
-  turn NaN in step 2 (`faults.nonfinite`): every stage of every process skips that step, the
-  other steps train what the in-process run with the same NaN does, and every checkpoint
-  written (each step) is finite. The coordination service is left with the last two steps'
-  keys (`distributed.kv_keep_steps=2`)."""
+  """The tied embedding lives on stage 0 and the last stage, here on different processes (two
+  processes, one stage each): its gradient is summed over the workers of both, before and
+  after worker (1, 1) is lost at the start of step 3 (`faults.schedule`; SIGKILLs are the
+  other tests'). Stage 1's gradients turn NaN in step 2 (`faults.nonfinite`): every stage of
+  every process skips that step, the other steps train what the in-process run with the same
+  NaN does, and every checkpoint written (each step) is finite. The coordination service is
+  left with the last two steps' keys (`distributed.kv_keep_steps=2`)."""
   workdir = tmp_path / "multi"
-  proc = run_local(workdir, "--kill=3:3", extra=[
+  proc = run_local(workdir, processes=2, extra=[
+    _STAGE_PER_PROCESS, "--config.faults.schedule=3:1.1",
     "--config.model.tied_head=true", "--config.faults.nonfinite=2:1",
     "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=0",
     "--config.distributed.kv_keep_steps=2"])
@@ -438,11 +445,6 @@ def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path)
   assert proc.returncode == 0, tail(proc)
   assert re.search(r"restored step [12] from", proc.stdout), tail(proc)
   assert_same_run(read_rows(workdir / "metrics.jsonl"), fault_free())
-
-
-_STAGE_PER_PROCESS = "--config.mesh.placement=stage"
-"""Two processes of two workers each, process 1 holding both workers of stage 1: killing it
-loses the whole stage."""
 
 
 def test_losing_a_whole_stage_ends_every_survivor_with_exit_3(tmp_path):
