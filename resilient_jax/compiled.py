@@ -238,7 +238,6 @@ class OnEachDevice:
     self._programs[(device, sig)] = program
     return program
 
-
   def _compile_and_keep(self, lowered: jax.stages.Lowered, path: str | None,
                         device: Placement) -> tuple[Any, _Blob | None]:
     """Compiles `lowered` (for `device`), keeps it at `path`; the program and its blob."""
