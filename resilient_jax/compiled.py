@@ -320,7 +320,7 @@ def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any]) -> str | No
 
 
 _SCOPED_LOC = re.compile(r'loc\("([^"]*/[^"]*)"\(')
-"""A location naming an op by its name stack (`jit(f)/F_stage0/dot_general`), not a file."""
+"""A location naming an op by its name stack (`jit(f)/F/dot_general`), not a file."""
 
 
 def _scopes(lowered: jax.stages.Lowered) -> str:

@@ -213,10 +213,10 @@ class StepTraces:
   `out_dir/stepN/` (`/processP` added in a multi-process job), for TensorBoard's profile plugin
   (`tensorboard --logdir out_dir`) or Perfetto.
 
-  The stage programs' ops carry named scopes (`F_stage1`, `B_stage1`, `W_stage1`, `BW_stage1`,
-  `OPT_stage1`, `AR`: `stages.py`, `runtime/transport.py`) and each op's dispatch on the host is
-  annotated with its name in the schedule (`F3`, with stage, micro-batch and pipeline:
-  `runtime/interpreter.py`), so the device trace lines up with `timeline.json`.
+  The stage programs' ops carry named scopes of their kind (`F`, `B`, `W`, `BW`, `OPT`, `AR`:
+  `stages.py`, `runtime/transport.py`) and each op's dispatch on the host is annotated with its
+  name in the schedule (`F3`, with stage, micro-batch and pipeline: `runtime/interpreter.py`),
+  so the device trace lines up with `timeline.json`.
 
   Args:
     steps: the steps to trace (each once, the first time it runs).

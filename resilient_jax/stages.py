@@ -20,10 +20,12 @@ on its own device, and the compile count does not grow with data parallelism.
   this stage's optax update, of the gradients times `scale` (the global clip factor) when given,
   and the sum of squares of the gradients whose `owned` weight is 1 (its share of the norm).
 
-Each program traces under a named scope of its op and stage (`F_stage1`, `B_stage1`, `W_stage1`,
-`BW_stage1`, `OPT_stage1`): its compiled ops carry the name, so a `jax.profiler` trace shows
-which op of the schedule a device was running (the micro-batch is the host's annotation,
-`runtime/interpreter.py`: one program serves every micro-batch).
+Each program traces under a named scope of its op (`F`, `B`, `W`, `BW`, `OPT`): its compiled ops
+carry the name, so a `jax.profiler` trace shows which kind of op a device was running; the stage
+and micro-batch are the host's annotation (`runtime/interpreter.py`). The scope leaves the stage
+out on purpose: stages of the same shape (the middle stages of an even split) then lower to
+the same program, which is compiled once and kept once (`compiled.OnEachDevice`), however many
+stages run it.
 
 Parameters are flat dicts keyed by global parameter names (their paths in the model,
 `blocks.3.mlp.fc.kernel`), so a stage's parameters, gradients and optimizer state do not depend
@@ -196,8 +198,7 @@ class StagePrograms:
       outs = forward_all(*inputs)
       return [outs[k] for k in kept]
 
-    stage = info.index
-    forward_program = OnEachDevice(_scoped(f"F_stage{stage}", stage_forward))
+    forward_program = OnEachDevice(_scoped("F", stage_forward))
     out_def = jax.tree.structure(out_tree)
 
     def forward(params, x, targets, seeds=None):
@@ -242,14 +243,14 @@ class StagePrograms:
     self._forward_program = forward_program
     # Each program is compiled once for the stage and loaded on every replica's device.
     scoped = functools.partial(_scoped, tp=tp)
-    self.backward_input: Callable = OnEachDevice(scoped(f"B_stage{stage}", backward_input))
-    self.backward_weight: Callable = OnEachDevice(scoped(f"W_stage{stage}", weight_grads),
+    self.backward_input: Callable = OnEachDevice(scoped("B", backward_input))
+    self.backward_weight: Callable = OnEachDevice(scoped("W", weight_grads),
                                                   donate_argnums=(3,))
-    self.backward_fused: Callable = OnEachDevice(scoped(f"BW_stage{stage}", backward_fused),
+    self.backward_fused: Callable = OnEachDevice(scoped("BW", backward_fused),
                                                  donate_argnums=(4,))
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
-    self.optimizer_step: Callable = OnEachDevice(scoped(f"OPT_stage{stage}", optimizer_step))
+    self.optimizer_step: Callable = OnEachDevice(scoped("OPT", optimizer_step))
     # On a sub-mesh they run there and make their outputs split (`keep_unused`); on one device
     # they stay the programs they were (their outputs are placed afterwards).
     self._init_opt = OnEachDevice(_on_submesh(
