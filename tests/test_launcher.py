@@ -35,15 +35,15 @@ def test_train_with_a_log_dir_tensorboard_and_a_trace(tmp_path):
   assert len(rows) == 3 and rows[-1]["live_workers"] == 8
   assert (tmp_path / "timeline.png").exists()
   assert_losses_match(tmp_path, rows)
-  # The traced step: every stage program's named scope (zb-h1 splits B and W; the first stage's
-  # B computes nothing) and the reduction's, and the host's annotation of every op's dispatch,
-  # named as in the timeline (the last step's, the same schedule).
+  # The traced step: every stage program's named scope, of its op kind (zb-h1 splits B and W),
+  # and the reduction's, and the host's annotation of every op's dispatch, named as in the
+  # timeline with its stage (the last step's, the same schedule).
   where = tmp_path / "profile" / "step2"
   assert any(f"tracing step 2 with jax.profiler into {where}" in x for x in lines)
   trace = trace_file(tmp_path, 2)
-  for stage in range(4):
-    for kind in ("F", "B", "W", "OPT") if stage else ("F", "W", "OPT"):
-      assert f"{kind}_stage{stage}".encode() in trace, (kind, stage)
+  for program, kind in (("stage_forward", "F"), ("backward_input", "B"),
+                        ("weight_grads", "W"), ("optimizer_step", "OPT")):
+    assert f"jit({program})/{kind}/".encode() in trace, kind
   assert b"jit(add)/AR/add" in trace
   timeline = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
   kinds = ("F", "B", "W", "OPT")
