@@ -311,7 +311,8 @@ def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any]) -> str | No
   key = hashlib.sha256()
   # Compiler options only where given: the keys of every other program stay as they were.
   compile_options = [repr(sorted(options.items()))] if options else []
-  for part in (lowered.as_text(), _scopes(lowered), jax.__version__, jaxlib.__version__,
+  text = _RESULT_INFO.sub("", lowered.as_text())
+  for part in (text, _scopes(lowered), jax.__version__, jaxlib.__version__,
                device.platform, device.device_kind, device.client.platform_version,
                os.environ.get("XLA_FLAGS", ""), *compile_options):
     key.update(part.encode())
@@ -319,6 +320,11 @@ def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any]) -> str | No
   return os.path.join(_cache_dir, key.hexdigest())
 
 
+_RESULT_INFO = re.compile(r'jax\.result_info = "[^"]*"')
+"""The output paths JAX writes into a module (`result[0]['blocks.2.mlp.fc.kernel']`): names,
+not computation. Left out of the key, so stages of the same shape whose parameters are named
+after their blocks (stage 1's `blocks.2`, stage 2's `blocks.4`) share one kept program; the
+caller's own lowering supplies the output structure."""
 _SCOPED_LOC = re.compile(r'loc\("([^"]*/[^"]*)"\(')
 """A location naming an op by its name stack (`jit(f)/F/dot_general`), not a file."""
 
