@@ -179,7 +179,7 @@ class OnEachDevice:
   def __call__(self, *args: Any) -> Any:
     leaves, treedef = jax.tree.flatten(args)
     # No arguments (an initializer): the default device, where jit would place it.
-    device = _placement(leaves) if leaves else (_default_device(),)
+    device = _placement(leaves) if leaves else (default_device(),)
     if device is None:  # nothing committed: jit places it
       return self._jit(*args)
     sig = _signature(treedef, leaves, multi=len(device) > 1)
@@ -246,7 +246,9 @@ class OnEachDevice:
     return program, _serialize(program, path, device)
 
 
-def _default_device() -> jax.Device:
+def default_device() -> jax.Device:
+  """Where JAX puts an uncommitted computation: `jax_default_device`, else the first local
+  device."""
   chosen = jax.config.jax_default_device
   return chosen if isinstance(chosen, jax.Device) else jax.local_devices()[0]
 

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from resilient_jax import data as data_lib
-from resilient_jax.compiled import RUN_ONCE, OnEachDevice
+from resilient_jax.compiled import RUN_ONCE, OnEachDevice, default_device
 from resilient_jax.config import ConfigError, RunConfig
 from resilient_jax.runtime.interpreter import StepResult
 from resilient_jax.schedule.plan import GridPlan, Plan
@@ -84,16 +84,36 @@ def make_model(cfg: RunConfig) -> nnx.Module:
   cache is written by process 0 only and keyed by device; `compiled.OnEachDevice` keeps the one
   program on disk by module, so every process loads it. It runs once, so XLA compiles it
   without optimizing (`compiled.RUN_ONCE`): values equal to the last bit or two of float32 of
-  an optimized compile, and a few times faster to build. A family whose `build` cannot be
-  traced is built eagerly."""
-  build = functools.partial(cfg.model.build, cfg.train.seed)
+  an optimized compile, and a few times faster to build. The seed is the program's argument,
+  and the program is kept per model config (`_initializer`): a process that builds the same
+  model again, whatever its seed (a test suite, a sweep, the single-device reference), only
+  runs it. A family whose `build` cannot be traced is built eagerly."""
+  graphdef, init = _initializer(cfg.model)
+  if init is not None:
+    try:
+      return nnx.merge(graphdef, init(jax.device_put(np.int32(cfg.train.seed), default_device())))
+    except _UNTRACEABLE as err:
+      logging.getLogger(__name__).info("building the model eagerly: %s", err)
+  return cfg.model.build(cfg.train.seed)
+
+
+_UNTRACEABLE = (jax.errors.JAXTypeError, jax.errors.JAXIndexError, TypeError)
+"""What tracing a `build` that needs concrete values raises."""
+
+
+@functools.lru_cache(maxsize=4)
+def _initializer(model_cfg) -> tuple[nnx.GraphDef | None, OnEachDevice | None]:
+  """The model's structure and the program that computes its state from a seed (an int32
+  scalar), or `(None, None)` where `build` cannot be traced."""
   try:
-    graphdef, _ = nnx.split(nnx.eval_shape(build))
-    state = OnEachDevice(lambda: nnx.state(build()), compiler_options=RUN_ONCE)()
-  except (jax.errors.JAXTypeError, jax.errors.JAXIndexError, TypeError) as err:
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_cfg.build(0)))
+    # `nnx.Rngs` takes the key of an int seed, traced, as it takes the int itself.
+    init = OnEachDevice(lambda seed: nnx.state(model_cfg.build(jax.random.key(seed))),
+                        compiler_options=RUN_ONCE)
+  except _UNTRACEABLE as err:
     logging.getLogger(__name__).info("building the model eagerly: %s", err)
-    return build()
-  return nnx.merge(graphdef, state)
+    return None, None
+  return graphdef, init
 
 
 def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:

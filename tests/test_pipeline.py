@@ -136,6 +136,39 @@ def test_trainers_of_one_configuration_share_their_programs(tmp_path):
   assert model_signature(Noisy(0)) != model_signature(Noisy(0, width=5))
 
 
+def test_a_model_is_initialised_by_one_program_per_config_whatever_the_seed():
+  """`make_model` traces and loads a model config's initializer once per process: another
+  seed only runs it. Its values are the eager build's; a family whose `build` cannot be traced
+  is built eagerly."""
+  import dataclasses
+
+  from flax import nnx
+
+  from resilient_jax import recipe
+
+  cfg = tiny_config()
+  first = recipe.make_model(cfg)
+  _, init = recipe._initializer(cfg.model)
+  before = (init.built, init.devices)
+  assert init.built == 1  # compiled or read once
+  other = recipe.make_model(tiny_config(train__seed=5))
+  assert (init.built, init.devices) == before
+  for model, seed in ((first, 0), (other, 5)):
+    eager = dict(nnx.to_flat_state(nnx.state(cfg.model.build(seed))))
+    for path, value in nnx.to_flat_state(nnx.state(model)):
+      np.testing.assert_allclose(value[...], eager[path][...], rtol=1e-6, atol=1e-7)
+  assert not np.array_equal(first.embed.wte.embedding[...], other.embed.wte.embedding[...])
+
+  @dataclasses.dataclass(frozen=True)
+  class Concrete(type(cfg.model)):
+    def build(self, seed):
+      return super().build(int(np.asarray(seed)))  # needs the seed's value
+
+  model = recipe.make_model(dataclasses.replace(cfg, model=Concrete(**vars(cfg.model))))
+  np.testing.assert_allclose(model.embed.wte.embedding[...], first.embed.wte.embedding[...],
+                             rtol=1e-6, atol=1e-7)
+
+
 def test_one_compile_serves_every_device():
   def step(w, x, acc):
     return {"w": acc["w"] + jnp.tanh(x @ w).T @ x}
