@@ -15,56 +15,16 @@ model with separate Q, K and V projections, `models/llama.py`, splits along head
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from resilient_jax.model.config import ModelConfig, ModelCosts
+from models.configs import GPTConfig  # its config section, in a module free of JAX
 from resilient_jax.model.staging import whole
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTConfig(ModelConfig):
-  name: str = "gpt"
-  vocab_size: int = 256
-  seq_len: int = 32
-  num_layers: int = 4
-  num_heads: int = 2
-  d_model: int = 64
-  mlp_ratio: int = 4
-  tied_head: bool = False
-  dtype: str = "float32"
-  """Compute dtype (`bfloat16`: mixed precision; parameters, gradients, their accumulation
-  and the data-parallel reduction stay float32)."""
-  param_dtype: str = "float32"
-
-  def __post_init__(self):
-    self.check_positive("vocab_size", "seq_len", "num_layers", "num_heads", "d_model",
-                        "mlp_ratio")
-    self.check_precision()
-    if self.d_model % self.num_heads:
-      raise ValueError(
-        f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}"
-      )
-
-  def costs(self) -> ModelCosts:
-    t, d, f, v = self.seq_len, self.d_model, self.mlp_ratio * self.d_model, self.vocab_size
-    return ModelCosts(
-      block_flops=t * (d * 3 * d + d * d + 2 * d * f) + 2 * t * t * d,
-      head_flops=t * d * v,
-      embed_params=(v + t) * d,
-      block_params=4 * d * d + 2 * d * f + 9 * d + f,
-      head_params=2 * d + (0 if self.tied_head else d * v + v),
-      hidden=d,
-    )
-
-  def build(self, seed: int) -> GPT:
-    return GPT(self, rngs=nnx.Rngs(params=seed))
 
 
 def tokens(layer: Callable[[Array], Array], x: Array) -> Array:

@@ -12,73 +12,15 @@ rows (Megatron-LM's split; K/V stay whole where `tp` does not divide their heads
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.configs import LlamaConfig  # its config section, in a module free of JAX
 from models.gpt import logical, tokens
-from resilient_jax.model.config import ModelConfig, ModelCosts
 from resilient_jax.model.staging import whole
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig(ModelConfig):
-  name: str = "llama"
-  vocab_size: int = 256
-  seq_len: int = 32
-  num_layers: int = 4
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  """Key/value heads (grouped-query attention); must divide `num_heads`."""
-  d_model: int = 64
-  mlp_ratio: int = 4
-  """The SwiGLU hidden width is 2/3 of `mlp_ratio * d_model`, rounded up to a multiple of 8."""
-  tied_head: bool = False
-  rope_theta: float = 10000.0
-  norm_eps: float = 1e-5
-  dtype: str = "float32"
-  """Compute dtype, as for GPT (`bfloat16`: parameters and gradients stay float32)."""
-  param_dtype: str = "float32"
-
-  def __post_init__(self):
-    self.check_positive("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
-                        "d_model", "mlp_ratio")
-    if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
-      raise ValueError(f"model.d_model={self.d_model} must split into model.num_heads="
-                       f"{self.num_heads} heads of even width (rotary embeddings)")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
-                       f"model.num_heads={self.num_heads}")
-    if not self.rope_theta > 0 or not self.norm_eps > 0:
-      raise ValueError("model.rope_theta and model.norm_eps must be positive")
-    self.check_precision()
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
-
-  @property
-  def hidden(self) -> int:
-    return -(-(2 * self.mlp_ratio * self.d_model // 3) // 8) * 8
-
-  def costs(self) -> ModelCosts:
-    t, d, v, f = self.seq_len, self.d_model, self.vocab_size, self.hidden
-    kv = self.num_kv_heads * self.head_dim
-    return ModelCosts(
-      block_flops=t * (2 * d * d + 2 * d * kv + 3 * d * f) + 2 * t * t * d,
-      head_flops=t * d * v,
-      embed_params=v * d,
-      block_params=2 * d * d + 2 * d * kv + 3 * d * f + 2 * d,
-      head_params=d + (0 if self.tied_head else d * v),
-      hidden=d,
-    )
-
-  def build(self, seed: int) -> Llama:
-    return Llama(self, rngs=nnx.Rngs(params=seed))
 
 
 def _linear(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs, std: float = 0.02,

@@ -17,8 +17,9 @@ from resilient_jax.checks import require_ints
 DTYPES = ("float32", "bfloat16", "float16")
 """Compute dtypes a model family's `model.dtype` may name."""
 
-FAMILIES = {"gpt": "models.gpt:GPTConfig", "llama": "models.llama:LlamaConfig"}
-"""Model families selectable with `model.name`, as `module:class` (imported when chosen)."""
+FAMILIES = {"gpt": "models.configs:GPTConfig", "llama": "models.configs:LlamaConfig"}
+"""Model families selectable with `model.name`, as `module:class` (imported when chosen): a
+config class whose module imports no JAX, its `build` importing the model."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import optimize
 
 from resilient_jax.schedule.oobleck.profile import InstantiationError, LayerProfile, LayerRange
 from resilient_jax.schedule.oobleck.templates import (
@@ -288,6 +287,8 @@ def _assign(
   lo = np.maximum(old_lo[:, None], new_lo[None, :])
   hi = np.minimum(old_hi[:, None], new_hi[None, :])
   kept = np.where(hi > lo, prefix[np.maximum(hi, lo)] - prefix[lo], 0.0)
+  from scipy import optimize  # only when re-templating: 0.1 s of every process start otherwise
+
   rows, cols = optimize.linear_sum_assignment(kept, maximize=True)
   node_lists = [[-1] * t.num_nodes for t in chosen]
   for r, c in zip(rows, cols, strict=True):
