@@ -185,14 +185,14 @@ def test_dropout_draws_per_sample_masks():
   model = fresh_net()
   names = variable_names(model)
   stage = whole(model)
-  bind = Binder(stage, names)
-  params = flat_params(stage, names)
+  apply = jax.jit(Binder(stage, names).apply)  # as a stage program runs it (and eager would
+  params = flat_params(stage, names)          # compile each of its ops)
   x = jnp.arange(4 * 16).reshape(4, 16) % VOCAB
   seeds = jnp.asarray(sample_seeds(3, np.arange(4)[:, None]).reshape(-1, 2))
-  together = bind.apply(params, x, seeds)
-  alone = bind.apply(params, x[2:3], seeds[2:3])
+  together = apply(params, x, seeds)
+  alone = apply(params, x[2:3], seeds[2:3])
   np.testing.assert_allclose(together[2:3], alone, rtol=1e-5, atol=1e-5)
-  other = bind.apply(params, x[2:3], seeds[1:2])
+  other = apply(params, x[2:3], seeds[1:2])
   assert not np.allclose(alone, other)
 
 
