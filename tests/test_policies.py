@@ -162,6 +162,18 @@ def test_bamboo_runs_the_redundant_forward_of_every_microbatch(tmp_path):
   grid = simulate(generate(cfg.pipeline.schedule, 2, 2, 4), recycle).makespan
   assert trainer.coordinator.predicted_makespan() > grid
 
+  # Node 1 (stage 1 of pipeline 0) fails: node 0, its predecessor, runs that stage from then
+  # on. Across processes, whether node 0's last refresh of its replica arrived before node 1
+  # died is known to node 0's process only, so the hand-over every process computes alike
+  # takes stage 1 from the lowest live node that holds it: node 2, whose replica of live node
+  # 3's stage counts.
+  old = ex.step_program
+  ex.place(trainer.coordinator.fail({1}, 2).plan, ex.sources({1}), dead={1})
+  assert [(src, dst) for src, dst, _ in ex.handover_transfers(old, {1})] == [(2, 0)]
+  split = old.slots[(0, 1)].split  # what stage 1 holds and stage 0 does not (not the count)
+  assert set(ex.handover_transfers(old, {1})[0][2]) == (set(ex._state_specs(split, 1))
+                                                        - set(ex._state_specs(split, 0)))
+
 
 def test_failure_mid_step_leaves_committed_state_untouched(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="oobleck", train__steps=1)

@@ -89,28 +89,42 @@ class StateHandover:
   def _handover(
     self, old: StepProgram, dead: set[int], sources: Sequence[Source], tag: tuple[int, int]
   ) -> list[Source]:
-    """What the current plan's slots need from other processes after a failure, exchanged.
-
-    Every process computes the same list from the old and the new plan: each key a node lacks
-    comes from the lowest live node that held it in the old plan.
-    """
-    held: dict[int, set[str]] = {}
-    for slot, p in old.slots.items():
-      if p.node not in dead:
-        held.setdefault(p.node, set()).update(self._slot_keys(old, slot))
+    """What the current plan's slots need from other processes after a failure, exchanged."""
+    transfers = self.handover_transfers(old, dead)
     specs: dict[str, Any] = {}
-    wanted: dict[tuple[int, int], set[str]] = {}
-    new = self.step_program
-    for slot, p in sorted(new.slots.items()):
+    for p in self.step_program.slots.values():
       specs.update(self._state_specs(p.split, p.stage))
-      for key in sorted(self._slot_keys(new, slot, replica=False) - held.get(p.node, set())):
-        owners = sorted(n for n, keys in held.items() if key in keys)
-        if owners:  # none: `place` reports the missing key
-          wanted.setdefault((owners[0], p.node), set()).add(key)
-    transfers = [(src, dst, sorted(keys)) for (src, dst), keys in sorted(wanted.items())]
     self.handed_over = [
       (src, dst, sum(math.prod(specs[k].shape) * specs[k].dtype.itemsize for k in keys))
       for src, dst, keys in transfers
     ]
     return self._exchange(transfers, sources, specs, channel=0, tag=tag)
 
+  def handover_transfers(self, old: StepProgram, dead: set[int]
+                         ) -> list[tuple[int, int, list[str]]]:
+    """(source node, destination node, state keys) the current plan's slots need after
+    `dead` failed under `old`, between any two nodes (a process runs those between itself and
+    another).
+
+    Every process computes the same list from the old and the new plan: each key a node lacks
+    comes from the lowest live node that held it in the old plan. A replica (Bamboo) of a
+    stage whose node is among `dead` does not count as held: its last refresh may not have
+    arrived (that node can die before serving it, `refresh_replicas`), which only its holder
+    knows, so its holder takes the stage from a live node that ran it, if any; where none did,
+    `place` uses the replica if it arrived.
+    """
+    held: dict[int, set[str]] = {}
+    for slot, p in old.slots.items():
+      if p.node in dead:
+        continue
+      source = old.slots[(slot[0], p.replica)].node if p.replica is not None else None
+      held.setdefault(p.node, set()).update(self._slot_keys(old, slot,
+                                                            replica=source not in dead))
+    wanted: dict[tuple[int, int], set[str]] = {}
+    for slot, p in sorted(self.step_program.slots.items()):
+      for key in sorted(self._slot_keys(self.step_program, slot, replica=False)
+                        - held.get(p.node, set())):
+        owners = sorted(n for n, keys in held.items() if key in keys)
+        if owners:  # none: `place` reports the missing key
+          wanted.setdefault((owners[0], p.node), set()).add(key)
+    return [(src, dst, sorted(keys)) for (src, dst), keys in sorted(wanted.items())]
