@@ -46,7 +46,7 @@ class GPTConfig(ModelConfig):
       hidden=d,
     )
 
-  def build(self, seed: int) -> Any:
+  def build(self, seed: Any) -> Any:
     from models.gpt import GPT, nnx
 
     return GPT(self, rngs=nnx.Rngs(params=seed))
@@ -104,7 +104,7 @@ class LlamaConfig(ModelConfig):
       hidden=d,
     )
 
-  def build(self, seed: int) -> Any:
+  def build(self, seed: Any) -> Any:
     from models.llama import Llama, nnx
 
     return Llama(self, rngs=nnx.Rngs(params=seed))

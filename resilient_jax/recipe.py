@@ -91,7 +91,8 @@ def make_model(cfg: RunConfig) -> nnx.Module:
   graphdef, init = _initializer(cfg.model)
   if init is not None:
     try:
-      return nnx.merge(graphdef, init(jax.device_put(np.int32(cfg.train.seed), default_device())))
+      key = jax.device_put(jax.random.key(cfg.train.seed), default_device())
+      return nnx.merge(graphdef, init(key))
     except _UNTRACEABLE as err:
       logging.getLogger(__name__).info("building the model eagerly: %s", err)
   return cfg.model.build(cfg.train.seed)
@@ -103,13 +104,12 @@ _UNTRACEABLE = (jax.errors.JAXTypeError, jax.errors.JAXIndexError, TypeError)
 
 @functools.lru_cache(maxsize=4)
 def _initializer(model_cfg) -> tuple[nnx.GraphDef | None, OnEachDevice | None]:
-  """The model's structure and the program that computes its state from a seed (an int32
-  scalar), or `(None, None)` where `build` cannot be traced."""
+  """The model's structure and the program that computes its state from a seed's PRNG key
+  (`jax.random.key(seed)`), or `(None, None)` where `build` cannot be traced."""
   try:
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_cfg.build(0)))
-    # `nnx.Rngs` takes the key of an int seed, traced, as it takes the int itself.
-    init = OnEachDevice(lambda seed: nnx.state(model_cfg.build(jax.random.key(seed))),
-                        compiler_options=RUN_ONCE)
+    # `nnx.Rngs` takes an int seed's key as it takes the int itself (`ModelConfig.build`).
+    init = OnEachDevice(lambda key: nnx.state(model_cfg.build(key)), compiler_options=RUN_ONCE)
   except _UNTRACEABLE as err:
     logging.getLogger(__name__).info("building the model eagerly: %s", err)
     return None, None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Sequence
+from typing import Any
 
 from resilient_jax.checks import require_ints
 
@@ -47,8 +48,11 @@ class ModelConfig:
   def costs(self) -> ModelCosts:
     raise NotImplementedError
 
-  def build(self, seed: int):
-    """The model (an `nnx.Module` following `resilient_jax.model`'s protocol)."""
+  def build(self, seed: Any):
+    """The model (an `nnx.Module` following `resilient_jax.model`'s protocol), its parameters
+    drawn from `seed`: an int, or that int's key `jax.random.key(seed)`, traced
+    (`recipe.make_model` compiles one initializer per config, the key its argument). Passing
+    it to `nnx.Rngs` serves both."""
     raise NotImplementedError
 
   def check_positive(self, *keys: str) -> None:
