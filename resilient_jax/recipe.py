@@ -84,7 +84,7 @@ def make_model(cfg: RunConfig) -> nnx.Module:
   cache is written by process 0 only and keyed by device; `compiled.OnEachDevice` keeps the one
   program on disk by module, so every process loads it. It runs once, so XLA compiles it
   without optimizing (`compiled.RUN_ONCE`): values equal to the last bit or two of float32 of
-  an optimized compile, and a few times faster to build. The seed is the program's argument,
+  an optimized compile, and a few times faster to build. The seed's key is the program's argument,
   and the program is kept per model config (`_initializer`): a process that builds the same
   model again, whatever its seed (a test suite, a sweep, the single-device reference), only
   runs it. A family whose `build` cannot be traced is built eagerly."""
