@@ -87,4 +87,6 @@ def quick_only(cases, quick):
   import pytest
 
   quick = set(quick)
-  return [c if c in quick else pytest.param(*c, marks=pytest.mark.slow) for c in cases]
+  slow = pytest.mark.slow
+  return [c if c in quick else pytest.param(*c, marks=slow) if isinstance(c, tuple)
+          else pytest.param(c, marks=slow) for c in cases]

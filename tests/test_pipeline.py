@@ -48,6 +48,19 @@ def test_uneven_partition_matches(tmp_path):
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
+@pytest.mark.parametrize("partition,schedule", quick_only(
+  [("2,0,2", "gpipe"), ("2,0,2", "1f1b"), ("2,0,2", "zb-h1"), ("0,2,2", "zb-h1"),
+   ("2,2,0", "1f1b")], [("2,0,2", "1f1b")]))
+def test_a_stage_of_no_layers_matches(tmp_path, partition, schedule):
+  """`pipeline.partition` may give a stage no layers (the first keeps the embedding, the last
+  the head): it passes activations on, reduces nothing, and the run is one device's."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=3, pipeline__partition=partition,
+                    pipeline__schedule=schedule)
+  result = train(cfg, tmp_path, log=lambda _: None)
+  assert [m["step"] for m in result.metrics] == [1, 2, 3]
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
+
+
 def test_data_parallel_replicas_stay_identical(tmp_path):
   cfg = tiny_config(mesh__dp=4, mesh__pp=2, pipeline__schedule="zb-h1")
   clear_shared_programs()  # programs of its own, to count where they were loaded

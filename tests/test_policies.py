@@ -110,6 +110,20 @@ def test_restart_survives_the_rerouting_scenarios(tmp_path, dp, pp):
   assert sum(line.startswith("restored step") for line in lines) == len(restores)
 
 
+@pytest.mark.parametrize("policy", quick_only(
+  ["recycle", "naive", "oobleck", "bamboo", "restart", "auto"], ["recycle"]))
+def test_a_stage_of_no_layers_survives_failures_under_every_policy(tmp_path, policy):
+  """2 x 4 with layers 2,1,0,1: the empty stage's worker (1, 2) fails, its peer takes its
+  micro-batches; then worker (0, 1) fails. Samples, losses and parameters stay one device's."""
+  cfg = tiny_config(mesh__dp=2, mesh__pp=4, pipeline__partition="2,1,0,1",
+                    pipeline__schedule="zb-h1", faults__schedule="2:1.2,3:0.1", train__steps=4,
+                    resilience__policy=policy, checkpoint__every_steps=1)
+  result = Trainer(cfg, tmp_path, log=lambda _: None).run()
+  assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
+  assert result.metrics[1]["live_workers"] < 8
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
+
+
 def test_tied_head_is_reduced_by_name_across_different_splits(tmp_path):
   # A one-stage pipeline holds embedding and head in one slot, a two-stage one in two: the
   # tied gradient is summed over every holder of the name either way.

@@ -174,7 +174,10 @@ class Dispatcher:
               arrived.add(slot)
               self.cond.notify_all()  # the reducing thread
             progressed = True
-            if inline:
+            if not run.slot_groups[slot]:  # a stage without parameters: nothing to reduce
+              run.complete_alone(slot)
+              self._changed()
+            elif inline:
               self._try_reduce(blocking_ok=False)
             continue  # on, if that finished this AR
           if op.kind != AR:

@@ -308,6 +308,13 @@ class StepRun:
         self.after(h, Op(AR))
     return finished
 
+  def complete_alone(self, slot: Slot) -> None:
+    """Finishes the AR of a slot that holds no parameter (a stage of no layers): it arrived,
+    and no group waits for it."""
+    now = time.perf_counter() - self.t0
+    self.finish(slot, Op(AR), now, [])
+    self.after(slot, Op(AR))
+
   def next_groups(self, blocking_ok: bool) -> list[ReductionGroup]:
     """The groups that may run now: every group whose local holders have all arrived at their
     AR; one with holders on other processes only when `blocking_ok`, and only in the global

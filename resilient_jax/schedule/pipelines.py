@@ -36,7 +36,8 @@ class Pipeline:
   """One pipeline of a `PipelineSet`.
 
   Attributes:
-    stages: the layers `[lo, hi)` of every stage, in order, covering the model.
+    stages: the layers `[lo, hi)` of every stage, in order, covering the model (a stage may
+      hold none: `pipeline.partition` allows a 0).
     nodes: the node running every stage (two consecutive stages may share one).
     microbatches: the global id of every local micro-batch (local id i is `microbatches[i]`).
     schedule: the op lists, `dp = 1`, `pp = len(stages)`, local micro-batch ids.
@@ -55,7 +56,7 @@ class Pipeline:
         f"micro-batches does not match its schedule (dp={s.dp}, pp={s.pp}, m={s.microbatches})"
       )
     for a, b in zip(self.stages, self.stages[1:], strict=False):
-      if a[1] != b[0] or a[0] >= a[1]:
+      if a[1] != b[0] or a[0] > a[1]:
         raise ScheduleError(f"pipeline stages {list(self.stages)} are not contiguous")
 
   @property
