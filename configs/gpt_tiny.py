@@ -39,6 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     data_dtype="uint16",
     stop_after=0,
     max_nonfinite_steps=10,
+    accumulate_steps=1,  # global batches per optimizer step
   )
   c.optimizer = dict(
     name="adamw",

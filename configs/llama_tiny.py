@@ -30,5 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     tied_head=False,
     rope_theta=10000.0,
     norm_eps=1e-5,
+    dtype=c.model.dtype,  # compute dtype; bfloat16 for mixed precision
+    param_dtype=c.model.param_dtype,
   ))
   return c

@@ -105,3 +105,62 @@ def test_launcher_commands_parse(tmp_path, index):
   else:
     pytest.fail(f"no check for the README's {module} command")
 
+
+
+def readme_config_keys() -> dict[str, set[str]]:
+  """The config keys the README's key tables document, each with the model families that have
+  it: the first column's keys (`distributed.coordinator`, `num_processes`: a bare name is in the
+  section of the cell's first key), and the family keys `model.name`'s row lists."""
+  import re
+
+  with open(f"{ROOT}/README.md") as f:
+    lines = f.read().splitlines()
+  families = {"gpt", "llama"}
+  keys: dict[str, set[str]] = {}
+  in_table = False
+  for line in lines:
+    if line.startswith("| key | meaning |"):
+      in_table = True
+      continue
+    if not line.startswith("|"):
+      in_table = False
+    if not in_table or line.startswith("| ---"):
+      continue
+    first, meaning = line.split("|")[1:3]
+    section = None
+    for name in re.findall(r"`([^`]+)`", first):
+      section = name.split(".")[0] if "." in name else section
+      keys[name if "." in name else f"{section}.{name}"] = families
+    if "the other `model.*` keys are the family's (" in meaning:
+      listed = meaning.split("the family's (", 1)[1].split(")", 1)[0]
+      common, _, llama = listed.partition("llama adds")
+      keys.update({f"model.{n}": families for n in re.findall(r"`([^`]+)`", common)})
+      keys.update({f"model.{n}": {"llama"} for n in re.findall(r"`([^`]+)`", llama)})
+  return keys
+
+
+@pytest.mark.parametrize("config,family", [("configs/gpt_tiny.py", "gpt"),
+                                           ("configs/llama_tiny.py", "llama")])
+def test_every_documented_key_can_be_set_with_every_config(tmp_path, config, family):
+  """Each key of the README's tables, set on the command line to its value in the shipped config
+  (`--config.KEY=VALUE`), parses and validates as `launch.train` does."""
+  import runpy
+
+  from launch import cli
+
+  keys = readme_config_keys()
+  assert len(keys) > 50 and "train.accumulate_steps" in keys and "model.norm_eps" in keys
+  cd = runpy.run_path(f"{ROOT}/{config}")["get_config"]()
+  missing = []
+  for key, fams in sorted(keys.items()):
+    if family not in fams:
+      continue
+    section, name = key.split(".")
+    if section not in cd or name not in cd[section]:
+      missing.append(key)
+      continue
+    value = cd[section][name]
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    cli.parse_train_args(["launch.train", f"--config={config}", f"--config.{key}={text}",
+                          f"--workdir={tmp_path / 'run'}"])
+  assert not missing, f"{config} lacks the README's keys {missing}"
