@@ -9,12 +9,18 @@ compiling costs up to seconds, so a job's compile count no longer grows with its
 parallelism (`benchmarks/cold_start.py` counts them).
 
 The serialized programs are also kept on disk (`set_cache_dir`, which `runtime_setup` points at
-`programs/` of the library's cache folder), keyed by the lowered module, the JAX and jaxlib
-versions, the platform and `XLA_FLAGS`, not by device, so a restarted or relaunched job loads
-instead of compiling; processes that need a program at the same time compile it once between
-them (`compile_claims`: the others wait for the kept file). The key also holds the ops' named
+`programs/` of the library's cache folder), keyed by the lowered module, every argument's and
+output's shape and dtype (an argument the program never reads is not in the module), the JAX
+and jaxlib versions, the platform, the host's instruction-set features (or the GPU's compute
+capability) and `XLA_FLAGS`, not by device, so a restarted or relaunched job loads instead of
+compiling; processes that need a program at the same time compile it once between them
+(`compile_claims`: the others wait for the kept file). The key also holds the ops' named
 scopes (`jax.named_scope`), which the module's text leaves out but the executable carries into
 profiles.
+
+A kept file is native code behind a pickle, and the folder may be shared: every file is signed
+(HMAC-SHA256 with the user's key, `_secret`), and one that fails its signature (damaged, or
+written by anyone without the key) is compiled again, never read further.
 
 Platform fact (jax 0.10, CPU): an executable that JAX read back from its own persistent
 compilation cache serializes without its kernels, and the copy fails at run time ("Function ...
@@ -35,11 +41,14 @@ the devices it was compiled for, to map from).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import hmac
 import io
 import logging
 import os
 import pickle
+import platform
 import re
 import threading
 import time
@@ -210,7 +219,7 @@ class OnEachDevice:
         self.built += 1
         self._programs[(device, sig)] = program
         return program
-      path = _disk_path(lowered, self._options)
+      path = _disk_path(lowered, self._options, sig[2] if len(sig) > 2 else ())
       kept, here = None, None
       if path is not None:  # one compile per cache folder, whoever else needs it now
         kept, compiled_here = compile_claims.compile_once(
@@ -305,8 +314,16 @@ initializer of the tiny GPT compiles in 0.7 s instead of 1.8 s, and runs in mill
 either way."""
 
 
-def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any]) -> str | None:
-  """Where the program's serialized executable is kept, or None without a cache folder."""
+def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any],
+               layouts: tuple[Any, ...] = ()) -> str | None:
+  """Where the program's serialized executable is kept, or None without a cache folder.
+
+  The key holds what the executable's callers depend on and its text may not show: every
+  argument's shape, dtype and donation (jit drops an argument the program never
+  reads from the text, and the executable still checks the shape it was compiled for), the
+  outputs', and on a sub-mesh how each argument is split (`layouts`); and what makes it run
+  correctly on a host (`host_features`).
+  """
   if not _cache_dir:
     return None
   device = jax.devices()[0]
@@ -314,12 +331,39 @@ def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any]) -> str | No
   # Compiler options only where given: the keys of every other program stay as they were.
   compile_options = [repr(sorted(options.items()))] if options else []
   text = _RESULT_INFO.sub("", lowered.as_text())
-  for part in (text, _scopes(lowered), jax.__version__, jaxlib.__version__,
-               device.platform, device.device_kind, device.client.platform_version,
+  args = [(a.shape, str(a.dtype), a.donated) for a in jax.tree.leaves(lowered.args_info)]
+  outs = [(o.shape, str(o.dtype)) for o in jax.tree.leaves(lowered.out_info)]
+  for part in (text, _scopes(lowered), repr(args), repr(outs), repr(layouts), jax.__version__,
+               jaxlib.__version__, device.platform, device.device_kind,
+               device.client.platform_version, host_features(device),
                os.environ.get("XLA_FLAGS", ""), *compile_options):
     key.update(part.encode())
     key.update(b"\0")
   return os.path.join(_cache_dir, key.hexdigest())
+
+
+@functools.cache
+def host_features(device: jax.Device) -> str:
+  """What an executable compiled for `device`'s kind needs of the host it runs on.
+
+  XLA:CPU compiles for the processor it runs on (AVX-512 where there is AVX-512), so a program
+  kept by one host of a shared cache folder can fault on a host without those instructions: on
+  CPU this is the machine and its instruction-set flags (`/proc/cpuinfo`; where there is none,
+  what `platform` says). On GPU it is the compute capability (the model is `device_kind`,
+  already in the key); TPU kinds are their `device_kind`.
+  """
+  if device.platform != "cpu":
+    return str(getattr(device, "compute_capability", ""))
+  machine = platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):  # x86, Arm
+          return f"{machine}: {' '.join(sorted(set(value.split())))}"
+  except OSError:
+    pass
+  return f"{machine}: {platform.processor()} {platform.platform()}"
 
 
 _RESULT_INFO = re.compile(r'jax\.result_info = "[^"]*"')
@@ -338,14 +382,68 @@ def _scopes(lowered: jax.stages.Lowered) -> str:
   return "\n".join(sorted(set(_SCOPED_LOC.findall(lowered.as_text(debug_info=True)))))
 
 
+_KEPT = b"resilient_jax program v2\n"
+"""Starts every kept file; its HMAC-SHA256 (32 bytes) follows, then the program."""
+SECRET_ENV = "RESILIENT_JAX_CACHE_SECRET"
+
+
+@functools.cache
+def _secret() -> bytes | None:
+  """The key that signs this user's kept programs: `$RESILIENT_JAX_CACHE_SECRET` (hosts that
+  share a cache folder share it through the job's environment), else a random key made once in
+  `~/.config/resilient_jax/cache.key`, readable by its owner alone. None (the cache is then
+  not read): a key file others may read or write."""
+  if os.environ.get(SECRET_ENV):
+    return os.environ[SECRET_ENV].encode()
+  home = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+  path = os.path.join(home, "resilient_jax", "cache.key")
+  try:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+      with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(32).hex().encode())
+    except FileExistsError:
+      pass
+    st = os.stat(path)
+    if st.st_mode & 0o077 or st.st_uid != os.getuid():
+      log.warning("%s may be read or written by others: kept programs are not used (make it "
+                  "mode 600, or set %s)", path, SECRET_ENV)
+      return None
+    with open(path, "rb") as f:
+      return f.read().strip() or None
+  except OSError as err:
+    log.warning("no key to sign kept programs (%s): they are not used", err)
+    return None
+
+
+def _mac(path: str, body: bytes) -> bytes | None:
+  """The signature of `body` kept under `path`'s name (an entry moved to another key fails)."""
+  secret = _secret()
+  if secret is None:
+    return None
+  return hmac.new(secret, os.path.basename(path).encode() + b"\0" + body, "sha256").digest()
+
+
 def _read(path: str | None) -> tuple[bytes, tuple[int, ...]] | None:
-  """A kept program and the ids of the devices it was compiled for (empty: one device)."""
+  """A kept program and the ids of the devices it was compiled for (empty: one device); None
+  when there is none, or it fails its signature (damaged, or not written by a holder of this
+  user's key: a kept file is native code and a pickle, so nothing else of it is trusted)."""
   if path is None:
     return None
   try:
     with open(path, "rb") as f:
       data = f.read()
   except OSError:
+    return None
+  if not data.startswith(_KEPT):
+    log.debug("%s: not a kept program of this version", path)
+    return None
+  mac, data = data[len(_KEPT):len(_KEPT) + 32], data[len(_KEPT) + 32:]
+  want = _mac(path, data)
+  if want is None or not hmac.compare_digest(mac, want):
+    log.warning("a kept program in %s fails its signature (damaged, or written without this "
+                "user's key): compiling it again", os.path.dirname(path))
     return None
   if not data.startswith(_MESH_BLOB):
     return data, ()
@@ -365,12 +463,13 @@ def _serialize(program: jax.stages.Compiled, path: str | None, devices: Placemen
   if path is not None:
     try:
       os.makedirs(os.path.dirname(path), exist_ok=True)
-      tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-      with open(tmp, "wb") as f:
-        if ids:
-          f.write(_MESH_BLOB + ",".join(map(str, ids)).encode() + b"\n")
-        f.write(data)
-      os.replace(tmp, path)  # readers see a whole file or none
+      body = (_MESH_BLOB + ",".join(map(str, ids)).encode() + b"\n" if ids else b"") + data
+      mac = _mac(path, body)
+      if mac is not None:  # unsigned, no later reader would trust it
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+          f.write(_KEPT + mac + body)
+        os.replace(tmp, path)  # readers see a whole file or none
     except OSError as err:
       log.debug("cannot keep a compiled program in %s: %s", path, err)
   return data, in_tree, out_tree, ids
@@ -386,6 +485,13 @@ class _Retarget(pickle.Unpickler):
     self.devices = devices
     self.moved = dict(zip(origin, devices, strict=True)) if len(devices) > 1 else {}
     self.client = devices[0].client
+
+  def find_class(self, module: str, name: str) -> Any:
+    # Behind the signature (`_read`), a second fence: a program's pickle names JAX's and
+    # NumPy's own types, never anything that could run a command.
+    if module.split(".")[0] not in ("jax", "jaxlib", "numpy") or "." in name:
+      raise pickle.UnpicklingError(f"{module}.{name} is not part of a compiled program")
+    return super().find_class(module, name)
 
   def persistent_load(self, pid: Any) -> Any:
     kind = pid[0]
