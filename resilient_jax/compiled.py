@@ -399,12 +399,17 @@ def _secret() -> bytes | None:
   path = os.path.join(home, "resilient_jax", "cache.key")
   try:
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    try:
-      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    if not os.path.exists(path):  # made whole, then linked: a racing process sees all or none
+      tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+      fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
       with os.fdopen(fd, "wb") as f:
         f.write(os.urandom(32).hex().encode())
-    except FileExistsError:
-      pass
+      try:
+        os.link(tmp, path)
+      except FileExistsError:
+        pass
+      finally:
+        os.remove(tmp)
     st = os.stat(path)
     if st.st_mode & 0o077 or st.st_uid != os.getuid():
       log.warning("%s may be read or written by others: kept programs are not used (make it "
