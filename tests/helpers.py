@@ -23,6 +23,25 @@ LOSS_RTOL = 2e-6
 PARAM_ATOL = 2e-5
 
 
+def assert_close(actual, desired, ulps: float = 32, err_msg: str = "") -> None:
+  """`actual` equals `desired` up to float rounding at the array's scale.
+
+  Another summation order (another XLA kernel, processor or split of the work) moves each
+  element by a few units in the last place of the *largest* magnitude it was summed with, not of
+  its own: an element near 0.05 in an array reaching 9.4 can differ by 1.4e-6 in float32 (seen
+  on an AMD EPYC against the Intel Xeon the test was written on), where a relative tolerance
+  expects 1e-12. So the bound is `ulps` float epsilons of the array's largest magnitude: a sum
+  of n terms in another order drifts by about sqrt(n) of them, and 32 is three times that for
+  the widest reduction of the tiny models (128 terms; tensor-parallel stages measured 5.5-6.9
+  here). A real error (a missing all-reduce, a dropped micro-batch) moves elements by a share
+  of that magnitude: the missing all-reduce of `test_tensor_parallel` by 2**23 epsilons.
+  """
+  actual, desired = np.asarray(actual), np.asarray(desired)
+  eps = np.finfo(desired.dtype if np.issubdtype(desired.dtype, np.floating) else np.float32).eps
+  scale = float(np.max(np.abs(desired))) if desired.size else 0.0
+  np.testing.assert_allclose(actual, desired, rtol=0, atol=ulps * eps * scale, err_msg=err_msg)
+
+
 def tiny_config(**overrides) -> RunConfig:
   """The `runlocal` variant with dotted-key overrides, e.g. `mesh__dp=2`."""
   cd = get_config("runlocal")

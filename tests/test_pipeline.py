@@ -12,7 +12,7 @@ from resilient_jax import data as data_lib
 from resilient_jax.compiled import Counts, OnEachDevice
 from resilient_jax.stages import clear_shared_programs, model_signature
 from resilient_jax.trainer import Trainer, train
-from tests.helpers import assert_matches_reference, quick_only, tiny_config
+from tests.helpers import assert_close, assert_matches_reference, quick_only, tiny_config
 
 GRIDS = [(1, 1), (2, 1), (1, 4), (2, 4), (4, 2)]
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
@@ -169,7 +169,7 @@ def test_a_model_is_initialised_by_one_program_per_config_whatever_the_seed():
   for model, seed in ((first, 0), (other, 5)):
     eager = dict(nnx.to_flat_state(nnx.state(cfg.model.build(seed))))
     for path, value in nnx.to_flat_state(nnx.state(model)):
-      np.testing.assert_allclose(value[...], eager[path][...], rtol=1e-6, atol=1e-7)
+      assert_close(value[...], eager[path][...], err_msg=str(path))
   assert not np.array_equal(first.embed.wte.embedding[...], other.embed.wte.embedding[...])
 
   @dataclasses.dataclass(frozen=True)
@@ -178,8 +178,7 @@ def test_a_model_is_initialised_by_one_program_per_config_whatever_the_seed():
       return super().build(int(np.asarray(seed)))  # needs the seed's value
 
   model = recipe.make_model(dataclasses.replace(cfg, model=Concrete(**vars(cfg.model))))
-  np.testing.assert_allclose(model.embed.wte.embedding[...], first.embed.wte.embedding[...],
-                             rtol=1e-6, atol=1e-7)
+  assert_close(model.embed.wte.embedding[...], first.embed.wte.embedding[...])
 
 
 def test_one_compile_serves_every_device():

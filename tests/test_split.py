@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilient_jax.model.split import split_backward
+from tests.helpers import assert_close
 
 D, H, T = 16, 64, 32  # width, hidden width, tokens
 
@@ -47,9 +48,9 @@ def test_b_and_w_equal_the_backward_and_norm_gradients_are_not_deferred():
   grads = split.backward_weight([res[i] for i in split.w_residuals], handover)
   _, vjp = jax.vjp(_layer, params, x)
   want_p, want_x = vjp(g)
-  np.testing.assert_allclose(dx[0], want_x, rtol=1e-6, atol=1e-6)
+  assert_close(dx[0], want_x)
   for name, got in zip(names, grads, strict=True):
-    np.testing.assert_allclose(got, want_p[name], rtol=1e-6, atol=1e-6)
+    assert_close(got, want_p[name], err_msg=name)
   # The dense layer's weight gradient (x^T g) is deferred to W: B hands over the cotangent of
   # its pre-activation. The norm's scale and bias gradients are token reductions B computes at
   # little cost and hands over as two vectors, rather than the full-size cotangent of the
