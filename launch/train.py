@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
       grid, where, cfg.pipeline.schedule, cfg.resilience.policy, cfg.train.steps, workdir,
     )
 
-  from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, exit_code_for
+  from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, end_process, exit_code_for
   from resilient_jax.trainer import train
 
   try:
@@ -82,9 +82,7 @@ def main(argv: list[str]) -> None:
       if code is None:
         cluster.check_coordinator()  # its loss surfaces as many kinds of errors: exit 5
         raise
-      from resilient_jax.runtime.cluster import exit_now
-
-      exit_now(code, f"error: {e}")
+      end_process(code, f"error: {e}")
     if code is None:
       raise
     cli.fail(str(e), code)

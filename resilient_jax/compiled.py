@@ -40,7 +40,6 @@ the devices it was compiled for, to map from).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import hmac
@@ -62,6 +61,7 @@ from jax._src.lib import xla_client  # CompileOptions, DeviceAssignment: no publ
 from jax.experimental import serialize_executable
 
 from resilient_jax import compile_claims
+from resilient_jax.runtime.records import Built
 
 log = logging.getLogger(__name__)
 
@@ -101,35 +101,6 @@ class Counts:
   xla = 0
   build_s = 0.0
   other_xla_s = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Built:
-  """What this process has built: a `built()` snapshot, or the difference of two (what a step
-  built: `Trainer` reports its `seconds` as `compile_s`, apart from step time)."""
-
-  seconds: float = 0.0
-  """Building `OnEachDevice` programs (lowering, compiling, loading) and other XLA compiles."""
-  compiled: int = 0
-  from_disk: int = 0
-  loaded: int = 0
-  """`OnEachDevice` programs compiled, read from the cache folder, loaded on other devices."""
-  xla: int = 0
-  """XLA compilations of any program."""
-
-  def __sub__(self, other: Built) -> Built:
-    return Built(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other),
-                                         strict=True)))
-
-  def programs(self) -> int:
-    return self.compiled + self.from_disk + self.loaded
-
-  def describe(self) -> str:
-    """`programs: 14 compiled, 12 loaded on other devices`."""
-    parts = [f"{n} {what}" for n, what in ((self.compiled, "compiled"),
-                                           (self.from_disk, "from the cache"),
-                                           (self.loaded, "loaded on other devices")) if n]
-    return "programs: " + ", ".join(parts)
 
 
 def built() -> Built:

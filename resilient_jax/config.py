@@ -16,6 +16,7 @@ from typing import Any
 
 from resilient_jax import data
 from resilient_jax.checks import is_int, require_ints, require_numbers
+from resilient_jax.exit_codes import EXIT_BAD_CONFIG
 from resilient_jax.model.config import ModelConfig, family, partition_layers
 from resilient_jax.placement import DEFAULT_PLACEMENT, check_placement
 
@@ -26,6 +27,8 @@ TOKEN_DTYPES = tuple(data.TOKEN_DTYPES)
 
 class ConfigError(ValueError):
   """A configuration value is invalid; the message names the key."""
+
+  exit_code = EXIT_BAD_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,21 @@
-"""Every exit code of a training process, defined once (launchers, docs and tests read these).
+"""Every exit code of a training process, defined once (launchers, docs and tests read these),
+and the one way a process ends at once (`end_process`).
 
 A cluster scheduler acts on them: 2 and 3 need a person (a bad configuration; nothing left to
 train on), 4 a look at the storage, 5 a requeue of the whole job (it resumes from its latest
 checkpoint), 6 and 7 end one process while the others go on, 9 a requeue (preempted: it stopped
 with a checkpoint of its last step).
+
+The bottom of the house: it imports nothing of the library. An error a run can end with carries
+its code (`class Preempted(RuntimeError): exit_code = EXIT_PREEMPTED`), so the mapping lives with
+the error and `exit_code_for` needs to know none of them.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_BAD_CONFIG = 2
@@ -32,20 +41,25 @@ checkpointed it; run the same command to resume."""
 
 
 def exit_code_for(error: BaseException) -> int | None:
-  """The documented exit code for an error a run can end with, or None for a bug."""
-  from resilient_jax.checkpoint import CheckpointError
-  from resilient_jax.config import ConfigError
-  from resilient_jax.policy import NoDevicesLeft, StageLost
-  from resilient_jax.trainer import NonFiniteSteps, Preempted
+  """The documented exit code for an error a run can end with (its class's `exit_code`), or
+  None for a bug."""
+  code = getattr(type(error), "exit_code", None)
+  return code if isinstance(code, int) else None
 
-  if isinstance(error, ConfigError):
-    return EXIT_BAD_CONFIG
-  if isinstance(error, (NoDevicesLeft, StageLost)):
-    return EXIT_NO_DEVICES
-  if isinstance(error, CheckpointError):
-    return EXIT_CHECKPOINT
-  if isinstance(error, NonFiniteSteps):
-    return EXIT_NONFINITE
-  if isinstance(error, Preempted):
-    return EXIT_PREEMPTED
-  return None
+
+def end_process(code: int, message: str | None = None) -> NoReturn:
+  """Writes `message` (one line, to stderr) and ends the process at once with `code`.
+
+  The one place the library ends a process without unwinding: in a `jax.distributed` job the
+  client's shutdown (run by atexit handlers) would block on peers that are gone, and its own
+  error handler aborts from a C++ thread. Safe from a C-level signal handler (it only writes
+  and exits).
+  """
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):  # closed or broken: the exit code still says it
+      pass
+  if message:
+    os.write(2, message.encode(errors="replace") + b"\n")
+  os._exit(code)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from resilient_jax.checkpoint.store import committed_steps
 from resilient_jax.files import read_jsonl, write_json_atomic
 from resilient_jax.policy import Decision, NoDevicesLeft, StageLost
-from resilient_jax.runtime.interpreter import WorkerLost
+from resilient_jax.runtime.records import WorkerLost
 from resilient_jax.schedule.core import AR, Op
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import Plan, describe

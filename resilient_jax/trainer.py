@@ -47,8 +47,9 @@ from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter
 from resilient_jax.checkpoint.store import committed_steps
 from resilient_jax.checkpointing import RunCheckpoints
-from resilient_jax.compiled import Built, Counts, built
+from resilient_jax.compiled import Counts, built
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
+from resilient_jax.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
 from resilient_jax.faults import FaultEvent, check_fault_events, pause_hook_from_env
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
 from resilient_jax.goodput import GoodputLog
@@ -70,7 +71,8 @@ from resilient_jax.recipe import (
 from resilient_jax.recovering import Recovers
 from resilient_jax.rejoining import apply_rejoin
 from resilient_jax.relaunch import Relaunches
-from resilient_jax.runtime.interpreter import Interpreter, StepResult, WorkerLost
+from resilient_jax.runtime.interpreter import Interpreter
+from resilient_jax.runtime.records import Built, StepResult, WorkerLost
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.plan import GridPlan, Plan
 from resilient_jax.stages import StagePrograms, build_stage_programs
@@ -563,9 +565,13 @@ class Trainer(RunCheckpoints, Recovers, Relaunches):
 class NonFiniteSteps(RuntimeError):
   """`train.max_nonfinite_steps` steps in a row had non-finite gradients."""
 
+  exit_code = EXIT_NONFINITE
+
 
 class Preempted(RuntimeError):
   """The run stopped on SIGTERM/SIGINT after a committed step, which it checkpointed."""
+
+  exit_code = EXIT_PREEMPTED
 
 
 class _Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer.run`

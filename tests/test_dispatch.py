@@ -6,7 +6,8 @@ import pytest
 
 from resilient_jax.recipe import step_batch
 from resilient_jax.runtime.dispatch import DISPATCH_MODES
-from resilient_jax.runtime.interpreter import Interpreter, WorkerLost
+from resilient_jax.runtime.interpreter import Interpreter
+from resilient_jax.runtime.records import WorkerLost
 from resilient_jax.schedule.core import BW, F, Op
 from resilient_jax.trainer import Trainer
 from tests.helpers import tiny_config

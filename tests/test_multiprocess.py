@@ -650,7 +650,7 @@ def test_inbox_waits_for_the_first_arrival_or_a_dead_producer():
   assert not inbox.arrived("a") and not inbox.arrived("b") and inbox.arrived("gone")
   assert inbox.arrived("local")  # never pulled: a local key
   threading.Timer(0.3, b.land).start()
-  inbox.wait_any(["a", "b"], "test")  # a timeout would end the process (`exit_now`)
+  inbox.wait_any(["a", "b"], "test")  # a timeout would end the process (`end_process`)
   assert inbox.arrived("b") and not inbox.arrived("a")
   assert inbox.take("b") == (2, [b])
   dead.add(1)

@@ -240,10 +240,10 @@ def test_the_store_carries_the_plan_once_per_follower():
 
 
 def test_a_slow_planner_ends_a_follower_with_the_wait_timeout_exit(monkeypatch):
-  def exit_now(code, message):
+  def end_process(code, message):
     raise SystemExit((code, message))
 
-  monkeypatch.setattr(cluster_module, "exit_now", exit_now)
+  monkeypatch.setattr(cluster_module, "end_process", end_process)
   follower = KVPlanExchange(_cluster(_Client(), 2, []))
   with pytest.raises(SystemExit) as e:
     follower.read(plan_key(5, 9, 1))

@@ -10,7 +10,8 @@ import pytest
 from resilient_jax import policy as policies
 from resilient_jax.config import ConfigError
 from resilient_jax.recipe import step_batch
-from resilient_jax.runtime.interpreter import Interpreter, WorkerLost
+from resilient_jax.runtime.interpreter import Interpreter
+from resilient_jax.runtime.records import WorkerLost
 from resilient_jax.schedule.core import FR
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import generate

@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from resilient_jax.checkpoint import reader
+from resilient_jax.exit_codes import EXIT_CHECKPOINT
 from resilient_jax.logs import hold_back_library_info, info
 
 LEGACY_PREFIX = "step_"
@@ -81,6 +82,8 @@ FORMAT = "resilient_jax.universal.v1"
 
 class CheckpointError(RuntimeError):
   """A checkpoint is missing, incomplete or corrupt; the message names the bad item."""
+
+  exit_code = EXIT_CHECKPOINT
 
 
 def _step_of(name: str) -> int | None:

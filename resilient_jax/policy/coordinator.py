@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from resilient_jax.config import FaultsConfig, MeshConfig, RunConfig
+from resilient_jax.exit_codes import EXIT_NO_DEVICES
 from resilient_jax.logs import info
 from resilient_jax.policy.base import Grid, Policy, Transition
 from resilient_jax.policy.costs import analytic_costs, even_partition, recovery_params
@@ -61,6 +62,8 @@ and replay every plan; the planners' output on large grids is validated in tests
 
 class StageLost(RuntimeError):
   """Every worker of a stage is dead and `resilience.restore_on_stage_loss` is false."""
+
+  exit_code = EXIT_NO_DEVICES
 
   def __init__(self, stage: int, step: int):
     super().__init__(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 
+from resilient_jax.exit_codes import EXIT_NO_DEVICES
 from resilient_jax.policy.base import Grid, PlanCosts, Recovery, RecoveryParams, Transition
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import simulate
@@ -23,6 +24,8 @@ from resilient_jax.schedule.generators import generate
 
 class NoDevicesLeft(RuntimeError):
   """No surviving node can hold even a one-stage pipeline."""
+
+  exit_code = EXIT_NO_DEVICES
 
 
 def largest_layout(

@@ -48,9 +48,7 @@ is bounded:
 from __future__ import annotations
 
 import json
-import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,7 +57,12 @@ from typing import Any, TypeVar
 import jax
 
 from resilient_jax.config import DistributedConfig
-from resilient_jax.exit_codes import EXIT_COORDINATOR_LOST, EXIT_DECLARED_DEAD, EXIT_WAIT_TIMEOUT
+from resilient_jax.exit_codes import (
+  EXIT_COORDINATOR_LOST,
+  EXIT_DECLARED_DEAD,
+  EXIT_WAIT_TIMEOUT,
+  end_process,
+)
 from resilient_jax.logs import info
 from resilient_jax.model.sharding import Where
 from resilient_jax.runtime.wire import landing, offered, split_of
@@ -77,13 +80,6 @@ T = TypeVar("T")
 
 Logger = Callable[[str], None]
 
-
-def exit_now(code: int, message: str) -> None:
-  """Prints one line and ends the process at once (no atexit handlers: the distributed client's
-  shutdown would block on peers that are gone)."""
-  print(message, file=sys.stderr, flush=True)
-  sys.stdout.flush()
-  os._exit(code)
 
 
 def _local_ip(coordinator: str) -> str:
@@ -116,9 +112,8 @@ def _exit_on_abort(code: int) -> None:
   handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
 
   def on_abort(signum: int) -> None:
-    os.write(2, b"the distributed runtime aborted this process (the coordination service on "
-                b"process 0 is gone); exiting with code %d\n" % code)
-    os._exit(code)
+    end_process(code, "the distributed runtime aborted this process (the coordination service "
+                f"on process 0 is gone); exiting with code {code}")
 
   _ABORT_HANDLER = handler_type(on_abort)
   libc = ctypes.CDLL(None)
@@ -295,7 +290,7 @@ class Cluster:
           self.coordinator_lost()
 
   def coordinator_lost(self) -> None:
-    exit_now(
+    end_process(
       EXIT_COORDINATOR_LOST,
       f"process {self.process_id}: the coordination service (process 0 at {self.coordinator}) "
       f"is gone; exiting with code {EXIT_COORDINATOR_LOST} so the job is restarted from its "
@@ -436,7 +431,7 @@ class Cluster:
     later is not meant."""
     lost = set(lost)
     if self.process_id in lost:
-      exit_now(EXIT_DECLARED_DEAD, f"process {self.process_id}: the other processes declared "
+      end_process(EXIT_DECLARED_DEAD, f"process {self.process_id}: the other processes declared "
                f"this one dead ({what}) and went on without it; exiting with code "
                f"{EXIT_DECLARED_DEAD}")
     for p in sorted(lost):
@@ -464,7 +459,7 @@ class Cluster:
       if out is not None:
         return out
       if time.monotonic() > deadline:
-        exit_now(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
+        end_process(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
                  f"{self.cfg.wait_timeout_s}s for {what}; exiting with code {EXIT_WAIT_TIMEOUT}")
       if wake_key is None:
         time.sleep(delay)
@@ -500,7 +495,7 @@ class Cluster:
     except Exception as e:
       self.check_coordinator()
       if "DEADLINE_EXCEEDED" in str(e):
-        exit_now(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: timed out waiting for {key!r}")
+        end_process(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: timed out waiting for {key!r}")
       raise
     return json.loads(raw)
 
@@ -624,14 +619,12 @@ class Cluster:
       if dead:
         return RuntimeError(f"processes {sorted(dead)} died while this one waited for {what}")
     if not box:
-      exit_now(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
+      end_process(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
                f"{self.cfg.wait_timeout_s}s for {what}; exiting with code {EXIT_WAIT_TIMEOUT}")
     return box[0]
 
   def finish(self, code: int = 0) -> None:
     """Leaves the job. Process 0 lingers briefly so the others leave before the service."""
-    sys.stdout.flush()
-    sys.stderr.flush()
     if self.process_id == 0:
       time.sleep(1.0)
-    os._exit(code)
+    end_process(code)

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from resilient_jax.exit_codes import EXIT_WAIT_TIMEOUT
+from resilient_jax.exit_codes import EXIT_WAIT_TIMEOUT, end_process
 from resilient_jax.model.sharding import Where
-from resilient_jax.runtime.cluster import HEARTBEAT_CHECK_S, Cluster, exit_now
+from resilient_jax.runtime.cluster import HEARTBEAT_CHECK_S, Cluster
 from resilient_jax.runtime.transport import ACT, GRAD, Key, Transport
 from resilient_jax.schedule.core import BW, B, F, Op
 from resilient_jax.schedule.plan import Slot, StepProgram
@@ -114,7 +114,7 @@ class Inbox:
         threading.Thread(target=self._watch, args=(self._pulls[k][1],), daemon=True).start()
       now = time.monotonic()
       if now > deadline:
-        exit_now(EXIT_WAIT_TIMEOUT, f"process {cl.process_id}: waited more than "
+        end_process(EXIT_WAIT_TIMEOUT, f"process {cl.process_id}: waited more than "
                  f"{cl.cfg.wait_timeout_s}s for {what}; exiting with code {EXIT_WAIT_TIMEOUT}")
       if now - checked >= HEARTBEAT_CHECK_S:  # not on every arrival: probes cost a connection
         checked = now

@@ -45,14 +45,12 @@ import numpy as np
 from resilient_jax.logs import info
 from resilient_jax.model.sharding import Where
 from resilient_jax.runtime.handover import Source, StateHandover
+from resilient_jax.runtime.records import StepResult
 from resilient_jax.runtime.step_run import (
   AfterOp,
   DispatchList,
-  OpRecord,
   ReductionGroup,
-  StepResult,
   StepRun,
-  WorkerLost,
   local_dispatch_lists,
 )
 from resilient_jax.runtime.transport import Transport
@@ -62,7 +60,7 @@ from resilient_jax.stages import StagePrograms
 
 Params = dict[str, jax.Array]
 ProgramsFor = Callable[[tuple[LayerRange, ...]], Sequence[StagePrograms]]
-__all__ = ["AfterOp", "Interpreter", "OpRecord", "StepResult", "WorkerLost"]
+__all__ = ["AfterOp", "Interpreter"]
 
 
 class Interpreter(StateHandover):

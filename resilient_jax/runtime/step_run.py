@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from resilient_jax.compiled import Built, OnEachDevice
+from resilient_jax.compiled import OnEachDevice
 from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.runtime.dispatch import Dispatcher, owners
 from resilient_jax.runtime.inbox import expect_inputs, transfer_in
+from resilient_jax.runtime.records import OpRecord, StepResult
 from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
 from resilient_jax.schedule.plan import Slot
@@ -42,58 +43,6 @@ AfterOp = Callable[[int, Op], None]
 `Op(AR)` per slot inside its reduction; may raise `WorkerLost` to inject a failure."""
 DispatchList = tuple[tuple[Op, tuple[tuple[Slot, Op], ...]], ...]
 """A slot's ops in order, each with the ops of local slots it waits for."""
-
-@dataclasses.dataclass
-class OpRecord:
-  """One executed op; times are host wall-clock seconds from the step start."""
-
-  worker: Slot
-  op: Op
-  start: float
-  end: float
-
-
-@dataclasses.dataclass
-class StepResult:
-  loss: float
-  microbatch_losses: dict[int, float]
-  step_time_s: float
-  records: list[OpRecord]
-  """Per-op timings; filled only in profile mode (each op is then waited for)."""
-  processed: list[int]
-  """Micro-batch ids whose loss was computed (each exactly once when committed)."""
-  dispatch_time_s: float = 0.0
-  """Host time until every op was dispatched, before waiting for the devices (benchmarks)."""
-  dispatch_cpu_s: float = 0.0
-  """CPU time of the threads that dispatched the ops, summed (benchmarks: with one thread per
-  slot, the host's work is spread over them)."""
-  committed: bool = True
-  lost: frozenset[int] = frozenset()
-  """Nodes that died during the step (multi-process; the step did not commit)."""
-  detected_at: float = 0.0
-  """`time.time()` when the outcome was known."""
-  grad_norm: float = 0.0
-  """The global norm of the step's gradients, over every parameter once."""
-  skipped: bool = False
-  """The gradients were not finite: every stage kept its state (the step committed nothing)."""
-  clipped: bool = False
-  """Global-norm clipping scaled the gradients (each stage redid its optimizer step)."""
-  attempts: int = 1
-  """Attempts the step took (set by the training loop)."""
-  stop: bool = False
-  """A process asked to stop after this step (`Outcome.stop`)."""
-  built: Built = Built()
-  """What the attempt built; its seconds are not counted in `step_time_s` (set by the training
-  loop)."""
-
-
-class WorkerLost(Exception):
-  """Raised by a fault hook when a node dies in the middle of a step."""
-
-  def __init__(self, node: int):
-    super().__init__(f"node {node} failed")
-    self.node = node
-
 
 @dataclasses.dataclass(frozen=True)
 class ReductionGroup:
