@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 
 def _drop_caches() -> bool:
@@ -136,7 +136,7 @@ def main() -> None:
   from resilient_jax import checkpoint as ckpt
   from resilient_jax.checkpoint import reader
   from resilient_jax.config import from_config_dict
-  from resilient_jax.trainer import Trainer
+  from resilient_jax.training.loop import Trainer
 
   cd = get_config()
   if args.small:

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 TARGET = 1.03
 VARIANTS = {"off": 0.0, "never clips": 1e9, "always clips": 1e-6}
@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> None:
 
   from configs.gpt_tiny import get_config
   from resilient_jax.config import from_config_dict
-  from resilient_jax.profiling import replay_records
+  from resilient_jax.observe.profiling import replay_records
   from resilient_jax.schedule.core import OPT
-  from resilient_jax.trainer import Trainer
+  from resilient_jax.training.loop import Trainer
 
   warm = 2
   trainers = {}

@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, {root!r})
-from resilient_jax import runtime_setup
+from resilient_jax.runtime import setup as runtime_setup
 runtime_setup.configure_jax(num_cpu_devices=8, cache_dir={cache!r})
 import jax
 if {variant!r} != "library":  # plain JAX at its best: its own persistent cache, every program
@@ -44,7 +44,7 @@ if {variant!r} != "library":  # plain JAX at its best: its own persistent cache,
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from benchmarks import overhead
-from resilient_jax.compiled import Counts
+from resilient_jax.programs.compiled import Counts
 dp, pp, variant = {dp}, {pp}, {variant!r}
 args = overhead.parse_args(["--steps=1", "--warmup=0"])
 t0 = time.perf_counter()

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
   if args.tree:
     sys.path.insert(0, os.path.abspath(args.tree))
   from benchmarks.overhead import make_cfg
-  from resilient_jax import runtime_setup
+  from resilient_jax.runtime import setup as runtime_setup
 
   grids = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",") if g.strip()]
   modes = [m for m in args.modes.split(",") if m.strip()]
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
   import jax
 
   import resilient_jax
-  from resilient_jax.trainer import Trainer
+  from resilient_jax.training.loop import Trainer
 
   overhead_args = argparse.Namespace(
     model=args.model, d_model=0, seq_len=0, layers=0, heads=0, global_batch=0,

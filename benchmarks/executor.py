@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 KINDS = ("F", "B", "W", "BW", "AR", "OPT")
 
@@ -66,12 +66,12 @@ def make_cfg(schedule: str, dp: int, pp: int, tiny_ops: bool = False):
 def build_executor(cfg):
   import jax
 
+  from resilient_jax.programs.stages import build_stage_programs
   from resilient_jax.recipe import make_data, make_model, make_optimizer
   from resilient_jax.runtime.interpreter import Interpreter
   from resilient_jax.runtime.transport import Transport
   from resilient_jax.schedule.generators import generate
   from resilient_jax.schedule.plan import GridPlan
-  from resilient_jax.stages import build_stage_programs
 
   programs = build_stage_programs(
     make_model(cfg),
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
   runtime_setup.configure_jax(args.dp * args.pp)
 
-  from resilient_jax.profiling import replay_records
+  from resilient_jax.observe.profiling import replay_records
   from resilient_jax.recipe import step_batch
 
   names = [s.strip() for s in args.schedules.split(",") if s.strip()]

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 
 def planner_part() -> None:
@@ -42,9 +42,9 @@ def planner_part() -> None:
 def _run(policy: str, steps: int, profile_steps: set[int], fail_step: int):
   from configs.gpt_tiny import get_config
   from resilient_jax.config import from_config_dict
-  from resilient_jax.profiling import costs_from_records, replay_records
+  from resilient_jax.observe.profiling import costs_from_records, replay_records
   from resilient_jax.schedule.cost import simulate
-  from resilient_jax.trainer import Trainer
+  from resilient_jax.training.loop import Trainer
 
   cd = get_config()
   cd.mesh.update(dp=2, pp=4)
@@ -75,7 +75,7 @@ def _run(policy: str, steps: int, profile_steps: set[int], fail_step: int):
 
 
 def executor_part(write_docs: bool) -> None:
-  from resilient_jax.profiling import write_step_timeline
+  from resilient_jax.observe.profiling import write_step_timeline
 
   steps, fail = 12, 6
   print("\nreal executor: tiny GPT, 2 x 4 on 8 simulated CPU devices, zb-h1, m=8; "
@@ -106,7 +106,7 @@ def record(path: Path) -> None:
   steps before and after a failure, with the schedules that ran (tests/test_sim_vs_executor)."""
   import json
 
-  from resilient_jax.profiling import costs_from_records, write_profile
+  from resilient_jax.observe.profiling import costs_from_records, write_profile
   from resilient_jax.runtime.records import OpRecord
 
   out = {"dp": 2, "pp": 4, "m": 8, "failed": [[1, 1]], "base": "zb-h1", "policies": {}}
@@ -137,7 +137,7 @@ def _run_many(policy: str, repeats: int = 5):
 
   from configs.gpt_tiny import get_config
   from resilient_jax.config import from_config_dict
-  from resilient_jax.trainer import Trainer
+  from resilient_jax.training.loop import Trainer
 
   fail = 3 + repeats
   cd = get_config()

@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 GRIDS = ((1, 1), (2, 1), (1, 2))
 
@@ -91,7 +91,7 @@ class LibraryStep:
   """`Trainer.run_step`, the library's public training step, on the first dp*pp devices."""
 
   def __init__(self, cfg, devices):
-    from resilient_jax.trainer import Trainer
+    from resilient_jax.training.loop import Trainer
 
     self.workdir = tempfile.TemporaryDirectory(prefix="overhead_")
     self.trainer = Trainer(cfg, self.workdir.name, devices=devices, log=lambda _: None)

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 FAILURES = [(7, (1, 0), None), (13, (2, 0), None), (19, (3, 0), "F12")]
 STEPS = 24
@@ -43,7 +43,7 @@ def _run(policy: str) -> dict:
   from configs.gpt_tiny import get_config
   from resilient_jax.config import from_config_dict
   from resilient_jax.schedule.core import Op
-  from resilient_jax.trainer import FaultEvent, Trainer
+  from resilient_jax.training.loop import FaultEvent, Trainer
 
   cd = get_config()
   cd.mesh.update(dp=4, pp=2)

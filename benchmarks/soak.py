@@ -13,14 +13,14 @@ before step R_i + 1 with its state from a live peer, and fault i+1 comes at step
 later, so one process at most is down at a time.
 
 Kill points are exact, not wall-clock kills classified afterwards: each process is started with
-the pause points of its own future faults (`RESILIENT_JAX_PAUSE`, `trainer.py`), stops there and
-is killed while it waits, so every kind of point is hit as often as it is drawn, however short
-(an all-reduce of the tiny model takes a millisecond: random wall-clock kills would almost
-never land in one), and the schedule of a seed is the same on every machine. The points: `start`
-(between steps), a compute op of the process (`F2`, `BW1`: mid-forward/backward, the op just
-dispatched), `AR` (inside the gradient all-reduce, its peers waiting in it) and `save` (a step
-that checkpoints, as the save begins: the process has not yet handed its stage's state to
-process 0, which is waiting for it when the process holds the stage).
+the pause points of its own future faults (`RESILIENT_JAX_PAUSE`, `training/faults.py`), stops
+there and is killed while it waits, so every kind of point is hit as often as it is drawn,
+however short (an all-reduce of the tiny model takes a millisecond: random wall-clock kills
+would almost never land in one), and the schedule of a seed is the same on every machine. The
+points: `start` (between steps), a compute op of the process (`F2`, `BW1`: mid-forward/backward,
+the op just dispatched), `AR` (inside the gradient all-reduce, its peers waiting in it) and
+`save` (a step that checkpoints, as the save begins: the process has not yet handed its stage's
+state to process 0, which is waiting for it when the process holds the stage).
 
 The relaunch is `launch.local --relaunch`'s: process 0 holds before step R_i until the new process
 has announced itself (the others wait inside the step), so the admission step is the same every
@@ -29,7 +29,7 @@ is in the wall time of the effective training time below.
 
 `--minutes` stops injecting after that long and preempts the job (SIGTERM: every process stops
 after the step in flight); what was reached is checked and reported. At the end the fault-free
-run of the same config is trained in this process (`resilient_jax.trainer.train`, as the tests
+run of the same config is trained in this process (`resilient_jax.training.loop.train`, as the tests
 do) to the last committed step, and every step's sample digest must equal it and its loss
 agree to the tests' `LOSS_RTOL`. Report: faults injected, recovered (the victim's failure was
 followed by a committed step, and its relaunch was admitted and trained a committed step),
@@ -239,7 +239,7 @@ def percentile(xs: list[float], q: float) -> float:
 def check(args: argparse.Namespace, cfg: Any, faults: list[Fault], wall_s: float,
           codes: dict[int, int | None], preempted: bool, hung: bool, log_path: Path) -> int:
   """Compares the job with the fault-free run, prints the report; returns the exit code."""
-  from resilient_jax.trainer import train
+  from resilient_jax.training.loop import train
 
   workdir = Path(args.workdir)
   metrics = read_jsonl(workdir / "metrics.jsonl")

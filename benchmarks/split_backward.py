@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 TARGET_RATIO = 1.05
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
   import optax
 
   from resilient_jax.model.config import family
-  from resilient_jax.stages import StageInfo, StagePrograms
+  from resilient_jax.programs.stages import StageInfo, StagePrograms
 
   heads = args.heads or max(args.d_model // 64, 1)
   keys = dict(vocab_size=256, seq_len=args.seq_len, num_layers=3 * args.layers, num_heads=heads,

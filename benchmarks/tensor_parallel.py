@@ -27,7 +27,7 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from benchmarks.split_backward import time_interleaved  # noqa: E402
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
   from resilient_jax.model.config import family
   from resilient_jax.model.sharding import target, worker_mesh
-  from resilient_jax.stages import build_stage_programs
+  from resilient_jax.programs.stages import build_stage_programs
 
   devices = jax.devices()
   if len(devices) < 1 + args.tp:

@@ -3,7 +3,8 @@
 Every launcher (and `python -m resilient_jax.checkpoint`) runs through `run`, an `absl.app.run`
 entry point: `--help`/`--helpshort` (the launcher's own flags), `--helpfull` (every flag) and
 absl's logging flags work as in any absl program, and help exits 0. Progress lines are
-`absl.logging` lines (`resilient_jax.logs`); `route_logs` sends them to stdout by default, so
+`absl.logging` lines (`resilient_jax.observe.logs`); `route_logs` sends them to stdout by
+default, so
 stderr holds only the one-line error of a failed run, to `--log_dir`'s file when that is given
 (plus stderr with `--alsologtostderr`), or to stderr alone with `--logtostderr`. Other
 libraries' INFO lines are held back below `--verbosity=1`.
@@ -129,7 +130,7 @@ def route_logs() -> None:
   default: absl.app raises it there); below `--verbosity=1`, other libraries' INFO lines (orbax
   logs each save's internals) are held back and only this project's progress lines are INFO.
   """
-  from resilient_jax.logs import hold_back_library_info
+  from resilient_jax.observe.logs import hold_back_library_info
 
   values = flags.FLAGS
   handler = absl_logging.get_absl_handler()

@@ -5,7 +5,7 @@
 
 starts 2 processes of `launch.train` on 127.0.0.1 (`jax.distributed`, process 0 hosting the
 coordination service), each a host of 4 simulated CPU devices driving 4 workers (which ones:
-`mesh.placement`, `resilient_jax/placement.py`; `mesh.dp * mesh.pp * mesh.tp` must equal
+`mesh.placement`, `resilient_jax/runtime/placement.py`; `mesh.dp * mesh.pp * mesh.tp` must equal
 processes x devices: with `--config.mesh.tp=2` a worker is a sub-mesh of 2 of them), streams
 their output prefixed with `[pN]`, and at the start of step 3 SIGKILLs process 1 from outside:
 its 4 workers are lost at once. `--kill=STEP:PROCESS[:WHERE]`,
@@ -172,8 +172,8 @@ class _FirstPlan:
   (`placement.process_slots`). A kill after a process was lost may find the plan re-routed."""
 
   def __init__(self, cfg: RunConfig, num_processes: int):
-    from resilient_jax.placement import process_slots
     from resilient_jax.policy.coordinator import RunCoordinator
+    from resilient_jax.runtime.placement import process_slots
     from resilient_jax.schedule.plan import step_program
 
     self.cfg = cfg
@@ -574,7 +574,7 @@ def main(argv: list[str]) -> None:
   # Every process's arguments as launch.train will read them (process 0's stand for all: they
   # differ only in the id), so a mistake is one line here rather than one per process later.
   cfg, workdir = cli.parse_train_args(["launch.train", *worker_args(train_args, num, 0, port)])
-  from resilient_jax.placement import process_slots
+  from resilient_jax.runtime.placement import process_slots
 
   devices = _DEVICES.value
   if devices < 1:

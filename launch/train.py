@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
   # a training process never is: 0.2 s of CPU at every process start (and every relaunch).
   sys.modules.setdefault("IPython", None)
 
-  from resilient_jax import runtime_setup
+  from resilient_jax.runtime import setup as runtime_setup
 
   cluster = None
   if cfg.distributed.enabled:
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     )
 
   from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, end_process, exit_code_for
-  from resilient_jax.trainer import train
+  from resilient_jax.training.loop import train
 
   try:
     result = train(cfg, workdir, cluster=cluster)  # progress: absl logging at INFO

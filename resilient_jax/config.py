@@ -18,7 +18,7 @@ from resilient_jax import data
 from resilient_jax.checks import is_int, require_ints, require_numbers
 from resilient_jax.exit_codes import EXIT_BAD_CONFIG
 from resilient_jax.model.config import ModelConfig, family, partition_layers
-from resilient_jax.placement import DEFAULT_PLACEMENT, check_placement
+from resilient_jax.runtime.placement import DEFAULT_PLACEMENT, check_placement
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 DATA_KINDS = data.SOURCE_KINDS
@@ -41,7 +41,7 @@ class MeshConfig:
   placement: str = DEFAULT_PLACEMENT
   """How a multi-process job's workers sit on its processes (hosts): "pipeline" (a host holds
   stages of one pipeline) or "stage" (one stage of several pipelines); see
-  `resilient_jax/placement.py`."""
+  `resilient_jax/runtime/placement.py`."""
 
   def __post_init__(self):
     for key in ("dp", "pp", "tp"):

@@ -12,9 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilient_jax.compiled import OnEachDevice
 from resilient_jax.config import RunConfig
 from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names, whole
+from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.recipe import (
   make_data,
   make_model,

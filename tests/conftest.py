@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("RESILIENT_JAX_CACHE", os.path.join(ROOT, ".jax_cache"))
 
-from resilient_jax import runtime_setup  # noqa: E402
+from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 runtime_setup.configure_jax(num_cpu_devices=8)
 
@@ -19,7 +19,7 @@ runtime_setup.configure_jax(num_cpu_devices=8)
 def rerouted_run(tmp_path_factory):
   """One small run through a failure, shared by the tests of its re-routing, timelines and
   log lines: 2 x 2 grid, 4 steps, worker (1, 1) fails at the start of step 3."""
-  from resilient_jax.trainer import Trainer
+  from resilient_jax.training.loop import Trainer
   from tests.helpers import tiny_config
 
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, faults__schedule="3:1.1", train__steps=4)

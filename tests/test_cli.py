@@ -128,7 +128,7 @@ def test_log_lines_go_where_absls_flags_say(tmp_path, flags, stdout, stderr, fil
 def test_other_libraries_info_lines_are_held_back_but_not_their_warnings():
   import jax
 
-  from resilient_jax.logs import LibraryInfoFilter
+  from resilient_jax.observe.logs import LibraryInfoFilter
 
   keep = LibraryInfoFilter()
   inside = os.path.join(os.path.dirname(jax.__file__), "_src", "xla_bridge.py")
@@ -138,7 +138,8 @@ def test_other_libraries_info_lines_are_held_back_but_not_their_warnings():
 
   assert not keep.filter(record(logging.INFO, inside))
   assert keep.filter(record(logging.WARNING, inside))
-  assert keep.filter(record(logging.INFO, os.path.join(ROOT, "resilient_jax", "trainer.py")))
+  ours = os.path.join(ROOT, "resilient_jax", "training", "loop.py")
+  assert keep.filter(record(logging.INFO, ours))
   from absl import logging as absl_logging
 
   before = absl_logging.get_verbosity()

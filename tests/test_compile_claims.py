@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilient_jax import compile_claims, compiled
-from resilient_jax.compiled import Counts, OnEachDevice
+from resilient_jax.programs import compile_claims, compiled
+from resilient_jax.programs.compiled import Counts, OnEachDevice
 
 
 def _read(path):

@@ -9,7 +9,7 @@ from resilient_jax.runtime.dispatch import DISPATCH_MODES
 from resilient_jax.runtime.interpreter import Interpreter
 from resilient_jax.runtime.records import WorkerLost
 from resilient_jax.schedule.core import BW, F, Op
-from resilient_jax.trainer import Trainer
+from resilient_jax.training.loop import Trainer
 from tests.helpers import tiny_config
 
 

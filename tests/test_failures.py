@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from resilient_jax.schedule.core import AR, B, F, Op
-from resilient_jax.trainer import FaultEvent, Trainer
+from resilient_jax.training.loop import FaultEvent, Trainer
 from tests.helpers import (
   assert_matches_reference,
   expected_digests,

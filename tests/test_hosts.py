@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from resilient_jax import placement
 from resilient_jax.config import ConfigError
+from resilient_jax.runtime import placement
 from resilient_jax.sim.layout import Layout
-from resilient_jax.trainer import Trainer
+from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
 
 

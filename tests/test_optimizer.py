@@ -9,7 +9,7 @@ import pytest
 
 from resilient_jax.config import ConfigError
 from resilient_jax.schedule.core import B, Op
-from resilient_jax.trainer import FaultEvent, NonFiniteSteps, Trainer
+from resilient_jax.training.loop import FaultEvent, NonFiniteSteps, Trainer
 from tests.helpers import assert_matches_reference, expected_digests, reference_for, tiny_config
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from resilient_jax import data as data_lib
-from resilient_jax.compiled import Counts, OnEachDevice
-from resilient_jax.stages import clear_shared_programs, model_signature
-from resilient_jax.trainer import Trainer, train
+from resilient_jax.programs.compiled import Counts, OnEachDevice
+from resilient_jax.programs.stages import clear_shared_programs, model_signature
+from resilient_jax.training.loop import Trainer, train
 from tests.helpers import assert_close, assert_matches_reference, quick_only, tiny_config
 
 GRIDS = [(1, 1), (2, 1), (1, 4), (2, 4), (4, 2)]
@@ -209,7 +209,7 @@ def test_one_compile_serves_every_device():
 
 
 def test_progress_lines_only_while_work_runs_long():
-  from resilient_jax.progress import reporting
+  from resilient_jax.observe.progress import reporting
 
   lines = []
   with reporting(lines.append, lambda t: f"{t:.2f}s so far", every_s=60):

@@ -17,7 +17,7 @@ from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.pipelines import Pipeline, PipelineSet, bamboo_set
 from resilient_jax.schedule.plan import step_program
-from resilient_jax.trainer import Trainer
+from resilient_jax.training.loop import Trainer
 from tests.helpers import (
   assert_matches_reference,
   expected_digests,

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from resilient_jax import compiled
-from resilient_jax.compiled import Counts, OnEachDevice
+from resilient_jax.programs import compiled
+from resilient_jax.programs.compiled import Counts, OnEachDevice
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from resilient_jax.checkpoint.__main__ import main as checkpoint_cli
 from resilient_jax.checkpoint.store import CheckpointWriter
 from resilient_jax.exit_codes import EXIT_PREEMPTED, exit_code_for
 from resilient_jax.policy import StageLost
-from resilient_jax.trainer import Preempted, Trainer
+from resilient_jax.training.loop import Preempted, Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
 
 

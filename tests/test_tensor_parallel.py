@@ -13,10 +13,10 @@ from jax.sharding import PartitionSpec as P
 from resilient_jax import checkpoint as ckpt
 from resilient_jax.config import ConfigError
 from resilient_jax.model.sharding import target, worker_mesh
-from resilient_jax.placement import process_slots
+from resilient_jax.programs.stages import build_stage_programs, clear_shared_programs
+from resilient_jax.runtime.placement import process_slots
 from resilient_jax.schedule.core import F, Op
-from resilient_jax.stages import build_stage_programs, clear_shared_programs
-from resilient_jax.trainer import FaultEvent, Trainer
+from resilient_jax.training.loop import FaultEvent, Trainer
 from tests.helpers import assert_close, assert_matches_reference, expected_digests, tiny_config
 
 

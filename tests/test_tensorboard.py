@@ -1,4 +1,5 @@
-"""TensorBoard event files (`resilient_jax.tensorboard`), read back with TensorBoard's own reader.
+"""TensorBoard event files (`resilient_jax.observe.tensorboard`), read back with TensorBoard's
+own reader.
 
 The runs these checks read are other tests' (tests/test_launcher.py, the restore in
 tests/test_checkpoint.py, the simulation in tests/test_sim.py): the helpers are here.
@@ -12,7 +13,7 @@ import os
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from resilient_jax.tensorboard import Board
+from resilient_jax.observe.tensorboard import Board
 
 
 def read_events(logdir: str | os.PathLike) -> EventAccumulator:

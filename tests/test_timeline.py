@@ -1,4 +1,4 @@
-"""Tests for the Chrome-trace and Gantt writers in `resilient_jax.timeline`, the timelines a
+"""Tests for the Chrome-trace and Gantt writers in `resilient_jax.observe.timeline`, the timelines a
 run draws around its failures, and the failure report's step times."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import matplotlib.pyplot as plt
 import pytest
 
-from resilient_jax import timeline
+from resilient_jax.observe import timeline
 from resilient_jax.policy.phases import Phase, PhaseLog
 from resilient_jax.schedule.core import AR, OPT, B, F, Op, W
 
@@ -178,7 +178,7 @@ _KINDS = {"F", "B", "W", "AR", "OPT"}
 
 
 def test_which_steps_are_drawn_and_their_titles():
-  from resilient_jax.profiling import RunTimelines
+  from resilient_jax.observe.profiling import RunTimelines
 
   tl = RunTimelines([5, 10], end=20, total=20)
   before = [s for s in range(1, 21) if tl.profile(s, failed=s > 5)]

@@ -67,7 +67,7 @@ import numpy as np
 
 from resilient_jax.checkpoint import reader
 from resilient_jax.exit_codes import EXIT_CHECKPOINT
-from resilient_jax.logs import hold_back_library_info, info
+from resilient_jax.observe.logs import hold_back_library_info, info
 
 LEGACY_PREFIX = "step_"
 """Step folders of older versions: `step_00000012`."""

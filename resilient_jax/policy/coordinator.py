@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from resilient_jax.config import FaultsConfig, MeshConfig, RunConfig
 from resilient_jax.exit_codes import EXIT_NO_DEVICES
-from resilient_jax.logs import info
+from resilient_jax.observe.logs import info
 from resilient_jax.policy.base import Grid, Policy, Transition
 from resilient_jax.policy.costs import analytic_costs, even_partition, recovery_params
 from resilient_jax.policy.phases import Phase, PhaseLog

@@ -3,8 +3,8 @@
 On real accelerators the report compares wall-clock step times. On simulated CPU devices
 (several devices of one process sharing the host's cores) wall time measures a step's total
 compute, not its schedule: there the report headlines the step time *replayed* from measured
-op times (`resilient_jax.profiling`: the schedule replayed with one core per worker) and marks
-wall time as not meaningful.
+op times (`resilient_jax.observe.profiling`: the schedule replayed with one core per worker)
+and marks wall time as not meaningful.
 """
 
 from __future__ import annotations

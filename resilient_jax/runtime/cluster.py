@@ -63,8 +63,8 @@ from resilient_jax.exit_codes import (
   EXIT_WAIT_TIMEOUT,
   end_process,
 )
-from resilient_jax.logs import info
 from resilient_jax.model.sharding import Where
+from resilient_jax.observe.logs import info
 from resilient_jax.runtime.wire import landing, offered, split_of
 
 PROBE_TIMEOUT_S = 0.25

@@ -40,7 +40,7 @@ from resilient_jax.schedule.core import BW, B, F, Op
 from resilient_jax.schedule.plan import Slot, StepProgram
 
 if TYPE_CHECKING:
-  from resilient_jax.stages import StagePrograms
+  from resilient_jax.programs.stages import StagePrograms
 
 
 class Inbox:

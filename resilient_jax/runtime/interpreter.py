@@ -42,8 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilient_jax.logs import info
 from resilient_jax.model.sharding import Where
+from resilient_jax.observe.logs import info
+from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.handover import Source, StateHandover
 from resilient_jax.runtime.records import StepResult
 from resilient_jax.runtime.step_run import (
@@ -56,7 +57,6 @@ from resilient_jax.runtime.step_run import (
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.pipelines import LayerRange
 from resilient_jax.schedule.plan import Plan, Slot, StepProgram, step_program
-from resilient_jax.stages import StagePrograms
 
 Params = dict[str, jax.Array]
 ProgramsFor = Callable[[tuple[LayerRange, ...]], Sequence[StagePrograms]]

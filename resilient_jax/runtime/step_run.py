@@ -24,15 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from resilient_jax.compiled import OnEachDevice
 from resilient_jax.model.sharding import Where, where_key
+from resilient_jax.programs.compiled import OnEachDevice
+from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.dispatch import Dispatcher, owners
 from resilient_jax.runtime.inbox import expect_inputs, transfer_in
 from resilient_jax.runtime.records import OpRecord, StepResult
 from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
 from resilient_jax.schedule.plan import Slot
-from resilient_jax.stages import StagePrograms
 
 if TYPE_CHECKING:
   from resilient_jax.runtime.interpreter import Interpreter

@@ -33,8 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from resilient_jax.compiled import OnEachDevice
 from resilient_jax.model.sharding import Where, as_mesh, target
+from resilient_jax.programs.compiled import OnEachDevice
 
 Params = dict[str, jax.Array]
 ACT, GRAD, STATE = 0, 1, 2

@@ -10,15 +10,16 @@ on it. Which workers share a node decides what a node failure looks like to the 
   the gradient all-reduce stays partly inside nodes and a node failure removes several workers
   of the same stage.
 
-The ranks are `resilient_jax.placement`'s, the same the runtime places processes' workers by.
+The ranks are `resilient_jax.runtime.placement`'s, the same the runtime places processes'
+workers by.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from resilient_jax import placement as placement_lib
 from resilient_jax.checks import require_ints
+from resilient_jax.runtime import placement as placement_lib
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.generators import GENERATORS
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from resilient_jax.logs import info
+from resilient_jax.observe.logs import info
+from resilient_jax.observe.progress import reporting
 from resilient_jax.policy.base import Grid, PolicyUnavailableError, usable_policies
 from resilient_jax.policy.registry import build_policies
-from resilient_jax.progress import reporting
 from resilient_jax.sim.config import SimConfig
 from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.engine import TraceResult, run_trace, sweep
@@ -195,7 +195,7 @@ def run_simulation(
 
     plots.plot_trace(results, out / "sim_trace.png")
     plots.plot_sweep(results, out / "sim_failures.png")
-    from resilient_jax import tensorboard
+    from resilient_jax.observe import tensorboard
 
     tensorboard.write_simulation(out / "tb", results, log=log)
   return results

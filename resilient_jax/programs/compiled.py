@@ -60,7 +60,7 @@ import numpy as np
 from jax._src.lib import xla_client  # CompileOptions, DeviceAssignment: no public home
 from jax.experimental import serialize_executable
 
-from resilient_jax import compile_claims
+from resilient_jax.programs import compile_claims
 from resilient_jax.runtime.records import Built
 
 log = logging.getLogger(__name__)

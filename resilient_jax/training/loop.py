@@ -13,7 +13,7 @@ Order of a run:
      runs next — a new plan on the survivors (state placed from surviving replicas) or a
      restore of the latest checkpoint onto a plan of the survivors — and the step is attempted
      again with the same samples. A step with a scheduled rejoin starts with it: the policy
-     takes the worker back and its state is placed from live replicas (`rejoining.py`); in a
+     takes the worker back and its state is placed from live replicas (`rejoin.py`); in a
      job, every step starts by admitting the relaunched processes the live ones agree on;
   4. a committed step writes one metrics line (process 0), one log line, and a checkpoint every
      `checkpoint.every_steps`; the last step, the last fault-free step before the first injected
@@ -23,8 +23,8 @@ Order of a run:
 Workdir outputs (process 0): `metrics.jsonl`, `recovery.json` (per failure: detection and time
 to the next committed step), `goodput.json` (per failure and rejoin, and the run's effective
 training time: `goodput.py`), `timeline*.json/png`, `schedule.txt`, `profile.json`,
-`config.json`, `checkpoints/`, `tb/` (TensorBoard events: `resilient_jax.tensorboard`); every
-process: `profile/stepN/` (`jax.profiler` traces of `profile.trace_steps`).
+`config.json`, `checkpoints/`, `tb/` (TensorBoard events: `resilient_jax.observe.tensorboard`);
+every process: `profile/stepN/` (`jax.profiler` traces of `profile.trace_steps`).
 """
 
 from __future__ import annotations
@@ -46,18 +46,18 @@ import numpy as np
 from resilient_jax import data as data_lib
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter
 from resilient_jax.checkpoint.store import committed_steps
-from resilient_jax.checkpointing import RunCheckpoints
-from resilient_jax.compiled import Counts, built
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
-from resilient_jax.faults import FaultEvent, check_fault_events, pause_hook_from_env
 from resilient_jax.files import read_jsonl, write_json_atomic, write_text_atomic
-from resilient_jax.goodput import GoodputLog
-from resilient_jax.logs import info
 from resilient_jax.model.sharding import worker_mesh
+from resilient_jax.observe.goodput import GoodputLog
+from resilient_jax.observe.logs import info
+from resilient_jax.observe.profiling import StepTraces
+from resilient_jax.observe.progress import reporting
+from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
-from resilient_jax.profiling import StepTraces
-from resilient_jax.progress import reporting
+from resilient_jax.programs.compiled import Counts, built
+from resilient_jax.programs.stages import StagePrograms, build_stage_programs
 from resilient_jax.recipe import (
   make_data,
   make_model,
@@ -68,15 +68,15 @@ from resilient_jax.recipe import (
   sample_seeds,
   step_batch,
 )
-from resilient_jax.recovering import Recovers
-from resilient_jax.rejoining import apply_rejoin
-from resilient_jax.relaunch import Relaunches
 from resilient_jax.runtime.interpreter import Interpreter
 from resilient_jax.runtime.records import Built, StepResult, WorkerLost
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.plan import GridPlan, Plan
-from resilient_jax.stages import StagePrograms, build_stage_programs
-from resilient_jax.tensorboard import Board
+from resilient_jax.training.checkpoints import RunCheckpoints
+from resilient_jax.training.failures import Recovers
+from resilient_jax.training.faults import FaultEvent, check_fault_events, pause_hook_from_env
+from resilient_jax.training.rejoin import apply_rejoin
+from resilient_jax.training.relaunch import Relaunches
 
 Logger = Callable[[str], None]
 
@@ -180,7 +180,7 @@ class Trainer(RunCheckpoints, Recovers, Relaunches):
 
       self.coordinator.exchange = KVPlanExchange(cluster)
     else:
-      from resilient_jax.profiling import simulated_cpu_devices
+      from resilient_jax.observe.profiling import simulated_cpu_devices
 
       # Failures are then reported in replayed step times (`policy/phases.py`).
       self.coordinator.simulated_devices = simulated_cpu_devices()
@@ -337,7 +337,7 @@ class Trainer(RunCheckpoints, Recovers, Relaunches):
   def _write_timeline(self, step: int, result: StepResult, kind: str | None, compiles: int,
                       replayed) -> None:
     """Draws a profiled step: `timeline_step<step>.*` for a `kind`, else `timeline.*`."""
-    from resilient_jax.profiling import write_step_timeline
+    from resilient_jax.observe.profiling import write_step_timeline
 
     plan = self.coordinator.plan
     at = {}
@@ -413,7 +413,7 @@ class Trainer(RunCheckpoints, Recovers, Relaunches):
       _write_metrics(metrics_path, metrics)
       self.board = Board(self.workdir / "tb", start, log=self.log)
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    from resilient_jax.profiling import RunTimelines, replay_records
+    from resilient_jax.observe.profiling import RunTimelines, replay_records
 
     self.timelines = RunTimelines((f.step for f, _ in self.faults if not f.rejoin), end,
                                   cfg.train.steps)

@@ -51,7 +51,6 @@ from flax import nnx
 from jax.extend import core as jcore
 
 from resilient_jax.checkpoint import universal
-from resilient_jax.compiled import OnEachDevice
 from resilient_jax.model import sharding
 from resilient_jax.model.sharding import Where
 from resilient_jax.model.split import split_backward
@@ -62,6 +61,7 @@ from resilient_jax.model.staging import (
   loss_fn,
   variable_names,
 )
+from resilient_jax.programs.compiled import OnEachDevice
 
 Array = jax.Array
 Params = dict[str, Array]

@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from resilient_jax.compiled import Counts
-from resilient_jax.rejoining import apply_rejoin
+from resilient_jax.programs.compiled import Counts
 from resilient_jax.runtime import admission
 from resilient_jax.runtime.admission import Admission, Event
+from resilient_jax.training.rejoin import apply_rejoin
 
 
 class Relaunches:

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from resilient_jax import timeline
+from resilient_jax.observe import timeline
 from resilient_jax.runtime.records import OpRecord
 from resilient_jax.schedule.core import AR, BW, OPT, B, F, Op, Schedule, W, Worker
 from resilient_jax.schedule.cost import OpCosts, Timeline, replay

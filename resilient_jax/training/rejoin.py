@@ -26,7 +26,7 @@ from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
 
 if TYPE_CHECKING:
-  from resilient_jax.trainer import Trainer
+  from resilient_jax.training.loop import Trainer
 
 
 def position(plan: Plan, node: int) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from resilient_jax.checkpoint import CheckpointError, load_latest
 from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, load, step_dir
-from resilient_jax.progress import reporting
+from resilient_jax.observe.progress import reporting
 from resilient_jax.schedule.plan import Plan, describe
 
 SAVE_WAIT_S = 600.0

@@ -34,7 +34,7 @@ def info(line: str) -> None:
 
 
 # absl names the file and line that logged; skipping this function names its caller
-# (trainer.py:571), not logs.py.
+# (loop.py:571), not logs.py.
 logging.ABSLLogger.register_frame_to_skip(__file__, "info")
 
 

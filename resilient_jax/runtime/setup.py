@@ -10,7 +10,7 @@ import os
 
 import jax
 
-from resilient_jax import compiled
+from resilient_jax.programs import compiled
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "resilient_jax", "xla")
 
@@ -34,5 +34,5 @@ def configure_jax(num_cpu_devices: int, cache_dir: str | None = None) -> None:
   cache = os.environ.get("RESILIENT_JAX_CACHE", DEFAULT_CACHE) if cache_dir is None else cache_dir
   # The library's own cache of compiled programs (`compiled.OnEachDevice`), not JAX's: JAX's
   # is keyed by device, written by process 0 only, and its executables cannot be re-targeted
-  # to another device (see `resilient_jax/compiled.py`).
+  # to another device (see `resilient_jax/programs/compiled.py`).
   compiled.set_cache_dir(os.path.join(cache, "programs") if cache else None)
