@@ -1,14 +1,16 @@
 """Host time per op of the interpreter's dispatch, one process driving 8 simulated devices.
 
 Run:
-  python benchmarks/dispatch.py                         # 8x1, 4x2, 2x4; every dispatch mode
+  python benchmarks/dispatch.py                         # 8x1, 4x2, 2x4
   python benchmarks/dispatch.py --grids=8x1 --steps=20
-  python benchmarks/dispatch.py --tree=/tmp/base --modes=serial   # another checkout's library
+  python benchmarks/dispatch.py --tree=/tmp/base --modes=pipelines,slots,serial   # an older
+                                                        # checkout's thread modes, side by side
 
 With one process per host (`mesh.placement`, `launch.local --devices_per_process`) a process
 dispatches the ops of all its host's workers. For each grid dp x pp (8 devices in all) and
-each dispatch mode of `runtime.dispatch` (`pipelines`: a dispatch thread per pipeline;
-`slots`: one per worker; `serial`: one thread for all), a `Trainer` on the tiny config runs
+each dispatch mode (one thread, `serial`, is the library's only one since the thread modes
+lost, `runtime/dispatch.py`; a checkout before that, `--tree`, still has `pipelines`, a thread
+per pipeline, and `slots`, one per worker), a `Trainer` on the tiny config runs
 `Trainer.run_step`; steps are interleaved round-robin (the order rotates every round) after
 warm-up steps that compile, and medians are printed:
 
@@ -47,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--grids", default="8x1,4x2,2x4", help="dp x pp grids")
-  p.add_argument("--modes", default="pipelines,slots,serial", help="dispatch modes to compare")
+  p.add_argument("--modes", default="serial", help="dispatch modes to compare (--tree's)")
   p.add_argument("--model", choices=("gpt", "llama"), default="gpt")
   p.add_argument("--microbatches", type=int, default=0, help="per pipeline; 0: the config's")
   p.add_argument("--steps", type=int, default=10, help="timed steps per variant")

@@ -1,6 +1,6 @@
 """What every entry point in `launch/` shares: absl's app, bad input as one line and exit 2.
 
-Every launcher (and `python -m resilient_jax.checkpoint`) runs through `run`, an `absl.app.run`
+Every launcher (and `python -m launch.checkpoint`) runs through `run`, an `absl.app.run`
 entry point: `--help`/`--helpshort` (the launcher's own flags), `--helpfull` (every flag) and
 absl's logging flags work as in any absl program, and help exits 0. Progress lines are
 `absl.logging` lines (`resilient_jax.observe.logs`); `route_logs` sends them to stdout by

@@ -1,14 +1,23 @@
 """The example model families' config sections (`model.name`: `gpt`, `llama`), apart from the
 models: importing them, as every launcher, planner and the simulator does to read a config,
-imports neither JAX nor Flax (`resilient_jax.model.config.FAMILIES`). `build` imports the model.
+imports neither JAX nor Flax (`resilient_jax.model.config.FAMILIES`). `build` imports the model's
+module by its name (`family_module`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
 from resilient_jax.model.config import ModelConfig, ModelCosts
+
+
+def family_module(name: str) -> Any:
+  """`models/NAME.py`, imported when a model of the family is built (big_vision's way: the
+  family is chosen by name, so the configs import no model, no JAX, and no model imports back
+  into a module that imports it). It provides `from_config(config, seed)`."""
+  return importlib.import_module(f"models.{name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +56,7 @@ class GPTConfig(ModelConfig):
     )
 
   def build(self, seed: Any) -> Any:
-    from models.gpt import GPT, nnx
-
-    return GPT(self, rngs=nnx.Rngs(params=seed))
+    return family_module(self.name).from_config(self, seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,4 @@ class LlamaConfig(ModelConfig):
     )
 
   def build(self, seed: Any) -> Any:
-    from models.llama import Llama, nnx
-
-    return Llama(self, rngs=nnx.Rngs(params=seed))
+    return family_module(self.name).from_config(self, seed)

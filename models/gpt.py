@@ -16,6 +16,7 @@ model with separate Q, K and V projections, `models/llama.py`, splits along head
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -134,3 +135,8 @@ class GPT(nnx.Module):
 
   def __call__(self, tokens: Array) -> Array:
     return whole(self)(tokens)
+
+
+def from_config(cfg: GPTConfig, seed: Any) -> GPT:
+  """The model of `cfg` (`GPTConfig.build`), its parameters drawn from `seed`."""
+  return GPT(cfg, rngs=nnx.Rngs(params=seed))

@@ -12,6 +12,8 @@ rows (Megatron-LM's split; K/V stay whole where `tp` does not divide their heads
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -115,3 +117,8 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: Array) -> Array:
     return whole(self)(tokens)
+
+
+def from_config(cfg: LlamaConfig, seed: Any) -> Llama:
+  """The model of `cfg` (`LlamaConfig.build`), its parameters drawn from `seed`."""
+  return Llama(cfg, rngs=nnx.Rngs(params=seed))

@@ -101,7 +101,7 @@ def test_corrupt_latest_falls_back_to_previous(saved, tmp_path, how):
   shutil.copytree(base / "stopped", tmp_path / "run")
   _corrupt_latest(tmp_path / "run", how)
   proc = subprocess.run(
-    [sys.executable, "-m", "resilient_jax.checkpoint", "verify", str(tmp_path / "run")],
+    [sys.executable, "-m", "launch.checkpoint", "verify", str(tmp_path / "run")],
     capture_output=True,
     text=True,
     cwd=ROOT,
@@ -157,7 +157,7 @@ def test_older_step_folders_load_and_retire(tmp_path, monkeypatch):
   """An older workdir's `step_*` folders load (latest, CLI) beside orbax's bare-number ones;
   retention counts both; a step saved again replaces its earlier copy, and a failed re-save
   leaves that copy in place."""
-  from resilient_jax.checkpoint.__main__ import main as checkpoint_cli
+  from launch.checkpoint import main as checkpoint_cli
 
   params = {"blocks.0.fc.kernel": np.ones((3, 2), np.float32)}
   opt = {"0/count": np.array(1, np.int32)}
@@ -344,7 +344,7 @@ def test_resume_with_other_batch_is_refused(saved, tmp_path):
 def test_inspect_cli(saved):
   base, _, _ = saved
   proc = subprocess.run(
-    [sys.executable, "-m", "resilient_jax.checkpoint", "inspect", str(base / "stopped")],
+    [sys.executable, "-m", "launch.checkpoint", "inspect", str(base / "stopped")],
     capture_output=True,
     text=True,
     cwd=ROOT,
@@ -353,7 +353,7 @@ def test_inspect_cli(saved):
   assert "step 4" in proc.stdout and "dp=2 pp=4" in proc.stdout
   assert "blocks.3.mlp.fc.kernel" in proc.stdout and "(32, 128)" in proc.stdout
   bad = subprocess.run(
-    [sys.executable, "-m", "resilient_jax.checkpoint", "inspect", "/nope"],
+    [sys.executable, "-m", "launch.checkpoint", "inspect", "/nope"],
     capture_output=True,
     text=True,
     cwd=ROOT,

@@ -23,13 +23,13 @@ LAUNCHERS = {
   "launch.train": ["--config", "--workdir"],
   "launch.local": ["--num_processes", "--kill", "--stop", "--term", "--timeout"],
   "launch.simulate": ["--config", "--out"],
-  "resilient_jax.checkpoint": [],
+  "launch.checkpoint": [],
 }
 SCRIPTS = {
   "resilient-jax-train": "launch.train",
   "resilient-jax-local": "launch.local",
   "resilient-jax-simulate": "launch.simulate",
-  "resilient-jax-checkpoint": "resilient_jax.checkpoint",
+  "resilient-jax-checkpoint": "launch.checkpoint",
 }
 
 

@@ -102,6 +102,10 @@ def test_launcher_commands_parse(tmp_path, index):
     assert not [a for a in args if a.startswith("--config.")], "parse the overrides too"
     sim = from_config_dict(runpy.run_path(f"{ROOT}/{path}")["get_config"]())
     assert sim.layout.devices > 0
+  elif module == "launch.checkpoint":
+    from launch.checkpoint import USAGE
+
+    assert args[0] in USAGE.split("{")[1].split("}")[0].split(",") and len(args) == 2
   else:
     pytest.fail(f"no check for the README's {module} command")
 

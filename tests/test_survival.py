@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from launch.checkpoint import main as checkpoint_cli
 from resilient_jax import checkpoint as ckpt
 from resilient_jax.checkpoint import store
-from resilient_jax.checkpoint.__main__ import main as checkpoint_cli
 from resilient_jax.checkpoint.store import CheckpointWriter
 from resilient_jax.exit_codes import EXIT_PREEMPTED, exit_code_for
 from resilient_jax.policy import StageLost

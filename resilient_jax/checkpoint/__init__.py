@@ -1,7 +1,7 @@
 """Universal checkpoints: save in the distributed layout, load onto any DP x PP layout.
 
-`python -m resilient_jax.checkpoint inspect DIR` prints what a checkpoint holds;
-`python -m resilient_jax.checkpoint verify DIR` checks its integrity.
+`python -m launch.checkpoint inspect DIR` prints what a checkpoint holds;
+`python -m launch.checkpoint verify DIR` checks its integrity.
 """
 
 from resilient_jax.checkpoint.store import (

@@ -45,6 +45,7 @@ import numpy as np
 from resilient_jax.model.sharding import Where
 from resilient_jax.observe.logs import info
 from resilient_jax.programs.stages import StagePrograms
+from resilient_jax.runtime.dispatch import dispatch
 from resilient_jax.runtime.handover import Source, StateHandover
 from resilient_jax.runtime.records import StepResult
 from resilient_jax.runtime.step_run import (
@@ -78,11 +79,6 @@ class Interpreter(StateHandover):
       processes too; False in a process relaunched into a running job, whose peers offer
       nothing until they admit it (`place` takes them then).
   """
-
-  dispatch = "serial"
-  """How `run_step` dispatches the local slots' ops: one thread for all, or a thread per
-  pipeline or per slot (`runtime.dispatch.DISPATCH_MODES`; that module says why one thread is
-  the default); set per instance to compare (`benchmarks/dispatch.py`)."""
 
   def __init__(
     self,
@@ -382,5 +378,8 @@ class Interpreter(StateHandover):
     Returns:
       The outcome; in a multi-process job it may be uncommitted, naming the nodes lost.
     """
-    return StepRun(self, inputs, targets, step=step, attempt=attempt, profile=profile,
-                   after_op=after_op, seeds=seeds).run(self.dispatch)
+    run = StepRun(self, inputs, targets, step=step, attempt=attempt, profile=profile,
+                  after_op=after_op, seeds=seeds)
+    run.begin()
+    dispatch(run)
+    return run.conclude()

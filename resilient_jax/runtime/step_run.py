@@ -1,23 +1,20 @@
-"""One attempt at a step: its state and the dispatch of every local op (`Interpreter.run_step`).
+"""One attempt at a step: its state and each of its ops (`Interpreter.run_step`).
 
 A `StepRun` holds what lives only for one attempt (activations, residuals, gradient
-accumulators, the optimistic new state) and dispatches the op lists of this process's slots.
+accumulators, the optimistic new state) and dispatches single ops of this process's slots.
 Ops are dispatched as soon as the ops they depend on have been (JAX's asynchronous dispatch then
 overlaps the devices); the dependencies of every op are resolved once per plan
-(`Interpreter.dispatch_lists`), not per op.
-
-Who dispatches the ops, in one thread or several, and the rules that keep a step
-reproducible either way, are `runtime/dispatch.py`'s.
+(`Interpreter.dispatch_lists`), not per op. When each op goes, and the rules that keep a step
+reproducible, are `runtime/dispatch.py`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +24,11 @@ from jax.profiler import TraceAnnotation
 from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.programs.stages import StagePrograms
-from resilient_jax.runtime.dispatch import Dispatcher, owners
 from resilient_jax.runtime.inbox import expect_inputs, transfer_in
 from resilient_jax.runtime.records import OpRecord, StepResult
-from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome
+from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome, Transport
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
-from resilient_jax.schedule.plan import Slot
-
-if TYPE_CHECKING:
-  from resilient_jax.runtime.interpreter import Interpreter
+from resilient_jax.schedule.plan import Slot, StepProgram
 
 Params = dict[str, jax.Array]
 AfterOp = Callable[[int, Op], None]
@@ -43,6 +36,30 @@ AfterOp = Callable[[int, Op], None]
 `Op(AR)` per slot inside its reduction; may raise `WorkerLost` to inject a failure."""
 DispatchList = tuple[tuple[Op, tuple[tuple[Slot, Op], ...]], ...]
 """A slot's ops in order, each with the ops of local slots it waits for."""
+
+
+class Holder(Protocol):
+  """What an attempt reads of the state it runs on (`runtime.interpreter.Interpreter`, which
+  imports this module): the committed state per local slot, the plan's programs, reductions
+  and dispatch lists, and the transport."""
+
+  params: dict[Slot, Params]
+  opt_state: dict[Slot, Any]
+  replicas: dict[Slot, tuple[Params, Any]]
+  owned: dict[Slot, dict[str, jax.Array]]
+  groups: list[ReductionGroup]
+  local_slots: list[Slot]
+  dispatch_lists: dict[Slot, DispatchList]
+  step_program: StepProgram
+  transport: Transport
+  clip_global_norm: float
+  nonfinite: frozenset[tuple[int, int]]
+
+  def programs(self, split: tuple[tuple[int, int], ...]) -> Sequence[StagePrograms]: ...
+  def program(self, slot: Slot) -> StagePrograms: ...
+  def device(self, slot: Slot) -> Where: ...
+  def loss_seed(self, where: Where) -> jax.Array: ...
+  def refresh_replicas(self, tag: tuple[int, int] = (0, 0)) -> None: ...
 
 @dataclasses.dataclass(frozen=True)
 class ReductionGroup:
@@ -58,7 +75,7 @@ class StepRun:
 
   def __init__(
     self,
-    interp: Interpreter,
+    interp: Holder,
     inputs: np.ndarray,
     targets: np.ndarray,
     *,
@@ -92,10 +109,9 @@ class StepRun:
     self.remote_in: dict[tuple[Slot, Op], Key] = {}
     """The transfer key of every local op's input from another process (`runtime.inbox`)."""
     self.t0 = 0.0
-    self.dispatch_cpu_s = 0.0  # the dispatching threads' CPU time
+    self.dispatch_cpu_s = 0.0
+    self._cpu0 = 0.0
     self._placed: dict[tuple[Slot, str], dict[int, jax.Array]] = {}
-    self.transfers: contextlib.AbstractContextManager = contextlib.nullcontext()
-    """Held around the transport's send and recv: a lock when several threads dispatch."""
 
   # ------------------------------------------------------------ the ops
 
@@ -143,8 +159,7 @@ class StepRun:
       if incoming is None:
         x = self.data(slot, "inputs")[mb]
       else:
-        with self.transfers:
-          x = tp.recv(*incoming, dev)
+        x = tp.recv(*incoming, dev)
       tgt = self.data(slot, "targets")[mb] if p.last else None
       out, self.residuals[key], self.saved[key] = prog.forward(
         ip.params[slot], x, tgt, self.seeds_of(prog, mb, dev))
@@ -152,8 +167,7 @@ class StepRun:
         self.losses[mb] = out
         self.processed.append(mb)
       else:
-        with self.transfers:
-          tp.send((mb, s, ACT), out, sp.slots[sp.route[mb][s + 1]].node)
+        tp.send((mb, s, ACT), out, sp.slots[sp.route[mb][s + 1]].node)
         if p.replica is not None:
           self.fr_in[key] = out
       return [out]
@@ -174,16 +188,14 @@ class StepRun:
     if incoming is None:  # the last stage: the loss's own gradient, placed from the host
       g = ip.loss_seed(dev)
     else:
-      with self.transfers:
-        g = tp.recv(*incoming, dev)
+      g = tp.recv(*incoming, dev)
     if op.kind == B:
       dx, self.taps[key] = prog.backward_input(self.residuals.pop(key), g)
     else:
       dx, self.acc[slot] = prog.backward_fused(self.residuals.pop(key), self.saved.pop(key),
                                                ip.params[slot], g, self.grads_of(slot))
     if dx is not None:
-      with self.transfers:
-        tp.send((mb, s, GRAD), dx, sp.slots[sp.route[mb][s - 1]].node)
+      tp.send((mb, s, GRAD), dx, sp.slots[sp.route[mb][s - 1]].node)
       return [dx]
     if op.kind == B:
       return list(jax.tree.leaves(self.taps[key]))[:1]
@@ -292,21 +304,20 @@ class StepRun:
 
   # ------------------------------------------------------------ dispatch
 
-  def run(self, mode: str) -> StepResult:
-    """Dispatches every local op (`mode`: one of `dispatch.DISPATCH_MODES`), then concludes."""
+  def begin(self) -> None:
+    """Starts the attempt: its clock, its transfers, and the pulls of every array a local op
+    reads from another process (each op is dispatched once its data arrived, `runtime.inbox`
+    says why); `runtime.dispatch.dispatch` then runs the ops, and `conclude` ends it."""
     self.t0 = time.perf_counter()
-    cpu = time.thread_time()
+    self._cpu0 = time.thread_time()
     self.tp.begin(self.step, self.attempt, self.sp.nodes)
-    # Every array a local op reads from another process is pulled now and the op dispatched
-    # once it arrived (`runtime.inbox` says why).
     self.remote_in = expect_inputs(self.sp, self.ip.program, self.ip.device, self.tp,
                                    self.ip.local_slots)
-    one = self.profile or self.tp.remote_collectives
-    Dispatcher(self, owners(self.ip.local_slots, mode, one)).dispatch()
-    self.dispatch_cpu_s += time.thread_time() - cpu
-    return self._conclude(time.perf_counter() - self.t0)
 
-  def _conclude(self, dispatch_time: float) -> StepResult:
+  def conclude(self) -> StepResult:
+    """Agrees on the attempt's outcome (across processes) and commits its state, or not."""
+    dispatch_time = time.perf_counter() - self.t0
+    self.dispatch_cpu_s = time.thread_time() - self._cpu0
     ip, tp, t0 = self.ip, self.tp, self.t0
     new_state = self.new_state
     outcome: Outcome = tp.conclude(self.losses, [p for p, _ in new_state.values()], self.sumsq)
@@ -347,7 +358,7 @@ class StepRun:
     )
 
 
-def local_dispatch_lists(interp: Interpreter, slots: Sequence[Slot]) -> dict[Slot, DispatchList]:
+def local_dispatch_lists(interp: Holder, slots: Sequence[Slot]) -> dict[Slot, DispatchList]:
   """Every local slot's ops with the ops of local slots each waits for, resolved once per plan
   (ops of other processes' slots arrive through the transport)."""
   sp = interp.step_program

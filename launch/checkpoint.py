@@ -1,4 +1,4 @@
-"""`python -m resilient_jax.checkpoint {inspect,verify} DIR` (or `resilient-jax-checkpoint`).
+"""`python -m launch.checkpoint {inspect,verify} DIR` (or `resilient-jax-checkpoint`).
 
 DIR is one checkpoint (`.../checkpoints/12`, or an older `.../checkpoints/step_00000012`), a
 checkpoints folder, or a workdir; for the latter two the newest committed checkpoint is used.
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from launch import cli
 from resilient_jax.checkpoint.store import (
   CheckpointError,
   committed_steps,
@@ -22,7 +23,7 @@ from resilient_jax.checkpoint.store import (
   step_dir,
 )
 
-USAGE = "usage: python -m resilient_jax.checkpoint {inspect,verify} DIR"
+USAGE = "usage: python -m launch.checkpoint {inspect,verify} DIR"
 
 
 def _resolve(arg: str) -> Path:
@@ -76,8 +77,6 @@ def main(argv: list[str]) -> int:
 def run() -> None:
   """The `resilient-jax-checkpoint` console script: `main` as an absl program, like the
   launchers (`--help`, absl's logging flags; a bad flag is one line and exit 2)."""
-  from launch import cli
-
   cli.run(main)
 
 

@@ -1,0 +1,108 @@
+"""The house's shape, checked from the code's own imports (`ast`): what a reader relies on when
+they open one module without the others."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+from tests.helpers import ROOT
+
+PACKAGES = ("resilient_jax", "models")
+
+
+def _module_name(path: str) -> str:
+  rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+  return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _modules() -> dict[str, str]:
+  """Every module of `PACKAGES`: its dotted name -> its file."""
+  out = {}
+  for top in PACKAGES:
+    for folder, _, files in os.walk(os.path.join(ROOT, top)):
+      for f in files:
+        if f.endswith(".py"):
+          path = os.path.join(folder, f)
+          out[_module_name(path)] = path
+  return out
+
+
+def _imports(path: str, name: str, known: set[str]) -> set[str]:
+  """The modules `name` imports: at module level, under `TYPE_CHECKING` and inside functions
+  alike (`from a import b` counts as `a.b` where that is a module, else `a`)."""
+  package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+  out = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+      for a in node.names:
+        out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+  return {m for m in out if m in known or m.split(".")[0] in ("launch", "models", "configs")}
+
+
+def import_graph() -> dict[str, set[str]]:
+  mods = _modules()
+  known = set(mods)
+  return {n: _imports(p, n, known) - {n} for n, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan)."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def visit(v: str) -> None:
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in graph.get(v, ()):
+      if w not in graph:
+        continue
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1:
+        out.append(sorted(comp))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def test_no_import_cycles():
+  assert _cycles(import_graph()) == []
+
+
+def test_the_library_imports_neither_launchers_nor_example_models():
+  graph = import_graph()
+  wrong = {n: sorted(m for m in deps if m.split(".")[0] in ("launch", "models", "configs"))
+           for n, deps in graph.items() if n.startswith("resilient_jax")}
+  assert {n: d for n, d in wrong.items() if d} == {}
+
+
+def test_exit_codes_and_records_are_leaves():
+  graph = import_graph()
+  assert graph["resilient_jax.exit_codes"] == set()
+  assert {m for m in graph["resilient_jax.runtime.records"]
+          if not m.startswith("resilient_jax.schedule")} == set()
+
+
+def test_the_top_level_holds_at_most_eight_modules():
+  top = [f for f in os.listdir(os.path.join(ROOT, "resilient_jax")) if f.endswith(".py")]
+  assert len(top) <= 8, sorted(top)
