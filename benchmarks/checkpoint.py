@@ -15,7 +15,7 @@ Prints:
      cache, so not the default on a shared machine). The machine's load average is printed.
 
 Saves come due every `--every` steps (default 2) and follow the training loop's rule
-(`Trainer.checkpoint_if_due`): a save that comes due while the previous one is still being
+(`Checkpoints.if_due`): a save that comes due while the previous one is still being
 written waits for it (`checkpoint.if_busy=wait`, the default, as orbax's manager does) or is
 deferred to the first step at which the writer is free (`defer`); both are measured, one after
 the other on the same trainer, with the steps each saved.
@@ -174,7 +174,7 @@ def main() -> None:
         trainer.run_step(step)
         step_times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        if trainer.checkpoint_if_due(step):
+        if trainer.checkpoints.if_due(step):
           saved.append(step)
         blocked.append(time.perf_counter() - t0)
       first += args.saves * args.every

@@ -43,7 +43,8 @@ def _run(policy: str) -> dict:
   from configs.gpt_tiny import get_config
   from resilient_jax.config import from_config_dict
   from resilient_jax.schedule.core import Op
-  from resilient_jax.training.loop import FaultEvent, Trainer
+  from resilient_jax.training.faults import FaultEvent
+  from resilient_jax.training.loop import Trainer
 
   cd = get_config()
   cd.mesh.update(dp=4, pp=2)

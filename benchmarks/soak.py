@@ -239,7 +239,7 @@ def percentile(xs: list[float], q: float) -> float:
 def check(args: argparse.Namespace, cfg: Any, faults: list[Fault], wall_s: float,
           codes: dict[int, int | None], preempted: bool, hung: bool, log_path: Path) -> int:
   """Compares the job with the fault-free run, prints the report; returns the exit code."""
-  from resilient_jax.training.loop import train
+  from resilient_jax.training.api import train
 
   workdir = Path(args.workdir)
   metrics = read_jsonl(workdir / "metrics.jsonl")

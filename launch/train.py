@@ -67,10 +67,14 @@ def main(argv: list[str]) -> None:
     )
 
   from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, end_process, exit_code_for
-  from resilient_jax.training.loop import train
+  from resilient_jax.training.loop import Trainer
+  from resilient_jax.training.preemption import steady_gc, stop_on_signals
 
   try:
-    result = train(cfg, workdir, cluster=cluster)  # progress: absl logging at INFO
+    trainer = Trainer(cfg, workdir, cluster=cluster)  # progress: absl logging at INFO
+    # A scheduler's SIGTERM stops the job after the step in flight, with a checkpoint.
+    with stop_on_signals(trainer), steady_gc():
+      result = trainer.run()
   except Exception as e:
     code = exit_code_for(e)
     if code == EXIT_PREEMPTED:  # not an error: the run stopped as asked, with a checkpoint

@@ -11,7 +11,8 @@ import pytest
 
 from resilient_jax import checkpoint as ckpt
 from resilient_jax.config import ConfigError
-from resilient_jax.training.loop import Trainer, train
+from resilient_jax.training.api import train
+from resilient_jax.training.loop import Trainer
 from tests.helpers import ROOT, assert_matches_reference, tiny_config
 from tests.test_tensorboard import assert_losses_match, texts
 

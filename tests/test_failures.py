@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from resilient_jax.schedule.core import AR, B, F, Op
-from resilient_jax.training.loop import FaultEvent, Trainer
+from resilient_jax.training.faults import FaultEvent
+from resilient_jax.training.loop import Trainer
 from tests.helpers import (
   assert_matches_reference,
   expected_digests,

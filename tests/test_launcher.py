@@ -59,7 +59,7 @@ def test_the_pause_hook_stops_once_at_each_of_its_points(tmp_path, monkeypatch):
   import threading
   import time
 
-  from resilient_jax.training.loop import pause_hook_from_env
+  from resilient_jax.training.faults import pause_hook_from_env
 
   marker = tmp_path / "p1"
   monkeypatch.setenv("RESILIENT_JAX_PAUSE", "0:joined,4:F1,7:save")

@@ -24,7 +24,8 @@ import pytest
 from launch.local import parse_kills
 from resilient_jax.checkpoint import store
 from resilient_jax.schedule.core import AR, F, Op
-from resilient_jax.training.loop import FaultEvent, train
+from resilient_jax.training.api import train
+from resilient_jax.training.faults import FaultEvent
 from tests.helpers import LOSS_RTOL, ROOT, expected_digests, reference_for, tiny_config
 from tests.test_tensorboard import assert_losses_match, texts
 

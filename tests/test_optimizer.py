@@ -9,7 +9,8 @@ import pytest
 
 from resilient_jax.config import ConfigError
 from resilient_jax.schedule.core import B, Op
-from resilient_jax.training.loop import FaultEvent, NonFiniteSteps, Trainer
+from resilient_jax.training.faults import FaultEvent
+from resilient_jax.training.loop import NonFiniteSteps, Trainer
 from tests.helpers import assert_matches_reference, expected_digests, reference_for, tiny_config
 
 

@@ -11,7 +11,8 @@ import pytest
 from resilient_jax import data as data_lib
 from resilient_jax.programs.compiled import Counts, OnEachDevice
 from resilient_jax.programs.stages import clear_shared_programs, model_signature
-from resilient_jax.training.loop import Trainer, train
+from resilient_jax.training.api import train
+from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_close, assert_matches_reference, quick_only, tiny_config
 
 GRIDS = [(1, 1), (2, 1), (1, 4), (2, 4), (4, 2)]

@@ -143,6 +143,7 @@ def readme_config_keys() -> dict[str, set[str]]:
   return keys
 
 
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # config_flags' loader
 @pytest.mark.parametrize("config,family", [("configs/gpt_tiny.py", "gpt"),
                                            ("configs/llama_tiny.py", "llama")])
 def test_every_documented_key_can_be_set_with_every_config(tmp_path, config, family):

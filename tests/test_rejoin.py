@@ -25,7 +25,8 @@ from resilient_jax.sim import engine
 from resilient_jax.sim.cost_model import CostModel
 from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.traces import Event, Trace
-from resilient_jax.training.loop import FaultEvent, Trainer
+from resilient_jax.training.faults import FaultEvent
+from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
 from tests.test_tensorboard import texts
 

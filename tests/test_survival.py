@@ -18,6 +18,7 @@ from resilient_jax.checkpoint.store import CheckpointWriter
 from resilient_jax.exit_codes import EXIT_PREEMPTED, exit_code_for
 from resilient_jax.policy import StageLost
 from resilient_jax.training.loop import Preempted, Trainer
+from resilient_jax.training.preemption import stop_on_signals
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
 
 
@@ -37,8 +38,10 @@ def test_sigterm_checkpoints_the_step_and_the_resume_continues_exactly(tmp_path)
     if line.startswith("step    2/"):
       os.kill(os.getpid(), signal.SIGTERM)  # handled on this thread before step 3 commits
 
-  with pytest.raises(Preempted) as stopped:
-    Trainer(cfg, tmp_path, log=log).run()
+  trainer = Trainer(cfg, tmp_path, log=log)
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the library installs nothing
+  with pytest.raises(Preempted) as stopped, stop_on_signals(trainer):  # the launcher's
+    trainer.run()
   assert exit_code_for(stopped.value) == EXIT_PREEMPTED
   assert any("stopping after step 3: this process received SIGTERM" in x for x in lines)
   assert ckpt.committed_steps(tmp_path / "checkpoints") == [3]

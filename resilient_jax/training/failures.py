@@ -1,40 +1,61 @@
-"""The training loop's side of a failure: injecting the scheduled ones, handing a loss to the
+"""The training loop's side of a failure: the failures a run injects, handing a loss to the
 policy and applying its decision, and the record of each recovery.
 
-`Trainer` mixes this in (it uses the trainer's coordinator, interpreter, cluster, goodput log,
-board and log). A decision is a new plan on the survivors, whose state `Interpreter.place` takes
-from surviving replicas (across processes through `StateHandover`), or a restore of the latest
-checkpoint onto a plan of the survivors (`checkpointing.RunCheckpoints._load`).
+A decision is a new plan on the survivors, whose state `Interpreter.place` takes from
+surviving replicas (across processes through `StateHandover`), or a restore of the latest
+checkpoint onto a plan of the survivors (`Checkpoints.load`).
+
+Costs per failure: the policy plans once (process 0 in a job, the others read its plan:
+`runtime/plan_exchange.py`); `place` copies only what a device lacks (a lost worker's stage
+from one live replica), so the bytes moved grow with the lost stages' state, not with dp.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
-from resilient_jax.checkpoint.store import committed_steps
 from resilient_jax.files import read_jsonl, write_json_atomic
 from resilient_jax.policy import Decision, NoDevicesLeft, StageLost
-from resilient_jax.runtime.records import WorkerLost
+from resilient_jax.programs.compiled import Counts
+from resilient_jax.runtime.records import StepResult, WorkerLost
 from resilient_jax.schedule.core import AR, Op
-from resilient_jax.schedule.pipelines import PipelineSet
-from resilient_jax.schedule.plan import Plan, describe
+from resilient_jax.schedule.plan import describe
+from resilient_jax.training.checkpoints import Checkpoints
+from resilient_jax.training.faults import FaultEvent
+from resilient_jax.training.run import Run
 
 KILLS_FILE = "kills.jsonl"
 """Written into the workdir by `launch/local.py`: one line per injected kill, with its time."""
 
 
-class Recovers:
-  """The failure part of `Trainer` (mixed into it)."""
+class Failures:
+  """Failures of one run: the injected ones (`faults`: events with the node each strikes),
+  and what the policy decides for every loss."""
 
-  def _fault_hook(self, step: int) -> Callable[[int, Op], None] | None:
+  def __init__(self, run: Run, checkpoints: Checkpoints,
+               faults: Sequence[tuple[FaultEvent, int]]):
+    self.run, self.checkpoints = run, checkpoints
+    self.faults = list(faults)
+
+  def starting(self, step: int) -> set[int]:
+    """Live nodes whose failure is injected at the start of `step` (they fail together: a
+    whole host's workers at once)."""
+    live = self.run.coordinator.live
+    return {n for f, n in self.faults if f.step == step and f.after_op is None
+            and not f.rejoin and n in live}
+
+  def coming_back(self, step: int) -> set[int]:
+    """Failed nodes whose rejoin is injected at the start of `step`."""
+    back = {n for f, n in self.faults if f.step == step and f.rejoin}
+    return back - self.run.coordinator.live
+
+  def op_hook(self, step: int) -> Callable[[int, Op], None] | None:
+    """What runs after each op of `step`: the failures injected into it (in one process), or
+    `launch.local`'s kill points (a job)."""
     pending = [(f, n) for f, n in self.faults if f.step == step and f.after_op is not None]
-    if self.cluster is not None:
-      pause = self.transport.pause
-      if pause is None:
-        return None
-      return lambda node, op: pause(step, str(op)) if op.kind != AR else None
-    if not pending:
-      return None
 
     def hook(node: int, op: Op) -> None:
       for f, n in pending:
@@ -42,10 +63,27 @@ class Recovers:
           pending.remove((f, n))
           raise WorkerLost(node)
 
-    return hook
+    return self.run.group.op_hook(step, hook if pending else None)
 
-  def _fail(self, nodes: set[int], step: int, *, mid_step: bool,
-            detect_s: float | None = 0.0, detected_at: float | None = None) -> int | None:
+  def lost_in(self, result: StepResult, step: int, attempt: int) -> list[dict]:
+    """Recovery events of the live nodes an uncommitted attempt lost."""
+    run = self.run
+    kills = kill_times(run.workdir)
+    events = []
+    for p in sorted(n for n in result.lost if n in run.coordinator.live):
+      event = {"node": p, "step": step, "attempt": attempt, "detected_at": result.detected_at,
+               "xla_compiles": Counts.xla}
+      proc = run.group.process_of(p)
+      if proc is not None:
+        event["process"] = proc
+      if proc in kills:
+        event["killed_at"] = kills[proc]
+        event["kill_to_detect_s"] = round(result.detected_at - kills[proc], 3)
+      events.append(event)
+    return events
+
+  def fail(self, nodes: set[int], step: int, *, mid_step: bool,
+           detect_s: float | None = 0.0, detected_at: float | None = None) -> int | None:
     """Hands the loss of `nodes` to the policy and applies its decision.
 
     Args:
@@ -57,81 +95,95 @@ class Recovers:
       The step restored from when the policy restored a checkpoint (the caller redoes the
       steps after it), else None.
     """
+    run = self.run
     lost = sorted(nodes)
-    self.membership.append({"kind": "fail", "nodes": lost, "step": step, "mid_step": mid_step})
-    event = self.goodput.add("failure", step, lost, detect_s=detect_s, at=detected_at,
-                             mid_step=mid_step)
+    run.membership.append({"kind": "fail", "nodes": lost, "step": step, "mid_step": mid_step})
+    event = run.goodput.add("failure", step, lost, detect_s=detect_s, at=detected_at,
+                            mid_step=mid_step)
     event.steps_rerun = 1 if mid_step else 0  # the step in flight is attempted again
     try:
-      decision: Decision = self.coordinator.fail(nodes, step, mid_step=mid_step,
-                                                 key=self._plan_key(step))
+      decision: Decision = run.coordinator.fail(nodes, step, mid_step=mid_step,
+                                                key=run.plan_key(step))
     except (StageLost, NoDevicesLeft) as e:
-      self._board_failure(lost, step, mid_step, f"the run stops: {e}")
-      if self.cluster is not None:
-        # Every survivor ends with the same code: process 0 (the key-value store) leaves last.
-        self.leave_together(f"ended/{self.attempts}")
+      self._board(lost, step, mid_step, f"the run stops: {e}")
+      # Every survivor ends with the same code: process 0 (the key-value store) leaves last.
+      run.group.leave_together(f"ended/{run.attempts}", run.coordinator.live)
       raise
     if decision.restore:
-      nodes = self._plan_nodes(decision.plan)
-      where = (f"{describe(decision.plan)} ({len(nodes)} of {len(self.coordinator.live)} "
-               "surviving nodes)")
-      if self.writer is not None:
-        self.writer.wait()  # a save in flight is a checkpoint to restore
-      if self.chief and not committed_steps(self.ckpt_dir):
-        off = "" if self.cfg.checkpoint.every_steps else " (checkpoint.every_steps=0)"
-        self.log(f"{decision.reason}; there is no checkpoint to restore{off}: starting again "
-                 f"from step 1 on {where}, losing {step - 1} committed step(s)")
-      else:
-        self.log(f"{decision.reason}; restoring the latest checkpoint onto {where}")
-      self.interpreter = self._interpreter(decision.plan)
-      restored = self._load(f"{step}/{self.attempts}")
-      self.board.rewind(restored + 1)  # the steps redone replace their first points
-      self._board_failure(lost, step, mid_step, f"{decision.reason}; going on from step "
-                          f"{restored + 1} on {where}")
-      event.steps_rerun = step - restored - (0 if mid_step else 1)
-      event.extra["outcome"] = decision.reason
-      if restored:
-        self.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
-      elif committed_steps(self.ckpt_dir):
-        self.log(f"no checkpoint verified: starting again from step 1, losing {step - 1} "
-                 "committed step(s)")
-      return restored
-    self._board_failure(lost, step, mid_step, f"now {self.coordinator.plan_name} on "
-                        f"{self.coordinator.live_count} live workers")
-    dead = self.coordinator.down_nodes
-    copied = self.interpreter.place(decision.plan, self.interpreter.sources(dead), dead=dead,
-                                    tag=(step, self.attempts))
+      return self._restore(decision, lost, step, mid_step, event)
+    self._board(lost, step, mid_step, f"now {run.coordinator.plan_name} on "
+                f"{run.coordinator.live_count} live workers")
+    dead = run.coordinator.down_nodes
+    copied = run.interpreter.place(decision.plan, run.interpreter.sources(dead), dead=dead,
+                                   tag=(step, run.attempts))
     if copied:
-      self.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state from "
-               "surviving replicas")
+      run.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state from "
+              "surviving replicas")
     return None
 
-  def _plan_key(self, step: int) -> str | None:
-    """Where process 0 publishes its decision about the event now being applied (None in one
-    process): named by the step, the attempt counter and the membership events so far, which
-    every process of the job agrees on (`runtime/plan_exchange.py`)."""
-    if self.cluster is None:
-      return None
-    from resilient_jax.runtime.plan_exchange import plan_key
+  def _restore(self, decision: Decision, lost: list[int], step: int, mid_step: bool,
+               event) -> int:
+    run = self.run
+    nodes = run.plan_nodes(decision.plan)
+    where = (f"{describe(decision.plan)} ({len(nodes)} of {len(run.coordinator.live)} "
+             "surviving nodes)")
+    self.checkpoints.wait()  # a save in flight is a checkpoint to restore
+    if run.chief and not self.checkpoints.committed():
+      off = "" if run.cfg.checkpoint.every_steps else " (checkpoint.every_steps=0)"
+      run.log(f"{decision.reason}; there is no checkpoint to restore{off}: starting again "
+              f"from step 1 on {where}, losing {step - 1} committed step(s)")
+    else:
+      run.log(f"{decision.reason}; restoring the latest checkpoint onto {where}")
+    run.use_plan(decision.plan)
+    restored = self.checkpoints.load(f"{step}/{run.attempts}")
+    run.board.rewind(restored + 1)  # the steps redone replace their first points
+    self._board(lost, step, mid_step, f"{decision.reason}; going on from step {restored + 1} "
+                f"on {where}")
+    event.steps_rerun = step - restored - (0 if mid_step else 1)
+    event.extra["outcome"] = decision.reason
+    if restored:
+      run.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
+    elif self.checkpoints.committed():
+      run.log(f"no checkpoint verified: starting again from step 1, losing {step - 1} "
+              "committed step(s)")
+    return restored
 
-    return plan_key(step, self.attempts, len(self.membership))
+  def recovered(self, pending: list[dict], step: int, admissions: Any) -> None:
+    """Completes the recovery events of the failures and rejoins `step` recovered from."""
+    run = self.run
+    done_at = time.time()
+    run.goodput.committed(step, done_at)
+    for event in pending:
+      event["recovered_at"] = done_at
+      if "killed_at" in event:
+        event["kill_to_next_step_s"] = round(done_at - event["killed_at"], 3)
+      event["detect_to_next_step_s"] = round(done_at - event["detected_at"], 3)
+      # Programs compiled (or read from JAX's cache) between detection and the step's commit:
+      # a recovery should find every program it needs already built.
+      event["xla_compiles"] = Counts.xla - event["xla_compiles"]
+      run.recovery.append(event)
+      if event.get("kind") == "rejoin":
+        admissions.rejoined(event, step, done_at)
+        continue
+      run.board.text(step, "recovery", f"step {step} committed {event['detect_to_next_step_s']}s "
+                     f"after the loss of node {event['node']} was detected")
+      if "kill_to_next_step_s" in event:
+        run.log(f"  recovered from the loss of node {event['node']} (process {event['process']}): "
+                f"detected {event['kill_to_detect_s']:.2f}s after the kill, step {step} "
+                f"completed {event['kill_to_next_step_s']:.2f}s after it")
+    if pending and run.chief:
+      self.write_recovery()
 
-  def _board_failure(self, lost: list[int], step: int, mid_step: bool, outcome: str) -> None:
+  def _board(self, lost: list[int], step: int, mid_step: bool, outcome: str) -> None:
     when = "during" if mid_step else "at the start of"
-    self.board.text(step, "failure", f"node(s) {lost} failed {when} step {step} "
-                    f"(policy {self.cfg.resilience.policy}): {outcome}")
+    self.run.board.text(step, "failure", f"node(s) {lost} failed {when} step {step} "
+                        f"(policy {self.run.cfg.resilience.policy}): {outcome}")
 
-  @staticmethod
-  def _plan_nodes(plan: Plan) -> list[int]:
-    if isinstance(plan, PipelineSet):
-      return plan.nodes
-    return sorted(plan.nodes[w] for w in plan.schedule.ops)
+  def write_recovery(self) -> None:
+    write_json_atomic(self.run.workdir / "recovery.json", self.run.recovery)
 
-  def _kill_times(self, relaunches: bool = False) -> dict[int, float]:
-    """When `launch/local.py` killed (or, with `relaunches`, relaunched) each process."""
-    return {r["process"]: r["time"] for r in read_jsonl(self.workdir / KILLS_FILE)
-            if (r.get("signal") == "relaunch") == relaunches}
 
-  def _write_recovery(self) -> None:
-    write_json_atomic(self.workdir / "recovery.json", self.recovery)
-
+def kill_times(workdir: Path, relaunches: bool = False) -> dict[int, float]:
+  """When `launch/local.py` killed (or, with `relaunches`, relaunched) each process."""
+  return {r["process"]: r["time"] for r in read_jsonl(workdir / KILLS_FILE)
+          if (r.get("signal") == "relaunch") == relaunches}

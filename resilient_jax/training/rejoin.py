@@ -18,15 +18,12 @@ the same.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from resilient_jax.checkpoint.store import committed_steps
 from resilient_jax.runtime.handover import Source
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
-
-if TYPE_CHECKING:
-  from resilient_jax.training.loop import Trainer
+from resilient_jax.training.checkpoints import Checkpoints
+from resilient_jax.training.run import Run
 
 
 def position(plan: Plan, node: int) -> str:
@@ -42,12 +39,12 @@ def position(plan: Plan, node: int) -> str:
   return f"(node {node})"
 
 
-def state_origins(trainer: Trainer, sources: Sequence[Source], nodes: Sequence[int]
+def state_origins(run: Run, sources: Sequence[Source], nodes: Sequence[int]
                   ) -> dict[int, list[int]]:
   """Per node of `nodes`, the nodes its parameters come from in the current plan: for each of
   its slots' parameters the first source holding it, as `Interpreter.place` picks."""
-  interp = trainer.interpreter
-  node_of = {dev: n for n, dev in trainer.transport.devices.items()}
+  interp = run.interpreter
+  node_of = {dev: n for n, dev in run.transport.devices.items()}
   out: dict[int, list[int]] = {}
   for slot in interp.local_slots:
     node = interp.node(slot)
@@ -62,41 +59,41 @@ def state_origins(trainer: Trainer, sources: Sequence[Source], nodes: Sequence[i
   return out
 
 
-def apply_rejoin(trainer: Trainer, nodes: set[int], step: int, *, remote: bool = False) -> None:
+def apply_rejoin(run: Run, checkpoints: Checkpoints, nodes: set[int], step: int, *,
+                 remote: bool = False) -> None:
   """`nodes` come back at the start of `step` (see the module docstring).
 
-  With `remote` (processes admitted back into a multi-process job, `relaunch.Relaunches.admit`),
+  With `remote` (processes admitted back into a multi-process job, `relaunch.Admissions.admit`),
   every process calls this: `nodes` hold nothing, and `place` hands each key they lack over
   from the lowest live node that holds it, across processes (`StateHandover`); the log and
   the event name those processes and bytes.
   """
-  coord = trainer.coordinator
+  coord = run.coordinator
   old_plan = coord.plan
-  decision = coord.rejoin(nodes, step, key=trainer._plan_key(step))
-  event = trainer.goodput.add("rejoin", step, sorted(nodes), policy=coord.policy,
+  decision = coord.rejoin(nodes, step, key=run.plan_key(step))
+  event = run.goodput.add("rejoin", step, sorted(nodes), policy=coord.policy,
                               plan=coord.plan_name, live_workers=coord.live_count)
   if decision.restore:
     # A planned restart: checkpoint the committed state first, so nothing is redone.
-    trainer.log(f"{decision.reason}: checkpointing step {step - 1} and restoring it onto the "
-                "new layout (no step is redone)")
-    if trainer.writer is not None:
-      trainer.writer.wait()  # a save of step - 1 in flight would be the same checkpoint
-    if step - 1 not in committed_steps(trainer.ckpt_dir):
-      trainer._save(step - 1, old_plan)
-    trainer.interpreter = trainer._interpreter(decision.plan)
-    restored = trainer._load(f"rejoin/{step}/{trainer.attempts}")
+    run.log(f"{decision.reason}: checkpointing step {step - 1} and restoring it onto the new "
+            "layout (no step is redone)")
+    checkpoints.wait()  # a save of step - 1 in flight would be the same checkpoint
+    if step - 1 not in checkpoints.committed():
+      checkpoints.save(step - 1, old_plan)
+    run.use_plan(decision.plan)
+    restored = checkpoints.load(f"rejoin/{step}/{run.attempts}")
     if restored != step - 1:
       raise RuntimeError(f"growing the layout at step {step} restored step {restored}, not the "
                          f"step {step - 1} it had just saved")
     event.extra.update(outcome=decision.reason, state_from="checkpoint")
-    trainer.board.text(step, "rejoin", f"node(s) {sorted(nodes)} rejoined at step {step}: "
-                       f"{decision.reason}")
+    run.board.text(step, "rejoin", f"node(s) {sorted(nodes)} rejoined at step {step}: "
+                   f"{decision.reason}")
     return
-  taken = [n for n in sorted(nodes) if n in trainer._plan_nodes(decision.plan)]
+  taken = [n for n in sorted(nodes) if n in run.plan_nodes(decision.plan)]
   if remote:
-    interp = trainer.interpreter
-    interp.place(decision.plan, interp.sources(nodes), dead=nodes, tag=(step, trainer.attempts))
-    process_of = trainer.transport.process_of
+    interp = run.interpreter
+    interp.place(decision.plan, interp.sources(nodes), dead=nodes, tag=(step, run.attempts))
+    process_of = run.transport.process_of
     moves = [m for m in interp.handed_over if m[1] in nodes]
     state_from = {str(n): {} for n in taken}
     for src, dst, size in moves:  # by source process (its workers' shares added up)
@@ -105,34 +102,33 @@ def apply_rejoin(trainer: Trainer, nodes: set[int], step: int, *, remote: bool =
     copied = sum(size for _, _, size in moves)
     for n in taken:
       where = ", ".join(f"process {src} ({size} bytes)" for src, size in state_from[str(n)].items())
-      trainer.log(f"  worker {position(decision.plan, n)} of process {process_of(n)}: its "
-                  f"parameters and optimizer state came from "
-                  f"{where or 'nowhere (it needed none)'} over the transfer server")
+      run.log(f"  worker {position(decision.plan, n)} of process {process_of(n)}: its "
+              f"parameters and optimizer state came from "
+              f"{where or 'nowhere (it needed none)'} over the transfer server")
   else:
-    copied, state_from = _place_locally(trainer, taken, step, old_plan)
+    copied, state_from = _place_locally(run, taken, step, old_plan)
   idle = sorted(set(nodes) - set(taken))
   outcome = (f"now {coord.plan_name} on {coord.live_count} live workers"
              + (f"; node(s) {idle} idle" if idle else ""))
   event.extra.update(outcome=outcome, state_from=state_from, bytes_copied=int(copied))
-  trainer.board.text(step, "rejoin", f"node(s) {sorted(nodes)} rejoined at the start of step "
-                     f"{step}: {outcome}")
+  run.board.text(step, "rejoin", f"node(s) {sorted(nodes)} rejoined at the start of step "
+                 f"{step}: {outcome}")
 
 
-def _place_locally(trainer: Trainer, taken: list[int], step: int, old_plan: Plan
+def _place_locally(run: Run, taken: list[int], step: int, old_plan: Plan
                    ) -> tuple[int, dict[str, str]]:
   """In one process: places the plan from live replicas; returns bytes copied and origins."""
-  down = trainer.coordinator.down_nodes
-  sources = trainer.interpreter.sources(down)
-  copied = trainer.interpreter.place(trainer.coordinator.plan, sources,
-                                     tag=(step, trainer.attempts))
-  origins = state_origins(trainer, sources, taken)
+  down = run.coordinator.down_nodes
+  sources = run.interpreter.sources(down)
+  copied = run.interpreter.place(run.coordinator.plan, sources, tag=(step, run.attempts))
+  origins = state_origins(run, sources, taken)
   state_from = {}
   for n in taken:
     where = ", ".join(position(old_plan, o) for o in origins.get(n, [])) or "its own device"
     state_from[str(n)] = where
-    trainer.log(f"  worker {position(trainer.coordinator.plan, n)} (node {n}): its state came from "
-                f"{where}")
+    run.log(f"  worker {position(run.coordinator.plan, n)} (node {n}): its state came from "
+            f"{where}")
   if copied:
-    trainer.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state device "
-                "to device from live replicas")
+    run.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state device to "
+            "device from live replicas")
   return copied, state_from

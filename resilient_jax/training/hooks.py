@@ -1,0 +1,227 @@
+"""What a run does after each committed step besides training, as hooks (Levanter's
+`add_hook`): the metrics file, TensorBoard, the step's log line, timelines, the policy's step
+times and the key-value store's clean-up. A benchmark or a notebook adds its own
+(`Trainer.add_hook(fn, every=N)`) instead of copying the loop.
+
+A hook receives the step's `StepInfo`; hooks run in the order they were added, after the step
+committed and before its checkpoint. An end hook receives the `Run` and every step's metrics
+row once the last step is done.
+
+Costs: each standard hook is O(1) per step on process 0 (one line appended to a file, one
+TensorBoard event, three key deletions in a job), except a profiled step's timeline drawing
+(O(ops of the step)), which only the drawn steps pay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from resilient_jax.files import read_jsonl, write_text_atomic
+from resilient_jax.observe.profiling import RunTimelines, write_step_timeline
+from resilient_jax.runtime.records import StepResult
+from resilient_jax.schedule.cost import Timeline
+from resilient_jax.training.run import Run
+
+
+@dataclasses.dataclass
+class StepInfo:
+  """A committed step, as hooks see it."""
+
+  step: int
+  last: bool
+  """The run's last step (`train.steps`, or `train.stop_after`)."""
+  result: StepResult
+  row: dict
+  """Its line of `metrics.jsonl`."""
+  replayed: Timeline | None
+  """A profiled step replayed with one core per worker (`profiling.replay_records`)."""
+  compiles: int
+  """XLA compilations during the step."""
+  run: Run
+
+
+StepHook = Callable[[StepInfo], None]
+EndHook = Callable[[Run, list[dict]], None]
+
+
+class Hooks:
+  """Hooks run after committed steps (`every` N steps, and the last) and at the run's end."""
+
+  def __init__(self) -> None:
+    self._steps: list[tuple[StepHook, int]] = []
+    self._end: list[EndHook] = []
+
+  def add(self, fn: StepHook, every: int = 1) -> None:
+    if every < 1:
+      raise ValueError(f"a hook runs every N >= 1 steps, not {every}")
+    self._steps.append((fn, every))
+
+  def add_end(self, fn: EndHook) -> None:
+    self._end.append(fn)
+
+  def after_step(self, info: StepInfo) -> None:
+    for fn, every in self._steps:
+      if info.step % every == 0 or info.last:
+        fn(info)
+
+  def at_end(self, run: Run, metrics: list[dict]) -> None:
+    for fn in self._end:
+      fn(run, metrics)
+
+
+class MetricsFile:
+  """`metrics.jsonl`: one line per committed step, on process 0 (`enabled`)."""
+
+  def __init__(self, path: Path, enabled: bool):
+    self.path, self.enabled = path, enabled
+
+  def resume(self, start: int, log: Callable[[str], None], why_none: Callable[[], str]
+             ) -> list[dict]:
+    """The rows of the steps before `start` (an earlier run's), the file rewritten to them."""
+    if not self.enabled:
+      return []
+    earlier = read_jsonl(self.path, log=log)
+    if start == 1 and earlier:
+      log(f"no checkpoint to resume from in {self.path.parent / 'checkpoints'} ({why_none()}): "
+          f"starting from step 1; the {len(earlier)} step(s) metrics.jsonl holds from an "
+          "earlier run are lost and will be redone")
+    return self.rewind([r for r in earlier if r["step"] < start])
+
+  def rewind(self, rows: list[dict]) -> list[dict]:
+    """Keeps `rows` only (a restore redoes the steps after them)."""
+    if self.enabled:
+      write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+  def __call__(self, info: StepInfo) -> None:
+    if self.enabled:
+      with self.path.open("a") as f:
+        f.write(json.dumps(info.row) + "\n")
+
+
+def step_line(info: StepInfo) -> None:
+  """The step's progress line."""
+  r, row, run = info.result, info.row, info.run
+  run.log(
+    f"step {info.step:4d}/{run.cfg.train.steps}  loss {r.loss:.4f}  "
+    f"samples/s {row['samples_per_s']:9.1f}  step_time {r.step_time_s:.3f}s  "
+    f"workers {row['live_workers']}  schedule {run.coordinator.plan_name}"
+    + ("  SKIPPED: non-finite gradients, no stage stepped" if r.skipped else "")
+    + (f"  (+{r.built.seconds:.1f}s building {r.built.describe()})" if r.built.programs()
+       else ""))
+
+
+def step_times(info: StepInfo) -> None:
+  """The step's time to the policy's report of a failure (after the step's line: a failure's
+  report names this step)."""
+  info.run.coordinator.record_step_time(
+    info.step, info.result.step_time_s, profiled=bool(info.result.records),
+    replayed_s=info.replayed.makespan if info.replayed else None)
+
+
+def forget_old_agreements(info: StepInfo) -> None:
+  """Drops the agreements of the step `distributed.kv_keep_steps` back (a job's process 0)."""
+  keep = info.run.cfg.distributed.kv_keep_steps
+  if info.run.chief and info.step > keep:
+    info.run.group.forget(info.step - keep)
+
+
+class Schedules:
+  """Every schedule the run used, written to `schedule.txt` at the end (process 0)."""
+
+  def __init__(self) -> None:
+    self.seen: list[str] = []
+
+  def __call__(self, info: StepInfo) -> None:
+    text = info.run.coordinator.plan_text()
+    if not self.seen or self.seen[-1] != text:
+      self.seen.append(text)
+
+  def write(self, run: Run, metrics: list[dict]) -> None:
+    if run.chief:
+      write_text_atomic(run.workdir / "schedule.txt", "\n\n".join(self.seen) + "\n")
+
+
+class Timelines:
+  """Draws the profiled steps `RunTimelines` picks: `timeline_step<N>.*` around failures and
+  `timeline.*` for the last step."""
+
+  def __init__(self, timelines: RunTimelines):
+    self.timelines = timelines
+    self.stepped = False  # a step of this run committed
+
+  def __call__(self, info: StepInfo) -> None:
+    self.stepped = True
+    if info.replayed is None:
+      return
+    kind = self.timelines.kind(info.step, bool(info.run.coordinator.failed))
+    for drawing in ([kind] if kind else []) + ([None] if info.last else []):
+      self._draw(info, drawing)
+
+  def _draw(self, info: StepInfo, kind: str | None) -> None:
+    coord = info.run.coordinator
+    plan = coord.plan
+    at = {}
+    for fstep, node in coord.failed:
+      if node not in coord.live:  # a rejoined node runs again
+        at.setdefault(node, fstep)
+    failed = {w: at[n] for w, n in plan.nodes.items() if n in at}
+    tl = self.timelines
+    stem = f"timeline_step{info.step}" if kind else "timeline"
+    title = tl.title(info.step, kind, failed, [f for f, _ in coord.failed], info.compiles)
+    write_step_timeline(plan.schedule, info.result.records, info.run.workdir, title=title,
+                        stem=stem, failed=failed, replayed=info.replayed,
+                        metadata={"step": info.step, "drawn_as": kind or "last step",
+                                  "xla_compiles_in_step": info.compiles})
+    tl.written += [f"{stem}.png", f"{stem}.json"]
+
+  def explain_none(self, run: Run, metrics: list[dict]) -> None:
+    """Says why there is no timeline of the last step, where there is none."""
+    if run.chief and self.stepped and "timeline.png" not in self.timelines.written:
+      why = ("steps of a multi-process job are not profiled" if not run.group.profiles else
+             f"timelines replay grid schedules, and {run.coordinator.plan_name} runs pipeline "
+             "sets")
+      run.log(f"no timeline of the last step: {why}")
+
+
+def summary(run: Run, metrics: list[dict]) -> None:
+  """The run's closing lines on process 0: the policy's summary, goodput, and the key-value
+  store's kept steps."""
+  if not run.chief:
+    return
+  if run.coordinator.failed:
+    for line in run.coordinator.summary():
+      run.log(line)
+  if run.goodput.events:
+    g = run.goodput.write(run.workdir / "goodput.json", metrics)["run"]
+    run.log(f"goodput: effective training time {g['effective_fraction']:.1%} of the wall time "
+            f"({g['failures']} failure(s), {g['rejoins']} rejoin(s), {g['steps_rerun']} step(s) "
+            f"re-run): {run.workdir / 'goodput.json'}")
+
+
+def kept_agreements(run: Run, metrics: list[dict]) -> None:
+  kept = run.group.kept_keys() if run.chief else None
+  if kept is not None:
+    run.log(f"coordination service: keys of step(s) {', '.join(map(str, kept))} kept "
+            f"(distributed.kv_keep_steps={run.cfg.distributed.kv_keep_steps})")
+
+
+def standard_hooks(run: Run, timelines: RunTimelines, metrics_file: MetricsFile) -> Hooks:
+  """The hooks every run has, in their order."""
+  hooks = Hooks()
+  drawings, schedules = Timelines(timelines), Schedules()
+  hooks.add(drawings)
+  hooks.add(schedules)
+  hooks.add(metrics_file)
+  hooks.add(lambda info: info.run.board.step(info.row))
+  hooks.add(forget_old_agreements)
+  hooks.add(step_line)
+  hooks.add(step_times)
+  hooks.add_end(summary)
+  hooks.add_end(schedules.write)
+  hooks.add_end(drawings.explain_none)
+  hooks.add_end(kept_agreements)
+  return hooks

@@ -1,0 +1,55 @@
+"""Process-wide settings a launcher makes around a run, which the library itself never makes (a
+notebook or a test calling `train` keeps its own signal handlers and garbage collector).
+
+* `stop_on_signals`: SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) asks the run to
+  stop after the step in flight, in every process of the job, with a checkpoint of that step
+  (`Trainer.request_stop`, then `Preempted`, exit code 9); a second signal ends the process at
+  once.
+* `steady_gc`: objects built before the steps leave the cyclic collector's full passes, which
+  stalled dispatch ~150 ms every ~10 steps (`docs/benchmarks.md`); they are still freed at
+  refcount zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def stop_on_signals(trainer: Any) -> Iterator[None]:
+  """While the block runs, SIGTERM and SIGINT ask `trainer` to stop after the step in flight;
+  the handlers it replaced come back after. Off the main thread (where Python cannot install
+  handlers) it installs none."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def on_signal(signum: int, frame: Any) -> None:
+    del frame
+    if trainer.transport.stop_requested:  # asked twice: stop now
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
+    trainer.request_stop(signal.Signals(signum).name)
+
+  previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def steady_gc() -> Iterator[None]:
+  """Freezes what exists now out of the cyclic collector's passes for the block's length."""
+  gc.freeze()
+  try:
+    yield
+  finally:
+    gc.unfreeze()

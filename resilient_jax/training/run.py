@@ -1,0 +1,172 @@
+"""What the parts of a training run share, built once before the first step (`start_run`).
+
+A `Run` is plain, typed state: the configuration, the group of processes the run spans
+(`group.Solo` or `group.Job`), the model's stage programs, the transport, the policy's
+coordinator and the interpreter that holds this process's share of the training state. The
+loop, the checkpoints, the failure handling and the rejoins each receive it; none of them is
+mixed into another, and each says which fields it reads and which it replaces (only
+`interpreter`, when a restore or a join changes the layout, and `attempts`).
+
+Costs: building a run compiles nothing itself (`Programs` builds a split's programs when a plan
+first needs them); a job connects each process to the processes of its own and neighbouring
+stages (O(processes of 3 stages) connections, not O(processes)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from resilient_jax.checkpoint import CheckpointError, CheckpointWriter
+from resilient_jax.config import ConfigError, RunConfig
+from resilient_jax.data import BatchPlan
+from resilient_jax.observe.goodput import GoodputLog
+from resilient_jax.observe.tensorboard import Board
+from resilient_jax.policy import RunCoordinator
+from resilient_jax.programs.stages import StagePrograms, build_stage_programs
+from resilient_jax.recipe import (
+  make_data,
+  make_model,
+  make_optimizer,
+  num_microbatches,
+  optimizer_key,
+)
+from resilient_jax.runtime.interpreter import Interpreter
+from resilient_jax.runtime.transport import Transport
+from resilient_jax.schedule.pipelines import PipelineSet
+from resilient_jax.schedule.plan import Plan
+from resilient_jax.training.group import Group, Job, Solo
+
+Logger = Callable[[str], None]
+
+
+class Programs:
+  """The stage programs of every split of the layers the run's plans use, at the current
+  micro-batch size, each built once (`Interpreter` asks for a split's when a plan needs it)."""
+
+  def __init__(self, cfg: RunConfig, model: Any):
+    self.cfg, self.model = cfg, model
+    self.microbatch_size = cfg.step_batch // cfg.pipeline.microbatches
+    self._built: dict[tuple, list[StagePrograms]] = {}
+
+  def __call__(self, split: tuple[tuple[int, int], ...]) -> list[StagePrograms]:
+    key = (split, self.microbatch_size)
+    if key not in self._built:
+      cfg = self.cfg
+      self._built[key] = build_stage_programs(
+        self.model, [range(lo, hi) for lo, hi in split], self.microbatch_size, cfg.model.seq_len,
+        make_optimizer(cfg), cfg.step_batch, tp=cfg.mesh.tp, optimizer_key=optimizer_key(cfg))
+    return self._built[key]
+
+  @property
+  def configured(self) -> list[StagePrograms]:
+    """The configured grid's stage programs."""
+    return self(tuple((r.start, r.stop) for r in self.cfg.partition))
+
+
+@dataclasses.dataclass
+class Run:
+  """The state every part of one run (or one process's share of a job) reads."""
+
+  cfg: RunConfig
+  workdir: Path
+  log: Logger
+  group: Group
+  model: Any
+  source: Any
+  """The data source (`recipe.make_data`)."""
+  batches: BatchPlan
+  """Which samples each step trains on (a pure function of seed and step)."""
+  transport: Transport
+  coordinator: RunCoordinator
+  programs: Programs
+  interpreter: Interpreter
+  """This process's slots and their committed state; replaced when the layout changes."""
+  writer: CheckpointWriter | None
+  """Process 0's checkpoint writer (None elsewhere)."""
+  goodput: GoodputLog = dataclasses.field(default_factory=GoodputLog)
+  board: Board = dataclasses.field(default_factory=lambda: Board(None))
+  recovery: list[dict] = dataclasses.field(default_factory=list)
+  """Per failure and rejoin: detection and time to the next committed step (recovery.json)."""
+  membership: list = dataclasses.field(default_factory=list)
+  """Every failure and admission so far, in order (the same in every live process)."""
+  attempts: int = 0
+  """Step attempts over the whole run: names transfers and agreements, never reused."""
+
+  @property
+  def chief(self) -> bool:
+    return self.group.chief
+
+  @property
+  def ckpt_dir(self) -> Path:
+    return self.workdir / "checkpoints"
+
+  def use_plan(self, plan: Plan) -> None:
+    """A new interpreter for `plan` (its state placed or restored by the caller)."""
+    self.interpreter = new_interpreter(self.cfg, self.programs, self.transport, plan,
+                                       replicas=not self.group.relaunched)
+
+  def plan_key(self, step: int) -> str | None:
+    """Where process 0 publishes its decision about the event now being applied."""
+    return self.group.plan_key(step, self.attempts, len(self.membership))
+
+  @staticmethod
+  def plan_nodes(plan: Plan) -> list[int]:
+    if isinstance(plan, PipelineSet):
+      return plan.nodes
+    return sorted(plan.nodes[w] for w in plan.schedule.ops)
+
+
+def new_interpreter(cfg: RunConfig, programs: Programs, transport: Transport, plan: Plan,
+                    replicas: bool = True) -> Interpreter:
+  programs.microbatch_size = cfg.step_batch // num_microbatches(plan)
+  return Interpreter(programs, transport, plan, clip_global_norm=cfg.optimizer.clip_global_norm,
+                     nonfinite=cfg.faults.nonfinite, replicas=replicas)
+
+
+def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None,
+              log: Logger, cluster: Any, model: Any) -> Run:
+  """Builds everything a run needs before its first step (see `Trainer`'s arguments)."""
+  group = Solo() if cluster is None else Job(cluster)
+  log = log if group.chief else (lambda _: None)
+  workdir = Path(workdir)
+  if group.chief:
+    workdir.mkdir(parents=True, exist_ok=True)
+  model = make_model(cfg) if model is None else model
+  if cfg.checkpoint.init_from:
+    from resilient_jax.checkpoint.init_from import init_params, read_params
+
+    source = cfg.checkpoint.init_from
+    try:
+      n = init_params(model, read_params(source), source)
+    except CheckpointError as e:
+      raise ConfigError(str(e)) from None
+    log(f"initialised {n} parameters from {source}")
+  data_source, batches = make_data(cfg)
+  writer = None
+  if group.chief:
+    writer = CheckpointWriter(workdir / "checkpoints", keep=cfg.checkpoint.keep)
+    for name in writer.remove_unfinished():
+      log(f"removed {workdir / 'checkpoints' / name}: a save that never committed (its writer "
+          "stopped mid-way)")
+  transport = group.transport(cfg, devices)
+  nodes = list(range(cfg.mesh.num_workers))
+  coordinator = RunCoordinator(cfg, nodes, log=log)
+  group.attach(coordinator)
+  programs = Programs(cfg, model)
+  interpreter = new_interpreter(cfg, programs, transport, coordinator.plan,
+                                replicas=not group.relaunched)
+  tp = cfg.mesh.tp
+  if tp > 1 and not any(any(s) for prog in programs.configured
+                        for s in prog.param_specs.values()):
+    log(f"mesh.tp={tp}: no parameter of the model names a logical axis that splits "
+        "(resilient_jax/model/sharding.py), so every worker's stage runs replicated over "
+        f"its {tp} devices: correct, but neither faster nor smaller per device")
+  group.warm_up(cfg, transport, interpreter)
+  return Run(cfg, workdir, log, group, model, data_source, batches, transport, coordinator,
+             programs, interpreter, writer)
