@@ -7,7 +7,7 @@ import pytest
 
 from resilient_jax.policy import RunCoordinator
 from resilient_jax.runtime import admission
-from resilient_jax.runtime.cluster import first_writer_wins
+from resilient_jax.runtime.liveness import first_writer_wins
 from tests.helpers import tiny_config
 
 
@@ -121,7 +121,7 @@ def test_replaying_the_history_gives_the_survivors_plan():
 def test_a_readmitted_process_is_silent_only_from_its_admission():
   """Its predecessor's heartbeat counter stopped long ago (it may even equal the new one's):
   after `forget` the silence counts from the admission, not from the predecessor's death."""
-  from resilient_jax.runtime.cluster import HeartbeatMonitor
+  from resilient_jax.runtime.liveness import HeartbeatMonitor
 
   m = HeartbeatMonitor(0, timeout_s=1.0, min_beats=1)
   m.observe({0: 1, 1: 5}, 0.0)

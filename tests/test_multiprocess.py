@@ -558,7 +558,7 @@ import json, os, sys, threading
 import jax
 jax.distributed.initialize(sys.argv[1], num_processes=1, process_id=0)
 from jax._src import distributed
-from resilient_jax.runtime.cluster import first_writer_wins
+from resilient_jax.runtime.liveness import first_writer_wins
 client = distributed.global_state.client
 out = {}
 for key in ("decision/1/0", "decision/1/1"):
@@ -596,7 +596,7 @@ def test_first_writer_wins_on_the_coordination_service():
 
 
 def test_first_writer_wins_passes_other_errors_on():
-  from resilient_jax.runtime.cluster import first_writer_wins
+  from resilient_jax.runtime.liveness import first_writer_wins
 
   class Client:
     def __init__(self, error):
@@ -663,7 +663,7 @@ def test_inbox_waits_for_the_first_arrival_or_a_dead_producer():
 
 
 def test_heartbeat_monitor_needs_silence_and_the_observers_own_beats():
-  from resilient_jax.runtime.cluster import HeartbeatMonitor
+  from resilient_jax.runtime.liveness import HeartbeatMonitor
 
   m = HeartbeatMonitor(me=0, timeout_s=1.0, min_beats=5)
   assert m.observe({0: 1, 1: 1, 2: 1}, 0.0, [3]) == set()
@@ -681,7 +681,7 @@ def test_heartbeat_monitor_needs_silence_and_the_observers_own_beats():
 def test_probe_tells_a_refused_port_from_a_listening_one():
   import socket
 
-  from resilient_jax.runtime.cluster import parse_address, probe_address
+  from resilient_jax.runtime.liveness import parse_address, probe_address
 
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -106,3 +106,17 @@ def test_exit_codes_and_records_are_leaves():
 def test_the_top_level_holds_at_most_eight_modules():
   top = [f for f in os.listdir(os.path.join(ROOT, "resilient_jax")) if f.endswith(".py")]
   assert len(top) <= 8, sorted(top)
+
+
+def test_no_module_of_the_library_passes_600_lines():
+  long = {n: open(p).read().count("\n") for n, p in _modules().items()
+          if n.startswith("resilient_jax")}
+  assert {n: c for n, c in long.items() if c > 600} == {}
+
+
+def test_the_loop_reads_on_one_screenful_of_files():
+  """The loop file stays short and names no kind of run: one process or a job is the group's
+  business (`training/group.py`)."""
+  src = open(os.path.join(ROOT, "resilient_jax", "training", "loop.py")).read()
+  assert src.count("\n") < 300
+  assert "cluster is None" not in src and "cluster is not None" not in src
