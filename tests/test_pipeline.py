@@ -223,3 +223,23 @@ def test_progress_lines_only_while_work_runs_long():
   assert n >= 1 and set(lines) == {"still running"}
   done.clear()
   assert not done.wait(0.1) and len(lines) == n  # and none once it has ended
+
+
+def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
+  """`Trainer.add_hook(fn, every=N)`: after the standard hooks (the metrics line is written
+  when `fn` sees it), on steps N, 2N, ... and the last."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=5)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  seen = []
+
+  def hook(info):
+    written = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    seen.append((info.step, info.last, info.row, json.loads(written[-1])))
+
+  trainer.add_hook(hook, every=2)
+  with pytest.raises(ValueError, match="every N >= 1"):
+    trainer.add_hook(hook, every=0)
+  result = trainer.run()
+  assert [(s, last) for s, last, _, _ in seen] == [(2, False), (4, False), (5, True)]
+  for _, _, row, written in seen:
+    assert row == written == result.metrics[row["step"] - 1]
