@@ -714,3 +714,60 @@ def test_a_process_declared_dead_exits_7():
   # Marked per generation: process 3 was admitted back once, so its successor is meant.
   assert "poisoned\nstill here ['declared/1/0', 'declared/3/1']" in proc.stdout, proc.stderr
   assert "declared this one dead (step 4)" in proc.stderr
+
+
+def test_a_coordinator_that_never_answers_is_one_line_and_the_wait_exit(tmp_path):
+  """A wrong or dead coordinator address: the process says so in one line within
+  `distributed.wait_timeout_s` and exits 6 (it hung five minutes, then aborted with 134)."""
+  import socket
+
+  from tests.helpers import run_launcher
+
+  with socket.socket() as s:  # a port nobody listens on
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = run_launcher(
+    "--config=configs/gpt_tiny.py:runlocal", f"--workdir={tmp_path}",
+    "--config.distributed.enabled=true", f"--config.distributed.coordinator=127.0.0.1:{port}",
+    "--config.distributed.num_processes=2", "--config.distributed.process_id=1",
+    "--config.distributed.wait_timeout_s=2", timeout=120)
+  assert proc.returncode == 6, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+    f"process 1: nothing answers at the coordinator address 127.0.0.1:{port} after 2s "
+    "(distributed.wait_timeout_s): is it right, and is process 0 up? exiting with code 6")
+
+
+def test_the_coordination_service_listens_only_where_it_is_named():
+  """An IP address (loopback for `launch.local`) binds the service there alone, not on every
+  interface, so no other host can register as a process of the job; a host name keeps JAX's
+  default (it could resolve to a loopback alias on its own host)."""
+  from resilient_jax.runtime.cluster import bind_address
+
+  assert bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
+  assert bind_address("[::1]:1234") == "[::1]:1234"
+  assert bind_address("10.0.0.5:8476") == "10.0.0.5:8476"
+  assert bind_address("node001:8476") is None and bind_address("") is None
+
+
+def test_a_process_that_never_arrives_ends_the_wait_with_one_line(tmp_path):
+  """Process 0 of a 2-process job whose process 1 never starts: JAX's join waits
+  `distributed.wait_timeout_s` (not five minutes), and the process's last line says what it
+  waited for; exit 6."""
+  import socket
+
+  from tests.helpers import run_launcher
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = run_launcher(
+    "--config=configs/gpt_tiny.py:runlocal", f"--workdir={tmp_path}",
+    "--config.distributed.enabled=true", f"--config.distributed.coordinator=127.0.0.1:{port}",
+    "--config.distributed.num_processes=2", "--config.distributed.process_id=0",
+    "--config.distributed.wait_timeout_s=2", timeout=120)
+  assert proc.returncode == 6, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+    f"process 0: the job at 127.0.0.1:{port} did not form within 2s "
+    "(distributed.wait_timeout_s): did all 2 processes start, with this coordinator address?; "
+    "exiting with code 6")
