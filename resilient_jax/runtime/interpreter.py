@@ -22,7 +22,7 @@ every group of its names is reduced, so each stage steps its optimizer as soon a
 gradients are ready (the staggered optimizer ReCycle fills bubbles with).
 
 One attempt at a step is a `StepRun` (`runtime/step_run.py`): its state and its ops, dispatched
-by one thread (the default) or a thread per pipeline or slot (`runtime/dispatch.py`).
+by one thread (`runtime/dispatch.py`, which says why one).
 
 Each op's dispatch is annotated for `jax.profiler` (`TraceAnnotation`: its name in the schedule,
 `F3`, with stage, micro-batch and pipeline; always on: about half a microsecond an op when no
