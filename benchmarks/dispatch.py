@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> None:
   if args.tree:
     sys.path.insert(0, os.path.abspath(args.tree))
   from benchmarks.overhead import make_cfg
-  from resilient_jax.runtime import setup as runtime_setup
+
+  try:
+    from resilient_jax.runtime import setup as runtime_setup
+  except ImportError:  # a checkout before resilient_jax/ was grouped into packages (--tree)
+    from resilient_jax import runtime_setup
 
   grids = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",") if g.strip()]
   modes = [m for m in args.modes.split(",") if m.strip()]
@@ -77,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
   import jax
 
   import resilient_jax
-  from resilient_jax.training.loop import Trainer
+
+  try:
+    from resilient_jax.training.loop import Trainer
+  except ImportError:  # --tree: an older checkout
+    from resilient_jax.trainer import Trainer
 
   overhead_args = argparse.Namespace(
     model=args.model, d_model=0, seq_len=0, layers=0, heads=0, global_batch=0,
