@@ -742,7 +742,7 @@ def test_the_coordination_service_listens_only_where_it_is_named():
   """An IP address (loopback for `launch.local`) binds the service there alone, not on every
   interface, so no other host can register as a process of the job; a host name keeps JAX's
   default (it could resolve to a loopback alias on its own host)."""
-  from resilient_jax.runtime.cluster import bind_address
+  from resilient_jax.runtime.joining import bind_address
 
   assert bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
   assert bind_address("[::1]:1234") == "[::1]:1234"

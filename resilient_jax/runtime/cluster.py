@@ -65,6 +65,12 @@ from resilient_jax.exit_codes import (
 )
 from resilient_jax.model.sharding import Where
 from resilient_jax.observe.logs import info
+from resilient_jax.runtime.joining import (
+  await_coordinator,
+  bind_address,
+  default_on_abort,
+  exit_on_abort,
+)
 from resilient_jax.runtime.liveness import (
   HeartbeatMonitor,
   first_writer_wins,
@@ -94,76 +100,6 @@ def _local_ip(coordinator: str) -> str:
       return s.getsockname()[0]
     except OSError:
       return "127.0.0.1"
-
-
-_ABORT_HANDLER: Any = None
-
-
-def _exit_on_abort(code: int, why: str) -> None:
-  """Turns SIGABRT into exit `code`, with one line saying `why`.
-
-  The distributed client's own error handler aborts the process from a C++ thread: when the
-  coordination service goes away (often before this module's watchdog notices), and when
-  joining the job outlasts its deadline. That would exit with 134 and a C++ stack rather than
-  the documented code. Python's `signal` module cannot intercept it (its handlers run later, on
-  the main thread), so a C-level handler is installed through ctypes.
-  """
-  global _ABORT_HANDLER
-  import ctypes
-  import signal
-
-  handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
-
-  def on_abort(signum: int) -> None:
-    end_process(code, f"{why}; exiting with code {code}")
-
-  _ABORT_HANDLER = handler_type(on_abort)
-  libc = ctypes.CDLL(None)
-  libc.signal.restype = ctypes.c_void_p
-  libc.signal.argtypes = [ctypes.c_int, handler_type]
-  libc.signal(signal.SIGABRT, _ABORT_HANDLER)
-
-
-def _default_on_abort() -> None:
-  """SIGABRT aborts again (undoes `_exit_on_abort`)."""
-  import ctypes
-  import signal
-
-  libc = ctypes.CDLL(None)
-  libc.signal.restype = ctypes.c_void_p
-  libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-  libc.signal(signal.SIGABRT, None)  # SIG_DFL
-
-
-def _await_coordinator(address: str, wait_s: float, who: str) -> None:
-  """Returns once something accepts connections at `address` (process 0's coordination
-  service); past `wait_s`, ends this process with one line and `EXIT_WAIT_TIMEOUT`: a wrong or
-  unreachable address is told as such, before JAX's own wait (which would end in an abort and a
-  C++ stack) begins."""
-  deadline = time.monotonic() + wait_s
-  while probe_address(address) is not False:
-    if time.monotonic() > deadline:
-      end_process(EXIT_WAIT_TIMEOUT, f"{who}: nothing answers at the coordinator address "
-                  f"{address} after {wait_s:.0f}s (distributed.wait_timeout_s): is it right, and "
-                  f"is process 0 up? exiting with code {EXIT_WAIT_TIMEOUT}")
-    time.sleep(0.1)
-
-
-def bind_address(coordinator: str) -> str | None:
-  """Where process 0's coordination service listens: on the address the job names when that is
-  an IP address (loopback for `launch.local`: nothing from another host reaches it), rather
-  than JAX's default of every interface; None (the default) for a host name, which could
-  resolve to a loopback alias on its own host and shut the other hosts out."""
-  import ipaddress
-
-  if not coordinator:
-    return None
-  host = coordinator.rsplit(":", 1)[0].strip("[]")
-  try:
-    ipaddress.ip_address(host)
-  except ValueError:
-    return None
-  return coordinator
 
 
 class Cluster:
@@ -197,8 +133,8 @@ class Cluster:
       kwargs["process_id"] = cfg.process_id
     who = f"process {cfg.process_id}" if cfg.process_id >= 0 else "this process"
     if cfg.coordinator and cfg.process_id > 0:
-      _await_coordinator(cfg.coordinator, wait_s, who)
-    _exit_on_abort(EXIT_WAIT_TIMEOUT, (
+      await_coordinator(cfg.coordinator, wait_s, who)
+    exit_on_abort(EXIT_WAIT_TIMEOUT, (
       f"{who}: the job at {cfg.coordinator or 'the detected coordinator'} did not form within "
       f"{wait_s}s (distributed.wait_timeout_s): did all {cfg.num_processes or 'its'} processes "
       "start, with this coordinator address?"))
@@ -212,9 +148,9 @@ class Cluster:
     self.device = jax.local_devices()[0]
     self._timeout_ms = cfg.wait_timeout_s * 1000
     if self.process_id == 0:  # it hosts the service: an abort here is a bug, shown as one
-      _default_on_abort()
+      default_on_abort()
     else:
-      _exit_on_abort(EXIT_COORDINATOR_LOST, "the distributed runtime aborted this process (the "
+      exit_on_abort(EXIT_COORDINATOR_LOST, "the distributed runtime aborted this process (the "
                      "coordination service on process 0 is gone)")
       threading.Thread(target=self._watch_coordinator, name="coordinator-watchdog",
                        daemon=True).start()
