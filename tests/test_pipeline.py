@@ -50,8 +50,7 @@ def test_uneven_partition_matches(tmp_path):
 
 
 @pytest.mark.parametrize("partition,schedule", quick_only(
-  [("2,0,2", "gpipe"), ("2,0,2", "1f1b"), ("2,0,2", "zb-h1"), ("0,2,2", "zb-h1"),
-   ("2,2,0", "1f1b")], [("2,0,2", "1f1b")]))
+  [("2,0,2", "1f1b"), ("0,2,2", "zb-h1"), ("2,2,0", "gpipe")], [("2,0,2", "1f1b")]))
 def test_a_stage_of_no_layers_matches(tmp_path, partition, schedule):
   """`pipeline.partition` may give a stage no layers (the first keeps the embedding, the last
   the head): it passes activations on, reduces nothing, and the run is one device's."""
