@@ -716,21 +716,28 @@ def test_a_process_declared_dead_exits_7():
   assert "declared this one dead (step 4)" in proc.stderr
 
 
-def test_a_coordinator_that_never_answers_is_one_line_and_the_wait_exit(tmp_path):
-  """A wrong or dead coordinator address: the process says so in one line within
-  `distributed.wait_timeout_s` and exits 6 (it hung five minutes, then aborted with 134)."""
+def _alone_in_a_job(tmp_path, process_id: int):
+  """`launch.train` as process `process_id` of a 2-process job whose coordinator port nobody
+  else uses (process 1: nothing answers there; process 0: process 1 never comes)."""
   import socket
 
   from tests.helpers import run_launcher
 
-  with socket.socket() as s:  # a port nobody listens on
+  with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   proc = run_launcher(
     "--config=configs/gpt_tiny.py:runlocal", f"--workdir={tmp_path}",
     "--config.distributed.enabled=true", f"--config.distributed.coordinator=127.0.0.1:{port}",
-    "--config.distributed.num_processes=2", "--config.distributed.process_id=1",
+    "--config.distributed.num_processes=2", f"--config.distributed.process_id={process_id}",
     "--config.distributed.wait_timeout_s=2", timeout=120)
+  return proc, port
+
+
+def test_a_coordinator_that_never_answers_is_one_line_and_the_wait_exit(tmp_path):
+  """A wrong or dead coordinator address: the process says so in one line within
+  `distributed.wait_timeout_s` and exits 6 (it hung five minutes, then aborted with 134)."""
+  proc, port = _alone_in_a_job(tmp_path, 1)
   assert proc.returncode == 6, proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   assert proc.stderr.strip().splitlines()[-1] == (
@@ -754,18 +761,7 @@ def test_a_process_that_never_arrives_ends_the_wait_with_one_line(tmp_path):
   """Process 0 of a 2-process job whose process 1 never starts: JAX's join waits
   `distributed.wait_timeout_s` (not five minutes), and the process's last line says what it
   waited for; exit 6."""
-  import socket
-
-  from tests.helpers import run_launcher
-
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  proc = run_launcher(
-    "--config=configs/gpt_tiny.py:runlocal", f"--workdir={tmp_path}",
-    "--config.distributed.enabled=true", f"--config.distributed.coordinator=127.0.0.1:{port}",
-    "--config.distributed.num_processes=2", "--config.distributed.process_id=0",
-    "--config.distributed.wait_timeout_s=2", timeout=120)
+  proc, port = _alone_in_a_job(tmp_path, 0)
   assert proc.returncode == 6, proc.stderr[-2000:]
   assert proc.stderr.strip().splitlines()[-1] == (
     f"process 0: the job at 127.0.0.1:{port} did not form within 2s "
