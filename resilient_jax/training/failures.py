@@ -65,8 +65,10 @@ class Failures:
 
     return self.run.group.op_hook(step, hook if pending else None)
 
-  def lost_in(self, result: StepResult, step: int, attempt: int) -> list[dict]:
-    """Recovery events of the live nodes an uncommitted attempt lost."""
+  def lost_in(self, result: StepResult, step: int, attempt: int
+              ) -> tuple[list[dict], float | None]:
+    """Recovery events of the live nodes an uncommitted attempt lost, and the time from the
+    failure to its detection (0 for an injected one; None where it is not known)."""
     run = self.run
     kills = kill_times(run.workdir)
     events = []
@@ -80,7 +82,10 @@ class Failures:
         event["killed_at"] = kills[proc]
         event["kill_to_detect_s"] = round(result.detected_at - kills[proc], 3)
       events.append(event)
-    return events
+    known = [e.get("kill_to_detect_s") for e in events]
+    if None in known and not run.group.knows_fault_times:
+      return events, None
+    return events, max([k for k in known if k is not None], default=0.0)
 
   def fail(self, nodes: set[int], step: int, *, mid_step: bool,
            detect_s: float | None = 0.0, detected_at: float | None = None) -> int | None:

@@ -222,20 +222,20 @@ class Trainer:
     run.group.pause(step, "boundary")  # where `launch.local --relaunch` holds process 0
     hook = self.failures.op_hook(step)
     attempt = 0
-    while (result := self._attempt(step, profile, hook))[0].committed is False:
-      lost = self.failures.lost_in(result[0], step, attempt)
+    while True:
+      result, mb_ids = self._attempt(step, profile, hook)
+      if result.committed:
+        break
+      lost, detect_s = self.failures.lost_in(result, step, attempt)
       pending += lost
-      known = [e.get("kill_to_detect_s") for e in lost]
-      detect = None if not run.group.knows_fault_times and None in known else max(
-        [k for k in known if k is not None], default=0.0)
-      restored = self.failures.fail(set(result[0].lost), step, mid_step=True, detect_s=detect,
-                                    detected_at=result[0].detected_at)
+      restored = self.failures.fail(set(result.lost), step, mid_step=True, detect_s=detect_s,
+                                    detected_at=result.detected_at)
       if restored is not None:
         raise _Restored(restored)
-      attempt += 1
+      attempt += 1  # the same samples, on the policy's new plan
     self.failures.recovered(pending, step, self.admissions)
-    result[0].attempts = attempt + 1
-    return result
+    result.attempts = attempt + 1
+    return result, mb_ids
 
   def _attempt(self, step: int, profile: bool, hook: Any) -> tuple[StepResult, np.ndarray]:
     """One attempt at `step` on the current plan: its outcome (uncommitted when it lost
