@@ -83,7 +83,7 @@ def test_oobleck_instances_are_the_same_in_runtime_and_simulator(dp, pp):
   _, coord, sim, grid = _pair("oobleck", dp, pp, resilience__min_pipeline_nodes=1)
   oobleck = sim["oobleck"]
   start = oobleck.plan(grid, frozenset(), coord.costs)
-  assert coord.instance == start
+  assert coord.planned == start
   current = start
   for step, node, _, failed in _events(dp, pp):
     decision = coord.fail({node}, step)
@@ -91,7 +91,7 @@ def test_oobleck_instances_are_the_same_in_runtime_and_simulator(dp, pp):
     assert decision.restore == (current is None)
     if current is None:
       break
-    assert coord.instance == current
+    assert coord.planned == current
     assert coord.predicted_makespan() == pytest.approx(
       oobleck.instance_step_time(grid, coord.costs, current))
   # A single failure re-instantiated from the fault-free instance is what the simulator prices.
@@ -225,7 +225,7 @@ def test_expanded_plans_are_the_exact_ones(policy, monkeypatch):
   """With the thresholds at 0 a 12 x 4 grid goes the large-grid way: the same schedules as the
   whole grid's planner (the simulator's side, below its threshold), valid, with the predicted
   step time a replay of the schedule gives."""
-  monkeypatch.setattr(coordinator_module, "VALIDATE_MAX_OPS", 0)
+  monkeypatch.setattr(rerouting_module, "VALIDATE_MAX_OPS", 0)
   coord = _coordinator(12, 4, 8, policy)
   coord.policies[policy].exact_ops = 0
   sim = build_policies(params=recovery_params(coord.cfg, coord.fault_free_makespan))

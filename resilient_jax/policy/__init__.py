@@ -18,7 +18,6 @@ from resilient_jax.policy.base import (
   usable_policies,
 )
 from resilient_jax.policy.coordinator import (
-  PIPELINE_SET_POLICIES,
   Decision,
   RunCoordinator,
   StageLost,
@@ -35,7 +34,6 @@ from resilient_jax.policy.rejoin import RejoinChoice, rejoin_choice, steps_until
 from resilient_jax.policy.restart import NoDevicesLeft, largest_layout, restore_layout
 
 __all__ = [
-  "PIPELINE_SET_POLICIES",
   "POLICY_NAMES",
   "AnalyticCosts",
   "AutoPolicy",

@@ -10,7 +10,7 @@ simulator call this one class, so `auto` decides the same in both.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 from resilient_jax.policy.base import (
   Grid,
@@ -49,6 +49,14 @@ class AutoPolicy:
   """
 
   name = "auto"
+  chooses = True
+  """The policy in force is one of its candidates (`current`), never itself."""
+  reroutes = False
+  min_pp = 1
+
+  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> None:
+    """A restore onto the survivors is a fresh layout (whichever candidate is in force)."""
+    return None
 
   def __init__(self, candidates: Mapping[str, Policy], params: RecoveryParams):
     if not candidates:

@@ -21,6 +21,7 @@ from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import OpCosts
 from resilient_jax.schedule.generators import GENERATORS
 from resilient_jax.schedule.oobleck import LayerProfile
+from resilient_jax.schedule.plan import Plan
 
 
 class PolicyUnavailableError(RuntimeError):
@@ -191,6 +192,22 @@ class Policy(Protocol):
     ...
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """What turns a policy's plan into the runtime's (`Policy.runtime_plan`) and names its
+  workers in log lines: the layer split of the grid's stages, the model's layer count, and the
+  node at each grid position (worker `(d, s)` at `nodes[d * pp + s]`)."""
+
+  grid: Grid
+  partition: tuple[tuple[int, int], ...]
+  num_layers: int
+  nodes: Sequence[int]
+  node_of: Mapping[Worker, int]
+  """Worker `(d, s)` -> its node."""
+  live: frozenset[int]
+  """The run's live nodes (some may be outside the grid)."""
+
+
 def stage_lost(grid: Grid, failed: frozenset[Worker]) -> bool:
   """Whether some stage has no live worker left (no re-routing can go on)."""
   return min(grid.live_per_stage(failed)) == 0
@@ -209,9 +226,53 @@ class InPlacePolicy:
     rejoin a regroup and the copies.
   """
 
+  chooses = False
+  """Whether it chooses among other policies (`auto`): the policy in force is then its choice."""
+  reroutes = False
+  """Whether a stage with no live worker ends it (re-routing): the run restores instead."""
+  min_pp = 1
+  """The fewest stages a layout restored for it may have."""
+
   def __init__(self, params: RecoveryParams, restart: Policy):
     self.params = params
     self.restart = restart
+
+  # -- the runtime's coordinator asks these; the simulator needs none of them
+
+  def runs(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts, previous: Any, *,
+           switched: bool) -> Any:
+    """What it runs with `failed` down (its own terms, as `plan`); `previous`: what it ran
+    before, unless it was not in force (`switched`). None: it cannot go on."""
+    del previous, switched
+    return self.plan(grid, failed, costs)
+
+  def planned_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+                        planned: Any) -> float:
+    """The cost model's step time of `planned`, what `runs` returned."""
+    del planned
+    return self.step_time(grid, failed, costs)
+
+  def runtime_plan(self, planned: Any, layout: Layout, costs: PlanCosts) -> Plan:
+    """`planned` as the runtime runs it, on the grid's positions (`Layout.nodes` maps them)."""
+    raise NotImplementedError
+
+  def report(self, planned: Any, plan: Plan, layout: Layout, workers: frozenset[Worker],
+             failed: frozenset[Worker], *, rejoin: bool = False) -> list[str]:
+    """Log lines of what it did about `workers`, lost (or back, `rejoin`), with `failed` down,
+    running `plan` (on nodes)."""
+    raise NotImplementedError
+
+  def why_not(self, failed: frozenset[Worker], nodes: Sequence[int], step: int,
+              configured: str) -> str:
+    """Why it cannot go on after `nodes` failed at `step` (`configured`: `resilience.policy`)."""
+    return (f"{self.name} cannot continue after nodes {list(nodes)} failed at step {step}: "
+            "some layers lost every replica")
+
+  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> Any:
+    """What it runs when the run restores onto the live `positions` of its grid, keeping the
+    grid; None: a fresh layout of the survivors instead (`restart.restore_layout`)."""
+    del grid, costs, positions
+    return None
 
   def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:
     """Whether the policy cannot train with `failed` down (it then runs as restart)."""

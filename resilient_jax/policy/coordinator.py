@@ -1,7 +1,11 @@
 """The run's coordinator: which nodes are alive, and what the policy in force runs on them.
 
-It holds no JAX state and has no policy logic of its own: every decision is one of the policy
-objects of `registry.build_policies`, the same ones the simulator drives. Nodes are ints (devices
+It holds no JAX state and has no policy logic of its own, and names no policy: every decision
+is one of the policy objects of `registry.build_policies`, the same ones the simulator drives,
+asked through their protocol (`base.InPlacePolicy`: what it runs now, that plan as the runtime
+runs it on the grid's nodes, its predicted step time, its log lines, why it cannot go on, and
+whether it keeps its grid on a restore); a policy that chooses among others (`auto`) puts its
+choice in force. Nodes are ints (devices
 in a single-process run, processes in a multi-process job); the grid's worker `(d, s)` is
 `grid_nodes[d * pp + s]`, and the policies see positions of that grid. On a failure (one node,
 or a host's several at once) `fail` asks the policy in force and returns the `Decision`:
@@ -38,23 +42,20 @@ from collections.abc import Callable, Collection, Sequence
 from resilient_jax.config import FaultsConfig, MeshConfig, RunConfig
 from resilient_jax.exit_codes import EXIT_NO_DEVICES
 from resilient_jax.observe.logs import info
-from resilient_jax.policy.base import Grid, Policy, Transition
+from resilient_jax.policy.base import Grid, Layout, Policy, Transition
 from resilient_jax.policy.costs import analytic_costs, even_partition, recovery_params
 from resilient_jax.policy.phases import Phase, PhaseLog
 from resilient_jax.policy.registry import build_policies
 from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.policy.restart import NoDevicesLeft, restore_layout
 from resilient_jax.policy.shared import PlanExchange
-from resilient_jax.schedule import codec, oobleck
-from resilient_jax.schedule.core import Worker
+from resilient_jax.schedule import codec
+from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.schedule.cost import simulate
 from resilient_jax.schedule.generators import generate
-from resilient_jax.schedule.pipelines import PipelineSet, bamboo_set, oobleck_set
+from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
-from resilient_jax.schedule.validate import validate
 
-PIPELINE_SET_POLICIES = ("oobleck", "bamboo")
-VALIDATE_MAX_OPS = 20_000
 """Grids with more compute ops than this skip `validate` on the recovery path, and their step
 time comes from the planner instead of a replay of every worker (tests and small grids validate
 and replay every plan; the planners' output on large grids is validated in tests)."""
@@ -112,6 +113,9 @@ class RunCoordinator(PhaseLog):
     self.nodes = list(nodes)
     self.base = cfg.pipeline.schedule
     self.configured = cfg.resilience.policy
+    self.planned = None
+    """What the policy in force runs, in its own terms (a schedule, an Oobleck instance,
+    Bamboo's failovers); None in a process that follows another's plans."""
     self._layout(cfg.mesh.dp, cfg.mesh.pp, list(nodes)[: cfg.mesh.num_workers])
     self.fault_free_makespan = self.predicted_makespan()
     self.phases: list[Phase] = [Phase(self.plan_name, self.live_count, 1.0)]
@@ -150,46 +154,34 @@ class RunCoordinator(PhaseLog):
       tolerate=cfg.resilience.tolerate,
       min_pipeline_nodes=cfg.resilience.min_pipeline_nodes,
     )
-    auto = self.policies["auto"]
+    self.chosen: Policy = self.policies[self.configured]
+    """The configured policy (`resilience.policy`); the one in force, `active`, is the same,
+    or its choice when it chooses (`auto`)."""
     self._horizon = cfg.resilience.mean_steps_between_failures * fault_free
-    auto.reset(self._horizon)
-    if self.configured == "auto":
-      auto.step_time(self.grid, self.dead, self.costs)  # chooses the fault-free candidate
-      self.active: Policy = auto.current
+    if self.chosen.chooses:
+      self.chosen.reset(self._horizon)
+      self.chosen.step_time(self.grid, self.dead, self.costs)  # chooses the fault-free one
+      self.active: Policy = self.chosen.current
     else:
-      self.active = self.policies[self.configured]
-    self.instance: oobleck.OobleckInstance | None = None
+      self.active = self.chosen
+    self.planned = None
     self._apply(self._plan_of(self.active, switched=True))
 
   def _plan_of(self, policy: Policy, *, switched: bool):
     """What `policy` runs on the grid with `self.dead` down; None where it cannot go on.
 
-    `switched`: `policy` was not the one running, so Oobleck instantiates from its fault-free
-    instance rather than re-instantiating the running one.
+    `switched`: `policy` was not the one running (it plans afresh rather than from what ran).
     """
-    if policy.name == "restart":
-      # Restart runs the fault-free schedule until a failure makes it restore.
-      return None if self.dead else self.policies["recycle"].plan(self.grid, self.dead, self.costs)
-    if policy.name == "oobleck" and not switched:
-      return policy.next_instance(self.grid, self.costs, self.instance, self.dead)
-    return policy.plan(self.grid, self.dead, self.costs)
+    return policy.runs(self.grid, self.dead, self.costs, self.planned, switched=switched)
+
+  def _view(self) -> Layout:
+    return Layout(self.grid, self.partition, self.cfg.model.num_layers, self.grid_nodes,
+                  self._node_of(), frozenset(self.live))
 
   def _apply(self, planned) -> None:
     """Makes `planned` (what `_plan_of` returned for the policy in force) the current plan."""
-    name = self.active.name
-    if name == "oobleck":
-      self.instance = planned
-      self.pipeline_set = _renumber(
-        oobleck_set(planned, self.cfg.model.num_layers, self.base), self.grid_nodes)
-    elif name == "bamboo":
-      raw = bamboo_set(self.grid.dp, self.grid.pp, self.grid.m, self.partition, self.dead,
-                       costs=self.costs.op, base=self.base)
-      self.pipeline_set = _renumber(raw, self.grid_nodes)
-    else:
-      # Counting the plan's ops would build every worker's list of an expanded plan.
-      if self.grid.compute_ops <= VALIDATE_MAX_OPS:
-        validate(planned)
-      self.schedule = planned
+    self.planned = planned
+    self._plan = self.active.runtime_plan(planned, self._view(), self.costs)
 
   # ---------------------------------------------------------------- what runs now
 
@@ -200,9 +192,12 @@ class RunCoordinator(PhaseLog):
 
   @property
   def plan(self) -> Plan:
-    if self.policy in PIPELINE_SET_POLICIES:
-      return self.pipeline_set
-    return GridPlan(self.schedule, self.partition, self._node_of())
+    return self._plan
+
+  @property
+  def schedule(self) -> Schedule:
+    """The grid plan's schedule (a pipeline set has none)."""
+    return self._plan.schedule
 
   def _node_of(self) -> dict[Worker, int]:
     # Built once per layout (read-only for its callers): rebuilding it on every call costs
@@ -214,27 +209,21 @@ class RunCoordinator(PhaseLog):
 
   @property
   def plan_name(self) -> str:
-    return self.policy if self.policy in PIPELINE_SET_POLICIES else self.schedule.name
+    return self.policy if isinstance(self._plan, PipelineSet) else self._plan.schedule.name
 
   @property
   def live_count(self) -> int:
-    if self.policy in PIPELINE_SET_POLICIES:
-      return len(self.pipeline_set.nodes)
-    return len(self.schedule.ops)
+    if isinstance(self._plan, PipelineSet):
+      return len(self._plan.nodes)
+    return len(self._plan.schedule.ops)
 
   def plan_text(self) -> str:
     return self.plan.to_text()
 
   def predicted_makespan(self) -> float:
-    """The cost model's step time of the current plan, in block units."""
-    if self.policy == "oobleck":
-      return self.active.instance_step_time(self.grid, self.costs, self.instance)
-    if self.policy == "bamboo":
-      return self.active.step_time(self.grid, self.dead, self.costs)
-    # The planner's makespan of this very schedule, cached: a replay of every worker on a
-    # small grid, the touched pipelines' plan's on a large one (the same number).
-    planner = self.policies["recycle"] if self.policy == "restart" else self.active
-    return planner.plan_step_time(self.grid, self.dead, self.costs)
+    """The cost model's step time of the current plan, in block units (a replay of every
+    worker on a small grid, the touched pipelines' plan's on a large one: the same number)."""
+    return self.active.planned_step_time(self.grid, self.dead, self.costs, self.planned)
 
   # ---------------------------------------------------------------- failures
 
@@ -276,13 +265,13 @@ class RunCoordinator(PhaseLog):
     """`fail`'s decision, once `workers` (of `new` nodes) are marked lost."""
     before = self.predicted_makespan()
     old_dead, self.dead = self.dead, self.dead | workers
-    if self.policy in ("recycle", "naive", "restart"):
+    if self.active.reroutes:
       lost = self._lost_stage(workers, step)
       if lost is not None:
         return self._restore(lost, step)
     previous = self.active
-    if self.configured == "auto":
-      self._auto(Transition(self.grid, old_dead, self.dead, self.costs, before))
+    if self.chosen.chooses:
+      self._choose(Transition(self.grid, old_dead, self.dead, self.costs, before))
     planned = self._plan_of(self.active, switched=self.active is not previous)
     if planned is None:
       return self._restore(self._why_not(new, step), step)
@@ -349,10 +338,10 @@ class RunCoordinator(PhaseLog):
     before = self.predicted_makespan()
     old_dead, self.dead = self.dead, self.dead - workers
     t = Transition(self.grid, old_dead, self.dead, self.costs, before)
-    deciding = self.policies["auto"] if self.configured == "auto" else self.active
+    deciding = self.chosen if self.chosen.chooses else self.active
     choice = rejoin_choice(deciding, t, self._horizon)
-    if self.configured == "auto":
-      self.log(f"  auto: {choice.describe()}; {deciding.current.name} in force")
+    if deciding.chooses:
+      self.log(f"  {deciding.name}: {choice.describe()}; {deciding.current.name} in force")
       self.active = deciding.current
     if not choice.take:
       self.dead = old_dead
@@ -365,15 +354,7 @@ class RunCoordinator(PhaseLog):
       return self._restore(f"{self.policy} re-lays the job out on the live nodes at the rejoin "
                            f"at step {step}", step)
     self._apply(planned)
-    if self.policy == "oobleck":
-      self._report(workers)
-    elif self.policy not in PIPELINE_SET_POLICIES:
-      left = self.grid.workers - len(self.dead)
-      self.log(f"  replanned with the {self.schedule.name} planner on {left} live workers of "
-               f"{self.grid.pp} stages" + ("" if self.dead else " (the fault-free schedule)"))
-    else:
-      self.log(f"  bamboo: {len(self.dead)} failover(s) left; stages of the returned workers "
-               "run on them again, with their successors' replicas")
+    self._report(workers, rejoin=True)
     after = self.predicted_makespan()
     self.log(f"  predicted step time x{after / before:.2f}")
     self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step,
@@ -390,7 +371,7 @@ class RunCoordinator(PhaseLog):
     choice = rejoin_choice(restart, t, horizon0)
     alive = [n for n in self.nodes if n in self.live]
     dp, pp = restore_layout(grid0, len(alive), self.cfg.model.num_layers,
-                            min_pp=2 if self.configured == "bamboo" else 1)
+                            min_pp=self.chosen.min_pp)
     if not choice.take or dp * pp <= self.grid.workers:
       why = choice.describe() if not choice.take else "no larger layout fits the live nodes"
       self.log(f"  nodes {outside} stay idle outside the dp={self.grid.dp} pp={self.grid.pp} "
@@ -418,69 +399,36 @@ class RunCoordinator(PhaseLog):
     return None
 
   def _why_not(self, new: list[int], step: int) -> str:
-    if self.policy == "restart":
-      d, s = next(iter(sorted(self.dead)))
-      chose = " and auto chose restart" if self.configured == "auto" else ""
-      return (f"worker (dp={d}, stage={s}) failed at step {step} and "
-              f"resilience.policy={self.configured}{chose}")
-    if self.policy == "bamboo":
-      return (f"bamboo cannot continue after nodes {new} failed at step {step}: a stage and "
-              "the replica of it failed together")
-    return (f"{self.policy} cannot continue after nodes {new} failed at step {step}: some "
-            "layers lost every replica")
+    return self.active.why_not(self.dead, new, step, self.configured)
 
-  def _auto(self, t: Transition) -> None:
-    """`auto`: the candidate expected to train the most until the next failure takes over."""
-    auto = self.policies["auto"]
-    auto.recovery(t)
-    options = ", ".join(
-      f"{p.name} {p.step_time(t.grid, t.after, t.costs):.1f}" for p in auto.usable(t.grid, t.costs)
-    )
-    self.log(f"  auto: predicted step times (block units) {options}: {auto.current.name}")
-    self.active = auto.current
+  def _choose(self, t: Transition) -> None:
+    """A choosing policy (`auto`): the candidate expected to train the most until the next
+    failure takes over."""
+    chooser = self.chosen
+    chooser.recovery(t)
+    options = ", ".join(f"{p.name} {p.step_time(t.grid, t.after, t.costs):.1f}"
+                        for p in chooser.usable(t.grid, t.costs))
+    self.log(f"  {chooser.name}: predicted step times (block units) {options}: "
+             f"{chooser.current.name}")
+    self.active = chooser.current
 
-  def _report(self, workers: frozenset[Worker]) -> None:
-    """The log lines of what the policy in force did about `workers`."""
-    if self.policy == "oobleck":
-      idle = sorted(self.live - set(self.pipeline_set.nodes))
-      if idle:
-        self.log(f"  nodes {idle} stay idle: the templates cannot cover all "
-                 f"{len(self.live)} survivors")
-      self.log("  re-instantiated: " + self.instance.describe().replace("\n", "\n  "))
-      return
-    if self.policy == "bamboo":
-      for d, s in sorted(workers):
-        host = self.grid_nodes[d * self.grid.pp + (s - 1) % self.grid.pp]
-        self.log(f"  failover: stage {s} of pipeline {d} now runs on node {host}, its "
-                 "predecessor, from the replica it kept")
-      return
-    m = self.grid.m
-    for d, s in sorted(workers):
-      takers: dict[int, list[int]] = {}
-      for mb in range(d * m, (d + 1) * m):
-        takers.setdefault(self.schedule.route[mb][s], []).append(mb)
-      moved = ", ".join(
-        f"(dp={p}, stage={s}) takes micro-batches {mbs}" for p, mbs in sorted(takers.items())
-      )
-      self.log(f"  re-routed: {moved}")
-    self.log(f"  replanned with the {self.schedule.name} planner on "
-             f"{self.grid.workers - len(self.dead)} live workers of {self.grid.pp} stages")
+  def _report(self, workers: frozenset[Worker], *, rejoin: bool = False) -> None:
+    """The log lines of what the policy in force did about `workers` (lost, or back)."""
+    for line in self.active.report(self.planned, self._plan, self._view(), workers, self.dead,
+                                   rejoin=rejoin):
+      self.log(line)
 
   def _restore(self, reason: str, step: int) -> Decision:
     """A fresh layout on every survivor, to restore the latest checkpoint onto."""
     alive = sorted(self.live)
-    if self.configured == "oobleck":
-      # Oobleck keeps its grid of positions: a fresh instance on the live ones.
-      position = {n: i for i, n in enumerate(self.grid_nodes)}
-      try:
-        planned = self.active.instantiate_on(
-          self.grid, self.costs, sorted(position[n] for n in alive))
-      except oobleck.InstantiationError as e:
-        raise NoDevicesLeft(f"no pipeline fits on the {len(alive)} survivors: {e}") from None
+    position = {n: i for i, n in enumerate(self.grid_nodes)}
+    planned = self.chosen.restore_on(self.grid, self.costs,
+                                     [position[n] for n in alive if n in position])
+    if planned is not None:  # the policy keeps its grid (Oobleck: a fresh instance on it)
       self._apply(planned)
     else:
       dp, pp = restore_layout(self.grid, len(alive), self.cfg.model.num_layers,
-                              min_pp=2 if self.configured == "bamboo" else 1)
+                              min_pp=self.chosen.min_pp)
       self._layout(dp, pp, alive[: dp * pp])
     ratio = self.predicted_makespan() / self.fault_free_makespan
     self._new_phase(self.plan_name, self.live_count, ratio, step)
@@ -565,24 +513,16 @@ class RunCoordinator(PhaseLog):
     self.partition = tuple(tuple(r) for r in shared["partition"])
     self.dead = frozenset(tuple(w) for w in shared["dead"])
     self.active = self.policies[shared["policy"]]
-    self.instance = None  # the planner's alone
+    self.planned = None  # the planner's alone
     plan = codec.decode_plan(shared["plan"])
     if isinstance(plan, PipelineSet):
-      self.pipeline_set = plan
+      self._plan = plan
     else:
       if dict(plan.nodes) != self._node_of():
         raise RuntimeError(f"the planner's decision {key} places workers on other nodes than "
                            "this process's layout")
-      self.schedule = plan.schedule
+      self._plan = GridPlan(plan.schedule, self.partition, self._node_of())
     if shared["phase"] is not None:
       name, live, ratio, step, event = shared["phase"]
       self._new_phase(name, live, ratio, step, event=event)
     return Decision(plan, shared["restore"], shared["reason"])
-
-
-def _renumber(pipelines: PipelineSet, nodes: Sequence[int]) -> PipelineSet:
-  """`pipelines` with grid positions replaced by the nodes at those positions."""
-  pipes = tuple(
-    dataclasses.replace(p, nodes=tuple(nodes[n] for n in p.nodes)) for p in pipelines.pipelines
-  )
-  return dataclasses.replace(pipelines, pipelines=pipes)

@@ -10,11 +10,12 @@ checkpoint and, until the pipeline is whole again, runs as checkpoint-restart.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from resilient_jax.policy.base import (
   Grid,
   InPlacePolicy,
+  Layout,
   PlanCosts,
   PolicyUnavailableError,
   RecoveryParams,
@@ -22,6 +23,8 @@ from resilient_jax.policy.base import (
 from resilient_jax.policy.restart import RestartPolicy
 from resilient_jax.schedule.bamboo import bamboo_step_time
 from resilient_jax.schedule.core import Worker
+from resilient_jax.schedule.pipelines import PipelineSet, bamboo_set
+from resilient_jax.schedule.plan import Plan
 
 
 def _pipelines_lost(failed: frozenset[Worker]) -> dict[int, frozenset[int]]:
@@ -90,3 +93,29 @@ class BambooPolicy(InPlacePolicy):
   def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:
     del costs
     return self.unrecoverable(grid, failed)
+
+  # -- the runtime's side (`base.InPlacePolicy`)
+
+  min_pp = 2  # a stage's replica lives on another stage's node
+
+  def runtime_plan(self, planned: dict[Worker, Worker], layout: Layout,
+                   costs: PlanCosts) -> PipelineSet:
+    grid = layout.grid
+    return bamboo_set(grid.dp, grid.pp, grid.m, layout.partition, frozenset(planned),
+                      costs=costs.op, base=grid.base).on_nodes(layout.nodes)
+
+  def report(self, planned: dict[Worker, Worker], plan: Plan, layout: Layout,
+             workers: frozenset[Worker], failed: frozenset[Worker], *,
+             rejoin: bool = False) -> list[str]:
+    if rejoin:
+      return [f"  bamboo: {len(failed)} failover(s) left; stages of the returned workers run "
+              "on them again, with their successors' replicas"]
+    pp = layout.grid.pp
+    return [f"  failover: stage {s} of pipeline {d} now runs on node "
+            f"{layout.nodes[d * pp + (s - 1) % pp]}, its predecessor, from the replica it kept"
+            for d, s in sorted(workers)]
+
+  def why_not(self, failed: frozenset[Worker], nodes: Sequence[int], step: int,
+              configured: str) -> str:
+    return (f"bamboo cannot continue after nodes {list(nodes)} failed at step {step}: a stage "
+            "and the replica of it failed together")

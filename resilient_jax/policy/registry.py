@@ -70,6 +70,7 @@ def build_policies(
     "bamboo": BambooPolicy(params, restart),
     "restart": restart,
   }
+  restart.fault_free = every["recycle"]  # what restart runs until a failure
   every["auto"] = AutoPolicy(dict(every), params)
   if names is None:
     return every

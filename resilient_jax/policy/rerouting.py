@@ -22,18 +22,30 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from resilient_jax.policy.base import Grid, InPlacePolicy, PlanCosts, RecoveryParams, stage_lost
+from resilient_jax.policy.base import (
+  Grid,
+  InPlacePolicy,
+  Layout,
+  PlanCosts,
+  RecoveryParams,
+  stage_lost,
+)
 from resilient_jax.policy.restart import RestartPolicy
 from resilient_jax.schedule import adaptive, expand
 from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.plan import GridPlan, Plan
 from resilient_jax.schedule.reduce import failure_pattern, reduce_pattern
 from resilient_jax.schedule.routing import FailureState
+from resilient_jax.schedule.validate import validate
 
 DEFAULT_EXACT_OPS = 12_000
 """Grids with at most this many compute ops (3 * D * p * m) are planned whole, not reduced:
 planning 12k ops takes well under a second."""
+VALIDATE_MAX_OPS = 20_000
+"""The runtime validates a plan of at most this many compute ops before it runs it (a larger,
+expanded one is built per worker on use: tests validate the planners on small grids)."""
 
 
 class PlannerPolicy(InPlacePolicy):
@@ -198,3 +210,34 @@ class PlannerPolicy(InPlacePolicy):
   def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:
     del costs
     return stage_lost(grid, failed)
+
+  # -- the runtime's side (`base.InPlacePolicy`)
+
+  reroutes = True
+
+  def planned_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+                        planned: Schedule) -> float:
+    return self.plan_step_time(grid, failed, costs)
+
+  def runtime_plan(self, planned: Schedule, layout: Layout, costs: PlanCosts) -> GridPlan:
+    # Counting the plan's ops would build every worker's list of an expanded plan.
+    if layout.grid.compute_ops <= VALIDATE_MAX_OPS:
+      validate(planned)
+    return GridPlan(planned, layout.partition, layout.node_of)
+
+  def report(self, planned: Schedule, plan: Plan, layout: Layout, workers: frozenset[Worker],
+             failed: frozenset[Worker], *, rejoin: bool = False) -> list[str]:
+    grid = layout.grid
+    live = f"{grid.workers - len(failed)} live workers of {grid.pp} stages"
+    if rejoin:
+      return [f"  replanned with the {planned.name} planner on {live}"
+              + ("" if failed else " (the fault-free schedule)")]
+    lines = []
+    for d, s in sorted(workers):
+      takers: dict[int, list[int]] = {}
+      for mb in range(d * grid.m, (d + 1) * grid.m):
+        takers.setdefault(planned.route[mb][s], []).append(mb)
+      moved = ", ".join(
+        f"(dp={p}, stage={s}) takes micro-batches {mbs}" for p, mbs in sorted(takers.items()))
+      lines.append(f"  re-routed: {moved}")
+    return [*lines, f"  replanned with the {planned.name} planner on {live}"]

@@ -13,13 +13,22 @@ grow is taken with a planned restart (checkpoint first: nothing lost).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 from resilient_jax.exit_codes import EXIT_NO_DEVICES
-from resilient_jax.policy.base import Grid, PlanCosts, Recovery, RecoveryParams, Transition
+from resilient_jax.policy.base import (
+  Grid,
+  Layout,
+  PlanCosts,
+  Recovery,
+  RecoveryParams,
+  Transition,
+)
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import simulate
 from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.plan import Plan
 
 
 class NoDevicesLeft(RuntimeError):
@@ -74,6 +83,13 @@ class RestartPolicy:
   name = "restart"
   description = "checkpoint-restart on the largest D'' x p grid of survivors"
 
+  chooses = False
+  reroutes = True
+  min_pp = 1
+  fault_free: Any = None
+  """The planner whose fault-free schedule it runs until a failure makes it restore
+  (`registry.build_policies` sets it: recycle's)."""
+
   def __init__(self, params: RecoveryParams):
     self.params = params
     self._cache: dict[Hashable, float] = {}
@@ -113,3 +129,30 @@ class RestartPolicy:
     if self.pipelines(t.grid, t.after) > self.pipelines(t.grid, t.before):
       return Recovery(self.params.restart_s, restart=True)
     return Recovery(0.0)
+
+  # -- the runtime's side (`base.InPlacePolicy`): the fault-free schedule while it can
+
+  def runs(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts, previous: Any, *,
+           switched: bool) -> Any:
+    return None if failed else self.fault_free.plan(grid, failed, costs)
+
+  def planned_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+                        planned: Any) -> float:
+    return self.fault_free.plan_step_time(grid, failed, costs)
+
+  def runtime_plan(self, planned: Any, layout: Layout, costs: PlanCosts) -> Plan:
+    return self.fault_free.runtime_plan(planned, layout, costs)
+
+  def report(self, planned: Any, plan: Plan, layout: Layout, workers: frozenset[Worker],
+             failed: frozenset[Worker], *, rejoin: bool = False) -> list[str]:
+    return self.fault_free.report(planned, plan, layout, workers, failed, rejoin=rejoin)
+
+  def why_not(self, failed: frozenset[Worker], nodes: Sequence[int], step: int,
+              configured: str) -> str:
+    d, s = next(iter(sorted(failed)))
+    chose = f" and {configured} chose restart" if configured != self.name else ""
+    return (f"worker (dp={d}, stage={s}) failed at step {step} and "
+            f"resilience.policy={configured}{chose}")
+
+  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> Any:
+    return None

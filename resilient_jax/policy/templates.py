@@ -24,14 +24,17 @@ from collections.abc import Hashable, Sequence
 from resilient_jax.policy.base import (
   Grid,
   InPlacePolicy,
+  Layout,
   PlanCosts,
   PolicyUnavailableError,
   RecoveryParams,
   Transition,
 )
-from resilient_jax.policy.restart import RestartPolicy
+from resilient_jax.policy.restart import NoDevicesLeft, RestartPolicy
 from resilient_jax.schedule import oobleck
 from resilient_jax.schedule.core import Worker
+from resilient_jax.schedule.pipelines import PipelineSet, oobleck_set
+from resilient_jax.schedule.plan import Plan
 
 
 class OobleckPolicy(InPlacePolicy):
@@ -202,3 +205,40 @@ class OobleckPolicy(InPlacePolicy):
       for lo, hi in p.template.stages
     )
     return worst / bandwidth
+
+  # -- the runtime's side (`base.InPlacePolicy`)
+
+  def runs(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+           previous: oobleck.OobleckInstance | None, *, switched: bool
+           ) -> oobleck.OobleckInstance | None:
+    """Re-instantiates the running instance (`previous`), or, newly in force, the fault-free
+    one with `failed` down."""
+    if switched or previous is None:
+      return self.plan(grid, failed, costs)
+    return self.next_instance(grid, costs, previous, failed)
+
+  def planned_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+                        planned: oobleck.OobleckInstance) -> float:
+    return self.instance_step_time(grid, costs, planned)
+
+  def runtime_plan(self, planned: oobleck.OobleckInstance, layout: Layout,
+                   costs: PlanCosts) -> PipelineSet:
+    return oobleck_set(planned, layout.num_layers, layout.grid.base).on_nodes(layout.nodes)
+
+  def report(self, planned: oobleck.OobleckInstance, plan: Plan, layout: Layout,
+             workers: frozenset[Worker], failed: frozenset[Worker], *,
+             rejoin: bool = False) -> list[str]:
+    lines = []
+    idle = sorted(layout.live - set(plan.nodes))
+    if idle:
+      lines.append(f"  nodes {idle} stay idle: the templates cannot cover all "
+                   f"{len(layout.live)} survivors")
+    return [*lines, "  re-instantiated: " + planned.describe().replace("\n", "\n  ")]
+
+  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]
+                 ) -> oobleck.OobleckInstance:
+    """Oobleck keeps its grid of positions: a fresh instance on the live ones."""
+    try:
+      return self.instantiate_on(grid, costs, sorted(positions))
+    except oobleck.InstantiationError as e:
+      raise NoDevicesLeft(f"no pipeline fits on the {len(positions)} survivors: {e}") from None

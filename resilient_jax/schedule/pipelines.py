@@ -110,6 +110,12 @@ class PipelineSet:
     """Every `(pipeline, stage)`."""
     return [(i, s) for i, p in enumerate(self.pipelines) for s in range(p.num_stages)]
 
+  def on_nodes(self, nodes: Sequence[int]) -> PipelineSet:
+    """The same pipelines with each grid position `n` replaced by `nodes[n]`."""
+    pipes = tuple(dataclasses.replace(p, nodes=tuple(nodes[n] for n in p.nodes))
+                  for p in self.pipelines)
+    return dataclasses.replace(self, pipelines=pipes)
+
   def to_text(self) -> str:
     lines = [
       f"pipeline set {self.name}: {len(self.pipelines)} pipelines on {len(self.nodes)} nodes, "
