@@ -227,8 +227,9 @@ def test_progress_lines_only_while_work_runs_long():
 def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
   """`Trainer.add_hook(fn, every=N)`: after the standard hooks (the metrics line is written
   when `fn` sees it), on steps N, 2N, ... and the last."""
-  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=5)
-  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=5, faults__nonfinite="2:0")
+  lines = []
+  trainer = Trainer(cfg, tmp_path, log=lines.append)
   seen = []
 
   def hook(info):
@@ -240,5 +241,17 @@ def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
     trainer.add_hook(hook, every=0)
   result = trainer.run()
   assert [(s, last) for s, last, _, _ in seen] == [(2, False), (4, False), (5, True)]
+  same = lambda *rows: len({json.dumps(r, sort_keys=True) for r in rows}) == 1  # noqa: E731 (NaN)
   for _, _, row, written in seen:
-    assert row == written == result.metrics[row["step"] - 1]
+    assert same(row, written, result.metrics[row["step"] - 1])
+  # The learning rate each step's optimizer step used: step 2 was skipped (non-finite), so
+  # step 3 is the schedule's second update, not its third.
+  from resilient_jax.recipe import learning_rate
+
+  schedule = learning_rate(cfg)
+  assert [m.get("skipped", False) for m in result.metrics] == [False, True, False, False, False]
+  assert [m["lr"] for m in result.metrics] == [float(schedule(n)) for n in (0, 1, 1, 2, 3)]
+  for m in result.metrics:
+    assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * cfg.model.seq_len, rel=1e-3)
+  step_lines = [x for x in lines if x.startswith("step ")]
+  assert f"lr {result.metrics[3]['lr']:.2e}" in step_lines[3] and "grad_norm" in step_lines[3]

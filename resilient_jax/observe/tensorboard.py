@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-SCALARS = ("loss", "samples_per_s", "step_time_s", "live_workers", "grad_norm", "compile_s")
+SCALARS = ("loss", "samples_per_s", "tokens_per_s", "step_time_s", "live_workers", "grad_norm",
+           "lr", "compile_s")
 """Metrics columns written as `train/<column>` scalars when a row has them."""
 FLAGS = ("skipped", "clipped")
 """Metrics columns present only when true: written as 0 or 1 every step."""

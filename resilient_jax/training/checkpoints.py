@@ -38,6 +38,14 @@ class Checkpoints:
   def committed(self) -> list[int]:
     return committed_steps(self.run.ckpt_dir)
 
+  def why_none(self) -> str:
+    """Why there was no checkpoint to start from."""
+    if self.committed():
+      return "every checkpoint failed verification"
+    if not self.run.cfg.checkpoint.every_steps:
+      return "checkpointing is off (checkpoint.every_steps=0)"
+    return "none was written"
+
   def load(self, tag: str) -> int:
     """Loads the newest valid checkpoint into the interpreter; returns its step (0: none).
 
@@ -79,6 +87,8 @@ class Checkpoints:
               "state over (the previous checkpoint stays the latest)")
     if run.chief and state is not None:
       run.writer.save(step, *state, checkpoint_meta(run.cfg, plan, step))
+      run.log(f"checkpoint of step {step}: writing {run.ckpt_dir / str(step)} (in the background; "
+              "the previous one stays the latest until it is committed)")
 
   def if_due(self, step: int, last: bool = False) -> bool:
     """Saves `step` when a checkpoint is due; returns whether it did.

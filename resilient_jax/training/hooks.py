@@ -19,6 +19,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
+from resilient_jax import data as data_lib
 from resilient_jax.files import read_jsonl, write_text_atomic
 from resilient_jax.observe.profiling import RunTimelines, write_step_timeline
 from resilient_jax.runtime.records import StepResult
@@ -41,6 +44,23 @@ class StepInfo:
   compiles: int
   """XLA compilations during the step."""
   run: Run
+
+
+def metrics_row(run: Run, step: int, result: StepResult, ids: np.ndarray, lr: float) -> dict:
+  """A committed step's line of `metrics.jsonl` (`ids`: the sample ids it trained on; `lr`:
+  the learning rate its optimizer step used)."""
+  row = {
+    "step": step, "loss": result.loss, "samples": int(len(ids)),
+    "sample_digest": data_lib.sample_digest(ids), "live_workers": run.coordinator.live_count,
+    "step_time_s": round(result.step_time_s, 6),
+    "samples_per_s": round(len(ids) / result.step_time_s, 3),
+    "tokens_per_s": round(len(ids) * run.cfg.model.seq_len / result.step_time_s, 1),
+    "compile_s": round(result.built.seconds, 3), "schedule": run.coordinator.plan_name,
+    "grad_norm": result.grad_norm, "lr": lr,
+  }
+  row.update({k: True for k in ("skipped", "clipped") if getattr(result, k)})
+  row.update(run.group.row(result))
+  return row
 
 
 StepHook = Callable[[StepInfo], None]
@@ -107,7 +127,9 @@ def step_line(info: StepInfo) -> None:
   r, row, run = info.result, info.row, info.run
   run.log(
     f"step {info.step:4d}/{run.cfg.train.steps}  loss {r.loss:.4f}  "
-    f"samples/s {row['samples_per_s']:9.1f}  step_time {r.step_time_s:.3f}s  "
+    f"grad_norm {r.grad_norm:.3g}  lr {row['lr']:.2e}  "
+    f"samples/s {row['samples_per_s']:9.1f}  tokens/s {row['tokens_per_s']:9.0f}  "
+    f"step_time {r.step_time_s:.3f}s  "
     f"workers {row['live_workers']}  schedule {run.coordinator.plan_name}"
     + ("  SKIPPED: non-finite gradients, no stage stepped" if r.skipped else "")
     + (f"  (+{r.built.seconds:.1f}s building {r.built.describe()})" if r.built.programs()

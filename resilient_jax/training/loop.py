@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilient_jax import data as data_lib
+from resilient_jax import recipe
 from resilient_jax.config import RunConfig
 from resilient_jax.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
 from resilient_jax.files import write_json_atomic
@@ -43,14 +43,19 @@ from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
 from resilient_jax.programs.compiled import Counts, built
 from resilient_jax.programs.stages import StagePrograms
-from resilient_jax.recipe import num_microbatches, processed_ids, sample_seeds, step_batch
 from resilient_jax.runtime.interpreter import Interpreter
 from resilient_jax.runtime.records import Built, StepResult, WorkerLost
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.checkpoints import Checkpoints
 from resilient_jax.training.failures import Failures
 from resilient_jax.training.faults import FaultEvent, check_fault_events
-from resilient_jax.training.hooks import MetricsFile, StepHook, StepInfo, standard_hooks
+from resilient_jax.training.hooks import (
+  MetricsFile,
+  StepHook,
+  StepInfo,
+  metrics_row,
+  standard_hooks,
+)
 from resilient_jax.training.rejoin import apply_rejoin
 from resilient_jax.training.relaunch import admissions_for
 from resilient_jax.training.run import Logger, start_run
@@ -111,6 +116,7 @@ class Trainer:
     self.timelines = RunTimelines((f.step for f in events if not f.rejoin), end, cfg.train.steps)
     self.metrics_file = MetricsFile(run.workdir / "metrics.jsonl", run.chief)
     self.hooks = standard_hooks(run, self.timelines, self.metrics_file)
+    self.learning_rate = recipe.learning_rate(cfg)
 
   # The run's parts, as tests, benchmarks and notebooks reach them.
   interpreter = property(lambda self: self.state.interpreter)
@@ -144,18 +150,21 @@ class Trainer:
         write_json_atomic(run.workdir / "config.json", dataclasses.asdict(cfg))
       start = self.admissions.join() if run.group.relaunched else self.checkpoints.load(
         "start") + 1
-      metrics = self.metrics_file.resume(start, run.log, self._why_no_checkpoint)
+      metrics = self.metrics_file.resume(start, run.log, self.checkpoints.why_none)
       if run.chief:
         run.board = Board(run.workdir / "tb", start, log=run.log)
       end, step, result, nonfinite = self.timelines.end, start, None, 0
+      updates = _updates(metrics)  # optimizer steps applied so far: the schedule's count
       while step <= end:
         try:
-          result, step_info = self._commit(step, end)
+          result, step_info = self._commit(step, end, updates)
         except _Restored as r:
           step = r.step + 1
           metrics = self.metrics_file.rewind([m for m in metrics if m["step"] < step])
+          updates = _updates(metrics)
           continue
         metrics.append(step_info.row)
+        updates += not result.skipped
         self.hooks.after_step(step_info)
         nonfinite = nonfinite + 1 if result.skipped else 0
         if nonfinite >= cfg.train.max_nonfinite_steps:
@@ -176,30 +185,22 @@ class Trainer:
       self.checkpoints.finish()
       run.board.close()
 
-  def _commit(self, step: int, end: int) -> tuple[StepResult, StepInfo]:
-    """Runs `step` until it commits; its metrics row and what hooks see."""
+  def _commit(self, step: int, end: int, updates: int) -> tuple[StepResult, StepInfo]:
+    """Runs `step` until it commits (the optimizer having applied `updates` steps before it);
+    its metrics row and what hooks see."""
     run = self.state
     compiles = Counts.xla
     profile = run.group.profiles and self.timelines.profile(step, bool(run.coordinator.failed))
     with self.traces.step(step, lambda: (run.interpreter.params, run.interpreter.opt_state,
                                          run.interpreter.replicas)):
       result, mb_ids = self.run_step(step, profile=profile)
-    ids = processed_ids(mb_ids, result)
+    ids = recipe.processed_ids(mb_ids, result)
     plan = run.coordinator.plan
     replayed = None
     if result.records and isinstance(plan, GridPlan):
       # The step as it would run with one core per worker (`observe/profiling.py`).
       replayed = replay_records(plan.schedule, result.records)
-    row = {
-      "step": step, "loss": result.loss, "samples": int(len(ids)),
-      "sample_digest": data_lib.sample_digest(ids), "live_workers": run.coordinator.live_count,
-      "step_time_s": round(result.step_time_s, 6),
-      "samples_per_s": round(len(ids) / result.step_time_s, 3),
-      "compile_s": round(result.built.seconds, 3), "schedule": run.coordinator.plan_name,
-      "grad_norm": result.grad_norm,
-    }
-    row.update({k: True for k in ("skipped", "clipped") if getattr(result, k)})
-    row.update(run.group.row(result))
+    row = metrics_row(run, step, result, ids, float(self.learning_rate(updates)))
     return result, StepInfo(step, step == end, result, row, replayed, Counts.xla - compiles, run)
 
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
@@ -241,8 +242,8 @@ class Trainer:
     """One attempt at `step` on the current plan: its outcome (uncommitted when it lost
     nodes, in-process or in other processes alike) and its samples."""
     run = self.state
-    n = num_microbatches(run.coordinator.plan)
-    mb_ids, inputs, targets = step_batch(self.cfg, run.source, run.batches, step, n)
+    n = recipe.num_microbatches(run.coordinator.plan)
+    mb_ids, inputs, targets = recipe.step_batch(self.cfg, run.source, run.batches, step, n)
     # Attempts are numbered over the whole run, so a step redone after a restore never reuses
     # the transfer ids and agreement keys of its first run.
     run.attempts += 1
@@ -251,7 +252,7 @@ class Trainer:
       with reporting(run.log, lambda t, b=before: _still_running(step, t, built() - b)):
         result = run.interpreter.run_step(
           inputs, targets, step=step, attempt=run.attempts, profile=profile, after_op=hook,
-          seeds=sample_seeds(step, mb_ids))
+          seeds=recipe.sample_seeds(step, mb_ids))
     except WorkerLost as lost:
       return StepResult(0.0, {}, 0.0, [], [], committed=False, lost=frozenset({lost.node}),
                         detected_at=time.time()), mb_ids
@@ -277,18 +278,16 @@ class Trainer:
     raise Preempted(f"stopped after step {step} on request ({why}), with a checkpoint of it; "
                     "run the same command to resume")
 
-  def _why_no_checkpoint(self) -> str:
-    if self.checkpoints.committed():
-      return "every checkpoint failed verification"
-    if not self.cfg.checkpoint.every_steps:
-      return "checkpointing is off (checkpoint.every_steps=0)"
-    return "none was written"
-
 
 class _Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer.run`
   def __init__(self, step: int):
     super().__init__(f"restored step {step}")
     self.step = step
+
+
+def _updates(metrics: list[dict]) -> int:
+  """Optimizer steps the committed rows applied (a skipped step applies none)."""
+  return sum(not m.get("skipped") for m in metrics)
 
 
 def _still_running(step: int, elapsed_s: float, so_far: Built) -> str:
