@@ -73,10 +73,30 @@ def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = No
       what it returns is the exit code.
     argv: the command line; default `sys.argv`.
   """
-  argv = list(sys.argv if argv is None else argv)
+  argv = packaged_configs(list(sys.argv if argv is None else argv))
   sys.argv = argv  # config_flags reads the --config.KEY overrides from sys.argv
   _describe_program(sys.modules.get(main.__module__), argv[0])
   app.run(main, argv, flags_parser=_parse_app_flags)
+
+
+_CONFIG_ARG = re.compile(r"^(--?config=)(configs/[^:]+)(:.*)?$")
+
+
+def packaged_configs(argv: list[str]) -> list[str]:
+  """`argv` with `--config=configs/NAME.py[:VARIANT]` pointing at the configs shipped with
+  the package when no such file is here: the README's commands then run from any directory
+  (a file of that name in the working directory comes first)."""
+  import configs
+
+  shipped = os.path.dirname(os.path.dirname(os.path.abspath(configs.__file__)))
+  out = []
+  for arg in argv:
+    m = _CONFIG_ARG.match(arg)
+    if m and not os.path.exists(m.group(2)) and os.path.isfile(os.path.join(shipped,
+                                                                            m.group(2))):
+      arg = f"{m.group(1)}{os.path.join(shipped, m.group(2))}{m.group(3) or ''}"
+    out.append(arg)
+  return out
 
 
 _HELP_RE = re.compile(r"^--?(\?|help|helpshort|helpfull|helpxml)(=.*)?$")
@@ -226,6 +246,7 @@ def parse_train_args(argv: Sequence[str]) -> tuple[RunConfig, str]:
   Parsed on a fresh `FlagValues`, so a launcher with flags of its own can check its workers'
   arguments exactly as they will.
   """
+  argv = packaged_configs(list(argv))
   flag_values = flags.FlagValues()
   train_flags = define_train_flags(flag_values, sys_argv=argv)
   _define_absl_flags(flag_values)

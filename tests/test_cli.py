@@ -151,3 +151,21 @@ def test_other_libraries_info_lines_are_held_back_but_not_their_warnings():
 
 
 # The --log_dir run: tests/test_launcher.py (one launcher run with every optional output).
+
+
+def test_shipped_configs_load_from_any_directory(tmp_path, monkeypatch):
+  """`--config=configs/gpt_tiny.py` outside the checkout is the config the package ships; a
+  file of that name in the working directory comes first."""
+  from launch import cli
+
+  monkeypatch.chdir(tmp_path)
+  args = ["launch.train", "--config=configs/gpt_tiny.py:runlocal", "--config.mesh.dp=1",
+          f"--workdir={tmp_path / 'run'}"]
+  cfg, _ = cli.parse_train_args(args)
+  assert cfg.model.d_model == 32 and cfg.mesh.dp == 1
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "gpt_tiny.py").write_text(
+    "from configs.gpt_tiny import get_config as shipped\n\n\n"
+    "def get_config(arg=None):\n  c = shipped(arg)\n  c.model.d_model = 48\n  return c\n")
+  cfg, _ = cli.parse_train_args(args)
+  assert cfg.model.d_model == 48
