@@ -61,8 +61,7 @@ class StepResult:
   dispatch_time_s: float = 0.0
   """Host time until every op was dispatched, before waiting for the devices (benchmarks)."""
   dispatch_cpu_s: float = 0.0
-  """CPU time of the threads that dispatched the ops, summed (benchmarks: with one thread per
-  slot, the host's work is spread over them)."""
+  """CPU time of the thread that dispatched the ops (benchmarks)."""
   committed: bool = True
   lost: frozenset[int] = frozenset()
   """Nodes that died during the step (multi-process; the step did not commit)."""
