@@ -153,6 +153,7 @@ def test_other_libraries_info_lines_are_held_back_but_not_their_warnings():
 # The --log_dir run: tests/test_launcher.py (one launcher run with every optional output).
 
 
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # config_flags loader
 def test_shipped_configs_load_from_any_directory(tmp_path, monkeypatch):
   """`--config=configs/gpt_tiny.py` outside the checkout is the config the package ships; a
   file of that name in the working directory comes first."""
