@@ -331,6 +331,8 @@ class Job:
     self.lock = threading.Lock()
     self.procs: dict[int, subprocess.Popen] = {}
     self.streams: list[threading.Thread] = []
+    self.handed_on = False
+    """The launcher handed a SIGTERM on to every running process (`_hand_on`)."""
 
   def start(self, i: int, pause: str | None = None, marker: str | None = None
             ) -> subprocess.Popen:
@@ -342,7 +344,10 @@ class Job:
       env["RESILIENT_JAX_PAUSE_FILE"] = str(self.marker(marker or f"p{i}"))
     cmd = [sys.executable, "-m", "launch.train",
            *worker_args(self.train_args, self.num_processes, i, self.port)]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Its own process group: a terminal's Ctrl-C reaches the launcher alone, which hands it on
+    # once (two signals would stop a process at once instead of after its step).
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         process_group=0)
     t = threading.Thread(target=_stream, args=(p, f"[p{i}] ", self.lock,
                                                self.out or sys.stdout), daemon=True)
     t.start()
@@ -433,6 +438,8 @@ def launch(
             **{i: (*e, "term") for i, e in (term or {}).items()}}
   termed: set[int] = set()
   relaunched: dict[int, str] = {}  # process -> "started" (not yet announced) or "joined"
+  asked: list[int] = []  # signals the launcher received (SIGTERM, SIGINT)
+  previous = _catch(asked)
 
   try:
     for i in range(num_processes):
@@ -468,6 +475,8 @@ def launch(
             marker.unlink()  # once let go, it goes on from where it stopped
           job.say("[launch] %s process %d at step %d (%s)",
                   "SIGKILLed" if action == "kill" else "SIGSTOPped", i, step, where)
+      if asked and _hand_on(asked, job, frozen):
+        return 128 + asked[-1]  # asked twice: every process was killed
       if relaunch is not None:
         _relaunch_step(relaunch, job, relaunched, killed, frozen,
                        lambda i: job.start(i, "0:joined", f"p{i}.joined"))
@@ -505,6 +514,35 @@ def launch(
     return next(iter(failed.values())) if failed else 0
   finally:
     job.close()
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+def _catch(asked: list[int]) -> dict[int, Any]:
+  """SIGTERM and SIGINT to the launcher are recorded in `asked` (handed on by `_hand_on`);
+  returns the handlers replaced (none off the main thread)."""
+  if threading.current_thread() is not threading.main_thread():
+    return {}
+  return {s: signal.signal(s, lambda signum, _: asked.append(signum))
+          for s in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _hand_on(asked: list[int], job: Job, frozen: dict[int, float]) -> bool:
+  """A scheduler's SIGTERM (or Ctrl-C) to the launcher is the job's preemption: every running
+  process gets one SIGTERM and stops after the step in flight, with a checkpoint (exit 9). A
+  second signal kills them all; returns whether it did."""
+  if len(asked) > 1:
+    job.say("[launch] %s again: killing every process", signal.Signals(asked[-1]).name)
+    return True
+  if not job.handed_on:
+    job.handed_on = True
+    for i, p in job.procs.items():
+      if p.poll() is None and i not in frozen:
+        p.send_signal(signal.SIGTERM)
+    job.say("[launch] %s: SIGTERM to every running process (each stops after the step in "
+            "flight, with a checkpoint; a second signal kills them)",
+            signal.Signals(asked[0]).name)
+  return False
 
 
 def _relaunch_step(

@@ -767,3 +767,29 @@ def test_a_process_that_never_arrives_ends_the_wait_with_one_line(tmp_path):
     f"process 0: the job at 127.0.0.1:{port} did not form within 2s "
     "(distributed.wait_timeout_s): did all 2 processes start, with this coordinator address?; "
     "exiting with code 6")
+
+
+def test_sigterm_to_the_launcher_preempts_the_job_with_a_checkpoint(tmp_path):
+  """A scheduler's SIGTERM (or Ctrl-C) to `launch.local`: every process gets one SIGTERM,
+  stops after the step in flight with a checkpoint of it, and the launcher exits 9 (it used to
+  SIGKILL them on Ctrl-C, and leave them training on after a SIGTERM)."""
+  import signal
+  import time
+
+  workdir = tmp_path / "run"
+  cmd = [sys.executable, "-m", "launch.local", "--num_processes=2", "--",
+         "--config=configs/gpt_tiny.py:runlocal", f"--workdir={workdir}",
+         "--config.mesh.dp=2", "--config.mesh.pp=1", "--config.train.steps=500"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.monotonic() + 240
+  while not (metrics.exists() and len(read_rows(metrics)) >= 2):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=240)
+  assert proc.returncode == 9, out[-3000:]
+  assert "[launch] exit codes: p0=9, p1=9" in out
+  last = read_rows(metrics)[-1]["step"]
+  assert 2 <= last < 500 and store.committed_steps(workdir / "checkpoints") == [last]
