@@ -319,7 +319,11 @@ class Job:
     self.workdir = Path(workdir).absolute()
     self.workdir.mkdir(parents=True, exist_ok=True)
     self.kills_log = self.workdir / "kills.jsonl"
-    self.kills_log.unlink(missing_ok=True)
+    if self.kills_log.exists():  # an earlier job's: kept, apart from this job's kills
+      n = 1
+      while (self.workdir / f"kills.{n}.jsonl").exists():
+        n += 1
+      self.kills_log.rename(self.workdir / f"kills.{n}.jsonl")
     self.port = port or _free_port()
     self.pause_dir = Path(tempfile.mkdtemp(prefix="resilient_jax_pause_"))
     env = simulated_devices_env(dict(os.environ), devices_per_process)

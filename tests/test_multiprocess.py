@@ -442,9 +442,13 @@ def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path)
   assert out.stdout.strip() == ""
   # Relaunched on the same workdir, the job resumes from the newest committed checkpoint:
   # step 2's, or step 1's if the kill came while step 2's was still being written.
+  kills = (workdir / "kills.jsonl").read_text()
   proc = run_local(workdir, extra=ckpt, processes=2)
   assert proc.returncode == 0, tail(proc)
   assert re.search(r"restored step [12] from", proc.stdout), tail(proc)
+  # The first job's kills stay, apart: this job killed nothing.
+  assert (workdir / "kills.1.jsonl").read_text() == kills and "SIGKILL" in kills
+  assert not (workdir / "kills.jsonl").exists()
   assert_same_run(read_rows(workdir / "metrics.jsonl"), fault_free())
 
 
