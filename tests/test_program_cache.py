@@ -126,3 +126,27 @@ def test_the_unpickler_refuses_anything_but_jax_types(tmp_path):
   with pytest.raises(pickle.UnpicklingError, match="not part of a compiled program"):
     compiled._Retarget(pickle.dumps(_Payload(marker)), (dev,), ()).load()
   assert not marker.exists()
+
+
+def test_the_users_key_is_made_once_private_and_refused_when_shared(tmp_path, monkeypatch):
+  """`~/.config/resilient_jax/cache.key` (here under XDG_CONFIG_HOME) is made with mode 600 and
+  read back the same; a key file others may read signs nothing (kept programs go unused)."""
+  import os
+
+  monkeypatch.delenv(compiled.SECRET_ENV, raising=False)
+  monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+  compiled._secret.cache_clear()
+  try:
+    key = compiled._secret()
+    path = tmp_path / "resilient_jax" / "cache.key"
+    assert key and path.read_bytes().strip() == key and (path.stat().st_mode & 0o777) == 0o600
+    compiled._secret.cache_clear()
+    assert compiled._secret() == key  # made once
+    os.chmod(path, 0o644)
+    compiled._secret.cache_clear()
+    assert compiled._secret() is None
+    monkeypatch.setenv(compiled.SECRET_ENV, "shared by the job's hosts")
+    compiled._secret.cache_clear()
+    assert compiled._secret() == b"shared by the job's hosts"
+  finally:
+    compiled._secret.cache_clear()
