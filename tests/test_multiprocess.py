@@ -789,7 +789,10 @@ def test_sigterm_to_the_launcher_preempts_the_job_with_a_checkpoint(tmp_path):
   metrics = workdir / "metrics.jsonl"
   deadline = time.monotonic() + 240
   while not (metrics.exists() and len(read_rows(metrics)) >= 2):
-    assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+    if proc.poll() is not None or time.monotonic() > deadline:  # a bound on the wait
+      proc.kill()
+      pytest.fail("the job ended or stalled before its second step: "
+                  + proc.communicate()[0][-3000:])
     time.sleep(0.1)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=240)
