@@ -65,6 +65,8 @@ def main(argv: list[str]) -> None:
       "training %s%s, schedule %s, policy %s, %d steps; outputs in %s",
       grid, where, cfg.pipeline.schedule, cfg.resilience.policy, cfg.train.steps, workdir,
     )
+    for line in config_lines(cfg):  # the resolved configuration, as config.json keeps it
+      logging.info("%s", line)
 
   from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, end_process, exit_code_for
   from resilient_jax.training.loop import Trainer
@@ -95,6 +97,20 @@ def main(argv: list[str]) -> None:
   if cluster is not None:
     # A normal interpreter exit would block in the distributed client's shutdown.
     cluster.finish(EXIT_OK)
+
+
+def config_lines(cfg) -> list[str]:
+  """The resolved configuration, a line per section: `config mesh: dp=2 pp=4 tp=1 ...`."""
+  import dataclasses
+
+  lines = []
+  for field in dataclasses.fields(cfg):
+    section = getattr(cfg, field.name)
+    if dataclasses.is_dataclass(section):
+      values = " ".join(f"{f.name}={getattr(section, f.name)!r}"
+                        for f in dataclasses.fields(section))
+      lines.append(f"config {field.name}: {values}")
+  return lines
 
 
 def _report(metrics: list[dict], workdir: str, started: float) -> None:

@@ -28,6 +28,9 @@ def test_train_with_a_log_dir_tensorboard_and_a_trace(tmp_path):
   step = [x for x in lines if "step    3/3" in x and "samples/s" in x]
   assert len(step) == 1 and step[0].startswith("I"), lines
   assert any(f"outputs in {tmp_path}" in x for x in lines), lines
+  # The resolved configuration, a line per section, before the first step.
+  mesh = next(i for i, x in enumerate(lines) if "config mesh: dp=2 pp=4 tp=1" in x)
+  assert mesh < lines.index(step[0]) and any("config train: steps=3" in x for x in lines)
   assert "step    3/3" not in proc.stdout and proc.stderr == ""
   assert "done: 3 steps" in proc.stdout and str(tmp_path / "metrics.jsonl") in proc.stdout
   assert f"log: {log}" in proc.stdout
