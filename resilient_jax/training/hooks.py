@@ -156,9 +156,16 @@ class Schedules:
 
   def __init__(self) -> None:
     self.seen: list[str] = []
+    self._plan: object = None
 
   def __call__(self, info: StepInfo) -> None:
-    text = info.run.coordinator.plan_text()
+    # A plan's text holds every worker's op list (O(dp * pp * m)): made once per plan the
+    # coordinator puts in force, not once per step.
+    plan = info.run.coordinator.plan
+    if plan is self._plan:
+      return
+    self._plan = plan
+    text = plan.to_text()
     if not self.seen or self.seen[-1] != text:
       self.seen.append(text)
 
