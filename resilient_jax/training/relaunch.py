@@ -47,8 +47,7 @@ class Admissions:
     token = admission.announce(cl)
     cl.log(f"process {me}: announced itself to the running job; waiting to be admitted at a "
            "step boundary")
-    if self.run.transport.pause is not None:  # `launch/local.py --relaunch` waits for this point
-      self.run.transport.pause(0, "joined")
+    self.run.group.pause(0, "joined")  # where `launch/local.py --relaunch` waits
     adm = admission.await_admission(cl, token)
     if adm is None:
       cl.log(f"process {me}: the job ended before it could admit this process")
