@@ -337,9 +337,25 @@ def test_failed_background_save_is_reported_and_keeps_older(tmp_path, monkeypatc
   assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]  # no unfinished folder left
 
 
-def test_resume_with_other_batch_is_refused(saved, tmp_path):
-  with pytest.raises(ConfigError, match="train.global_batch"):
-    _resume(saved, tmp_path, 2, 2, train__global_batch=32)
+def _files(root) -> dict[str, tuple[bytes, int]]:
+  """Every file under `root`: its bytes and modification time."""
+  return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+          for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("key,value", [("train__global_batch", 32), ("train__seed", 7),
+                                       ("model__num_heads", 4), ("train__data", "text")])
+def test_a_refused_resume_changes_no_file(saved, tmp_path, key, value):
+  """Another seed, batch, model or data is refused before anything is written: config.json
+  was once overwritten with the rejected config."""
+  base, _, _ = saved
+  run = tmp_path / "run"
+  shutil.copytree(base / "stopped", run)
+  before = _files(run)
+  cfg = cfg_of(mesh__dp=2, mesh__pp=2, **{key: value})
+  with pytest.raises(ConfigError, match="differs from the (checkpoint|model saved)"):
+    Trainer(cfg, run, log=quiet).run()
+  assert _files(run) == before
 
 
 def test_inspect_cli(saved):

@@ -146,10 +146,10 @@ class Trainer:
     """
     run, cfg = self.state, self.cfg
     try:
-      if run.chief:
-        write_json_atomic(run.workdir / "config.json", dataclasses.asdict(cfg))
       start = self.admissions.join() if run.group.relaunched else self.checkpoints.load(
         "start") + 1
+      if run.chief:  # after the load: a resume it refuses (another seed, model...) changes no file
+        write_json_atomic(run.workdir / "config.json", dataclasses.asdict(cfg))
       metrics = self.metrics_file.resume(start, run.log, self.checkpoints.why_none)
       if run.chief:
         run.board = Board(run.workdir / "tb", start, log=run.log)
