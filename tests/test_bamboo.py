@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
 
 from resilient_jax.schedule.bamboo import (
   BambooUnrecoverableError,
-  bamboo_failover,
   bamboo_schedule,
+  bamboo_set,
   bamboo_step_time,
 )
 from resilient_jax.schedule.core import AR, BW, FR, B, F, Op, dependencies, make_schedule
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import generate
+from resilient_jax.schedule.plan import step_program
+from resilient_jax.schedule.price import replay_program
 from resilient_jax.schedule.validate import validate
 
 COSTS = [
@@ -112,44 +113,56 @@ def test_validate_rejects_misplaced_fr():
     validate(_with_ops(s, (0, 1), ops))
 
 
+def _replayed(plan, costs):
+  return replay_program(step_program(plan), costs.duration, comm=costs.comm)
+
+
 @pytest.mark.parametrize("base", ["1f1b", "zb-h1"])
 def test_single_failures_fail_over_to_the_predecessor(base):
   dp, pp, m = 2, 4, 6
   costs = COSTS[1]
   healthy = bamboo_step_time(dp, pp, m, costs, base=base)
-  assert bamboo_failover(dp, pp, m, [], costs=costs, base=base).step_time == pytest.approx(healthy)
+  # Fault-free, the set is `bamboo_schedule`'s grid: the same step time by either replay.
+  assert healthy == pytest.approx(simulate(bamboo_schedule(dp, pp, m, base, costs), costs).makespan)
   for d, s in itertools.product(range(dp), range(pp)):
-    fo = bamboo_failover(dp, pp, m, [(d, s)], costs=costs, base=base)
-    pipe = fo.pipelines[d]
-    host = (s - 1) % pp
-    assert (host, s) in pipe.stages and len(pipe.stages) == pp - 1
-    assert sorted(x for block in pipe.stages for x in block) == list(range(pp))
-    j = pipe.stages.index((host, s))
-    assert not pipe.redundant[j] and sum(pipe.redundant) == pp - 2
-    assert pipe.held_stages[j] == (host, s)
-    assert all(len(h) == 2 for h in pipe.held_stages)
+    plan = bamboo_set(dp, pp, m, [(d, s)], costs=costs, base=base)
+    pipe, host = plan.pipelines[d], (s - 1) % pp
+    assert pipe.nodes[s] == pipe.nodes[host] == d * pp + host
+    assert len(set(pipe.nodes)) == pp - 1
+    # Neither the host nor the stage it took over keeps a replica; every other stage does.
+    assert [pipe.replica_of(x) is None for x in range(pp)] == [x in (host, s) for x in range(pp)]
     validate(pipe.schedule)
-    other = fo.pipelines[1 - d]
-    assert other.stages == tuple((x,) for x in range(pp)) and all(other.redundant)
+    other = plan.pipelines[1 - d]
+    assert other.nodes == tuple((1 - d) * pp + x for x in range(pp))
+    assert all(other.replica_of(x) == (x + 1) % pp for x in range(pp))
     # The host does two stages' work: the step slows down.
-    assert fo.step_time > healthy
-    assert bamboo_step_time(dp, pp, m, costs, [(d, s)], base=base) == fo.step_time
+    step = bamboo_step_time(dp, pp, m, costs, [(d, s)], base=base)
+    assert step > healthy
+    assert step == _replayed(plan, costs).makespan
 
 
-def test_consecutive_host_is_the_merged_pipeline():
-  # With the host's stages consecutive the failover pipeline is exactly a 3-stage pipeline
-  # whose first stage costs both; FR only on workers that still hold a successor's replica.
-  costs = OpCosts(f=1.0, b=1.0, w=1.0)
-  fo = bamboo_failover(1, 4, 8, [(0, 1)], costs=costs)
-  pipe = fo.pipelines[0]
-  assert pipe.stages == ((0, 1), (2,), (3,)) and pipe.redundant == (False, True, True)
-  assert pipe.costs.f == (2.0, 1.0, 1.0) and pipe.costs.fr == (1.0, 1.0, 1.0)
-  assert not any(op.kind == FR for op in pipe.schedule.ops[(0, 0)])
-  no_fr = dataclasses.replace(
-    pipe.schedule,
-    ops={w: tuple(op for op in ops if op.kind != FR) for w, ops in pipe.schedule.ops.items()},
-  )
-  assert fo.step_time >= simulate(no_fr, pipe.costs).makespan
+def test_a_shared_node_runs_one_op_at_a_time_in_each_slots_order():
+  costs = OpCosts(f=1.0, b=1.5, w=0.5, ar=0.5, opt=0.2, comm=0.1)
+  plan = bamboo_set(1, 4, 8, [(0, 1)], costs=costs)
+  sp = step_program(plan)
+  tl = _replayed(plan, costs)
+  by_node = {}
+  for span in tl.spans:
+    by_node.setdefault(sp.slots[span.worker].node, []).append(span)
+  assert sorted(len({x.worker for x in spans}) for spans in by_node.values()) == [1, 1, 2]
+  for spans in by_node.values():
+    spans.sort(key=lambda x: x.start)
+    assert all(a.end <= b.start + 1e-12 for a, b in zip(spans, spans[1:], strict=False))
+  end = {(x.worker, x.op): x.end for x in tl.spans}
+  start = {(x.worker, x.op): x.start for x in tl.spans}
+  for slot, prog in sp.slots.items():
+    assert [x.op for x in tl.spans if x.worker == slot] == list(prog.ops)
+    for op in prog.ops:
+      for dep in sp.dependencies(slot, op):
+        assert start[(slot, op)] >= end[dep] - 1e-12
+  # The host's two stages cost at least their merged work, and the FR no longer hidden.
+  host_busy = sum(tl.busy[slot] for slot in sp.slots if sp.slots[slot].node == 0)
+  assert tl.makespan >= host_busy
 
 
 def test_non_adjacent_failures_recover_adjacent_ones_raise():
@@ -158,28 +171,29 @@ def test_non_adjacent_failures_recover_adjacent_ones_raise():
   times = [bamboo_step_time(dp, pp, m, costs)]
   failures = [(0, 1), (0, 3), (0, 5), (1, 0), (2, 2)]
   for k in range(1, len(failures) + 1):
-    fo = bamboo_failover(dp, pp, m, failures[:k], costs=costs)
-    for p in fo.pipelines:
+    plan = bamboo_set(dp, pp, m, failures[:k], costs=costs)
+    for p in plan.pipelines:
       validate(p.schedule)
-    times.append(fo.step_time)
+    times.append(_replayed(plan, costs).makespan)
   print("\nbamboo step times, 3x6 m=4, 0..5 failures:", [round(t, 2) for t in times])
   assert times[1] > times[0]
-  assert [len(p.stages) for p in fo.pipelines] == [3, 5, 5]
+  assert [len(set(p.nodes)) for p in plan.pipelines] == [3, 5, 5]
   for bad in ([(0, 1), (0, 2)], [(1, 0), (1, 5)], [(2, 3), (2, 4), (0, 0)]):
     with pytest.raises(BambooUnrecoverableError, match="cannot recover"):
-      bamboo_failover(dp, pp, m, bad)
+      bamboo_set(dp, pp, m, bad)
   with pytest.raises(BambooUnrecoverableError):
-    bamboo_failover(1, 2, 2, [(0, 0), (0, 1)])
+    bamboo_set(1, 2, 2, [(0, 0), (0, 1)])
   # pp=2: the survivor runs both stages alone.
-  fo = bamboo_failover(1, 2, 2, [(0, 0)])
-  assert fo.pipelines[0].stages == ((1, 0),)
-  validate(fo.pipelines[0].schedule)
+  plan = bamboo_set(1, 2, 2, [(0, 0)])
+  assert plan.pipelines[0].nodes == (1, 1)
+  validate(plan.pipelines[0].schedule)
+  assert _replayed(plan, OpCosts()).makespan > bamboo_step_time(1, 2, 2, OpCosts())
 
 
 def test_bad_shapes():
   with pytest.raises(ValueError, match="pp >= 2"):
     bamboo_schedule(1, 1, 4)
   with pytest.raises(ValueError, match="outside"):
-    bamboo_failover(2, 3, 2, [(2, 0)])
+    bamboo_set(2, 3, 2, [(2, 0)])
   with pytest.raises(ValueError):
     bamboo_schedule(1, 3, 2, costs=OpCosts(f=(1.0, 2.0)))

@@ -15,6 +15,8 @@ from resilient_jax.policy import rerouting as rerouting_module
 from resilient_jax.policy.costs import recovery_params
 from resilient_jax.schedule import adaptive as adaptive_module
 from resilient_jax.schedule.cost import simulate
+from resilient_jax.schedule.plan import step_program
+from resilient_jax.schedule.price import replay_program
 from resilient_jax.schedule.validate import validate
 from tests.helpers import tiny_config
 
@@ -60,19 +62,26 @@ def test_rerouting_plans_are_the_same_in_runtime_and_simulator(policy, dp, pp):
 
 
 @pytest.mark.parametrize("dp,pp", [(2, 4), (4, 2)])
-def test_bamboo_failovers_and_step_times_are_the_same(dp, pp):
+def test_bamboo_prices_the_plan_the_coordinator_runs(dp, pp):
+  """Bamboo's plan is the runtime's pipeline set on grid positions, and its step time, priced on
+  one pipeline per distinct damage, is the replay of the whole set the coordinator hands to the
+  interpreter (`tests/test_policies.py` replays it again from a profiled step)."""
   _, coord, sim, grid = _pair("bamboo", dp, pp)
-  bamboo = sim["bamboo"]
-  assert bamboo.step_time(grid, frozenset(), coord.costs) == pytest.approx(
-    coord.predicted_makespan())
+  bamboo, op = sim["bamboo"], coord.costs.op
+
+  def replayed():
+    return replay_program(step_program(coord.plan), op.duration, comm=op.comm).makespan
+
+  assert bamboo.step_time(grid, frozenset(), coord.costs) == pytest.approx(replayed())
   node = pp + 1  # worker (1, 1): its predecessor takes over
   decision = coord.fail({node}, 2)
   assert not decision.restore
   failed = frozenset({divmod(node, pp)})
-  assert bamboo.plan(grid, failed, coord.costs) == {(1, 1): (1, 0)}
-  hosts = {p.nodes for p in decision.plan.pipelines}
-  assert (pp, pp, *range(pp + 2, 2 * pp)) in hosts  # stage 1 of pipeline 1 runs on node pp
-  assert bamboo.step_time(grid, failed, coord.costs) == pytest.approx(coord.predicted_makespan())
+  partition = coord.plan.pipelines[0].stages
+  assert decision.plan == bamboo.plan(grid, failed, coord.costs).with_partition(partition)
+  assert decision.plan.pipelines[1].nodes == (pp, pp, *range(pp + 2, 2 * pp))
+  assert bamboo.step_time(grid, failed, coord.costs) == pytest.approx(replayed())
+  assert coord.predicted_makespan() == pytest.approx(replayed())
   # Its predecessor too: a stage and its replica are gone, both sides restore.
   assert coord.fail({pp}, 3).restore
   assert bamboo.plan(grid, failed | {(1, 0)}, coord.costs) is None

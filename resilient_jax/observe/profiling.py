@@ -20,7 +20,7 @@ import jax
 
 from resilient_jax.observe import timeline
 from resilient_jax.runtime.records import OpRecord
-from resilient_jax.schedule.core import AR, BW, OPT, B, F, Op, Schedule, W, Worker
+from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
 from resilient_jax.schedule.cost import OpCosts, Timeline, replay
 
 
@@ -55,7 +55,8 @@ def costs_from_records(records: Sequence[OpRecord], pp: int) -> OpCosts:
   b, w = per_stage(B), per_stage(W)
   if not any(b) and any(bw):  # only fused backwards ran: split them evenly for the model
     b = w = tuple(x / 2 for x in bw)
-  return OpCosts(f=per_stage(F), b=b, w=w, ar=per_stage(AR), opt=per_stage(OPT), comm=0.0)
+  fr = per_stage(FR) if any(k == FR for k, _ in sums) else None  # Bamboo's redundant forwards
+  return OpCosts(f=per_stage(F), b=b, w=w, ar=per_stage(AR), opt=per_stage(OPT), comm=0.0, fr=fr)
 
 
 def write_profile(costs: OpCosts, pp: int, path: str | Path) -> None:

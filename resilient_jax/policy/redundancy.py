@@ -1,11 +1,14 @@
 """Bamboo's redundant computation: every stage keeps its successor's state and runs its forward
 in its bubbles, so a failed stage fails over to its predecessor's node at once.
 
-Every pipeline keeps its own micro-batches. The step is the slowest pipeline, and a pipeline's
-makespan depends only on which of its stages failed, so planning one pipeline per distinct set
-of failed stages (plus one healthy pipeline) gives exactly the full grid's step time, at any
-scale. Two failed neighbours in one pipeline cannot be recovered: the job restarts from a
-checkpoint and, until the pipeline is whole again, runs as checkpoint-restart.
+What it plans is what runs: `plan` is `schedule.bamboo.bamboo_set` on the grid's positions (the
+runtime only names the layers and the nodes), and `step_time` is that plan's replay
+(`schedule.price`). Every pipeline keeps its own micro-batches and meets the others only in the
+all-reduce, and a pipeline's timing depends only on which of its stages failed, so the replay of
+one pipeline per distinct set of failed stages (plus one healthy pipeline) is the full grid's
+step time at any scale (a test checks it against the full plan's replay). Two failed neighbours
+in one pipeline cannot be recovered: the job restarts from a checkpoint and, until the pipeline
+is whole again, runs as checkpoint-restart.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from resilient_jax.policy.base import (
   RecoveryParams,
 )
 from resilient_jax.policy.restart import RestartPolicy
-from resilient_jax.schedule.bamboo import bamboo_step_time
+from resilient_jax.schedule.bamboo import bamboo_set
 from resilient_jax.schedule.core import Worker
-from resilient_jax.schedule.pipelines import PipelineSet, bamboo_set
-from resilient_jax.schedule.plan import Plan
+from resilient_jax.schedule.pipelines import PipelineSet
+from resilient_jax.schedule.plan import Plan, step_program
+from resilient_jax.schedule.price import replay_program
 
 
 def _pipelines_lost(failed: frozenset[Worker]) -> dict[int, frozenset[int]]:
@@ -68,18 +72,18 @@ class BambooPolicy(InPlacePolicy):
       (s + 1) % grid.pp in stages for stages in _pipelines_lost(failed).values() for s in stages
     )
 
-  def plan(
-    self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts
-  ) -> dict[Worker, Worker] | None:
-    """Which worker runs each failed worker's stage (its predecessor in the same pipeline);
-    None when Bamboo cannot recover."""
+  def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> PipelineSet | None:
+    """Every pipeline of the grid, a failed stage on its predecessor's node (grid positions
+    `d * pp + s`, stage s as layer s); None when Bamboo cannot recover."""
     self.check(grid, costs)
     if self.unrecoverable(grid, failed):
       return None
-    return {(d, s): (d, (s - 1) % grid.pp) for d, s in sorted(failed)}
+    op = costs.op_costs(grid.live_per_stage(failed))
+    return bamboo_set(grid.dp, grid.pp, grid.m, failed, costs=op, base=grid.base)
 
   def step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> float:
-    if self.plan(grid, failed, costs) is None:
+    """The replay of `plan`, on one pipeline per distinct damage (the same step time)."""
+    if self.unrecoverable(grid, failed):
       return self.restart.step_time(grid, failed, costs)
     dp, reduced = self._reduced(grid, failed)
     live = grid.live_per_stage(failed)
@@ -87,7 +91,8 @@ class BambooPolicy(InPlacePolicy):
     if key not in self._cache:
       self.plans += 1
       op = costs.op_costs(live)
-      self._cache[key] = bamboo_step_time(dp, grid.pp, grid.m, op, reduced, base=grid.base)
+      plan = bamboo_set(dp, grid.pp, grid.m, reduced, costs=op, base=grid.base)
+      self._cache[key] = replay_program(step_program(plan), op.duration, comm=op.comm).makespan
     return self._cache[key]
 
   def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:
@@ -98,13 +103,10 @@ class BambooPolicy(InPlacePolicy):
 
   min_pp = 2  # a stage's replica lives on another stage's node
 
-  def runtime_plan(self, planned: dict[Worker, Worker], layout: Layout,
-                   costs: PlanCosts) -> PipelineSet:
-    grid = layout.grid
-    return bamboo_set(grid.dp, grid.pp, grid.m, layout.partition, frozenset(planned),
-                      costs=costs.op, base=grid.base).on_nodes(layout.nodes)
+  def runtime_plan(self, planned: PipelineSet, layout: Layout, costs: PlanCosts) -> PipelineSet:
+    return planned.with_partition(layout.partition).on_nodes(layout.nodes)
 
-  def report(self, planned: dict[Worker, Worker], plan: Plan, layout: Layout,
+  def report(self, planned: PipelineSet, plan: Plan, layout: Layout,
              workers: frozenset[Worker], failed: frozenset[Worker], *,
              rejoin: bool = False) -> list[str]:
     if rejoin:

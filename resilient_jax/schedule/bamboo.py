@@ -14,37 +14,31 @@ successor has finished that micro-batch and the copy is useless), so the extra c
 the makespan wherever bubbles cannot hide it (always once m >= pp under 1F1B); each worker also
 holds two stages' state and the FR outputs until that backward (`validate(...).peak_redundant`).
 
-Failover and the data model: a `Schedule` identifies a worker with one stage (ops carry no
-stage, AR groups and per-stage costs key on the worker's stage, and the runtime dispatches that
-way), so a worker running two stages does not fit it. After a failure the pipelines are
-independent (Bamboo re-routes nothing across pipelines), so `bamboo_failover` represents the
-step as one `dp=1` schedule per pipeline: healthy pipelines as before, a damaged one as an
-equivalent pipeline of its surviving workers in which a host's stage is the two stages merged
-(their F, B, W, AR and OPT costs added), replayed by `cost.simulate`; the step is the slowest
-pipeline. For a host of consecutive stages (s - 1, s) that runs them back to back, as one fused
-stage, this is exact. When stage 0 fails, its host is the last stage, whose merged work the
-equivalent places at the end of the pipeline: per-micro-batch work per worker, and so the steady
-state, is the same; the fill and drain are approximated (stage 0's forward is modelled after,
-not before, the other stages').
+Failover: after a failure the pipelines are independent (Bamboo re-routes nothing across
+pipelines) and a damaged one keeps its stages, the failed one's running on its predecessor's node
+(`bamboo_set`: a `PipelineSet` with two slots on that node). That set is the one construction:
+the runtime runs it, and `bamboo_step_time` prices it by replaying its step program
+(`price.replay_program`, which lets the shared node run one op at a time), so what the simulator
+prices is what the runtime runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from resilient_jax.schedule.core import BW, FR, B, F, Op, Schedule, Worker, make_schedule
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import check_shape, generate
+from resilient_jax.schedule.pipelines import LayerRange, Pipeline, PipelineSet
+from resilient_jax.schedule.plan import step_program
+from resilient_jax.schedule.price import replay_program
 
 __all__ = [
-  "BambooFailover",
-  "BambooPipeline",
   "BambooUnrecoverableError",
-  "bamboo_failover",
   "bamboo_schedule",
+  "bamboo_set",
   "bamboo_step_time",
   "redundant_ops",
 ]
@@ -160,9 +154,9 @@ def redundant_ops(
 
   A lost stage keeps its own list (its predecessor's node runs it); a stage runs FR only if its
   node and its successor's node both still hold their own stage, i.e. neither it nor its
-  successor is lost. This is the same redundancy as `bamboo_failover`'s merged equivalent, laid
-  out stage by stage so the data can flow in its real order (stage 0 before stage 1, even when
-  the last stage's node runs stage 0). `pipeline` only names the pipeline in errors.
+  successor is lost. Laid out stage by stage, the data flows in its real order (stage 0 before
+  stage 1, even when the last stage's node runs stage 0). `pipeline` only names the pipeline in
+  errors.
 
   Raises:
     BambooUnrecoverableError: two neighbouring stages are lost.
@@ -179,148 +173,52 @@ def redundant_ops(
   return {s: ops[(0, s)] for s in range(pp)}
 
 
-@dataclasses.dataclass(frozen=True)
-class BambooPipeline:
-  """One pipeline of a Bamboo step after failures, as its own `dp=1` schedule.
-
-  Attributes:
-    index: the pipeline's dp index in the grid; its micro-batches are
-      `index * m .. index * m + m - 1` (local ids `0 .. m - 1` in `schedule`).
-    stages: per surviving worker, in pipeline order, the original stages it runs; a host runs
-      two, its own first.
-    redundant: per worker, whether it still runs FR (it holds its successor's replica; a host
-      does not hold the replica of the stage after the one it took over).
-    schedule: the equivalent pipeline (worker j runs `stages[j]` merged).
-    costs: its per-stage costs (merged for hosts).
-  """
-
-  index: int
-  stages: tuple[tuple[int, ...], ...]
-  redundant: tuple[bool, ...]
-  schedule: Schedule
-  costs: OpCosts
-
-  @property
-  def makespan(self) -> float:
-    return simulate(self.schedule, self.costs).makespan
-
-  @property
-  def held_stages(self) -> tuple[tuple[int, ...], ...]:
-    """Per worker, the stages whose state it holds: its block, plus its successor's replica."""
-    n = len(self.stages)
-    return tuple(
-      block + ((self.stages[(j + 1) % n][0],) if self.redundant[j] else ())
-      for j, block in enumerate(self.stages)
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class BambooFailover:
-  """A Bamboo step with failed workers: every pipeline on its own (see the module docstring).
-
-  Attributes:
-    dp: pipelines in the grid.
-    pp: stages per healthy pipeline.
-    microbatches: micro-batches per pipeline (unchanged by failures).
-    failed: the failed workers `(dp, stage)`.
-    pipelines: one entry per pipeline (healthy ones included).
-  """
-
-  dp: int
-  pp: int
-  microbatches: int
-  failed: frozenset[Worker]
-  pipelines: tuple[BambooPipeline, ...]
-
-  @property
-  def step_time(self) -> float:
-    """The slowest pipeline's simulated makespan (AR and OPT at the end of each)."""
-    cache: dict[tuple, float] = {}
-    worst = 0.0
-    for p in self.pipelines:
-      key = (p.stages, p.redundant)
-      if key not in cache:
-        cache[key] = p.makespan
-      worst = max(worst, cache[key])
-    return worst
-
-
-def _hosts(pp: int, lost: set[int]) -> list[tuple[int, ...]]:
-  """Per surviving stage, in order, the stages it runs: its own, then its successor if lost."""
-  return [
-    (s,) + (((s + 1) % pp,) if (s + 1) % pp in lost else ()) for s in range(pp) if s not in lost
-  ]
-
-
-def _merged_costs(costs: OpCosts, pp: int, blocks: list[tuple[int, ...]]) -> OpCosts:
-  def add(at, block: tuple[int, ...]) -> float:
-    return sum(at(s) for s in block)
-
-  return OpCosts(
-    f=tuple(add(costs.f_at, b) for b in blocks),
-    b=tuple(add(costs.b_at, b) for b in blocks),
-    w=tuple(add(costs.w_at, b) for b in blocks),
-    bw=None if costs.bw is None else tuple(add(costs.bw_at, b) for b in blocks),
-    ar=tuple(add(costs.ar_at, b) for b in blocks),
-    opt=tuple(add(costs.opt_at, b) for b in blocks),
-    comm=costs.comm,
-    # A worker's FR is its original successor's forward, i.e. that of the stage after its own.
-    fr=tuple(costs.fr_at(b[0]) for b in blocks),
-  )
-
-
-def bamboo_failover(
+def bamboo_set(
   dp: int,
   pp: int,
   m: int,
-  failed: Iterable[Worker],
+  failed: Iterable[Worker] = (),
   *,
+  partition: Sequence[LayerRange] | None = None,
   costs: OpCosts | None = None,
   base: str = "1f1b",
-) -> BambooFailover:
-  """The Bamboo step after `failed` workers died: predecessors take over their stages.
+) -> PipelineSet:
+  """Bamboo on a DP x PP grid (node of worker (d, s) = `d * pp + s`) after `failed` died.
+
+  Every pipeline keeps its own micro-batches and its stages. A failed stage runs on its
+  predecessor's node (the last stage's for stage 0), which held its replica; stages whose node
+  and whose successor's node are both alive keep running FR (placed by `redundant_ops` with
+  `costs`, so the placement is part of the plan).
 
   Args:
-    dp: data-parallel pipelines.
-    pp: pipeline stages (>= 2).
-    m: micro-batches per pipeline.
-    failed: failed workers `(dp, stage)`; in every pipeline no two may be neighbours on the
-      ring of stages (s and s + 1, or pp - 1 and 0).
-    costs: per-stage costs of the healthy grid (FR placement and the step time); default unit.
-    base: "gpipe", "1f1b" or "zb-h1".
-
-  Returns:
-    The per-pipeline schedules and the step time.
+    partition: the layers of every stage; None: stage s is layer s (a plan priced, not run:
+      the runtime names its layers with `PipelineSet.with_partition`).
 
   Raises:
-    BambooUnrecoverableError: for neighbouring failures in one pipeline.
-    ValueError: for a bad shape or a worker outside the grid.
+    BambooUnrecoverableError: two neighbouring stages of one pipeline failed.
+    ValueError: a bad shape, or a failed worker outside the grid.
   """
   _check(dp, pp, m)
-  costs = costs or OpCosts()
-  costs.check_stages(pp)
-  dead = frozenset(tuple(w) for w in failed)
-  for d, s in dead:
+  dead = {tuple(w) for w in failed}
+  for d, s in sorted(dead):
     if not (0 <= d < dp and 0 <= s < pp):
       raise ValueError(f"failed worker {(d, s)} is outside the {dp}x{pp} grid")
-  cache: dict[frozenset[int], BambooPipeline] = {}
-  pipelines = []
+  stages = tuple(partition) if partition is not None else tuple((s, s + 1) for s in range(pp))
+  lost_in: dict[int, frozenset[int]] = {}
+  for d, s in dead:
+    lost_in[d] = lost_in.get(d, frozenset()) | {s}
+  # One schedule per distinct damage: a healthy grid of 1,024 pipelines places FR once.
+  scheds: dict[frozenset[int], Schedule] = {}
+  pipes = []
   for d in range(dp):
-    lost = frozenset(s for dd, s in dead if dd == d)
-    pairs = sorted((s, (s + 1) % pp) for s in lost if (s + 1) % pp in lost)
-    if pairs:
-      raise BambooUnrecoverableError(d, sorted(lost), pairs)
-    if lost not in cache:
-      blocks = _hosts(pp, set(lost))
-      redundant = [len(b) == 1 for b in blocks]
-      pipe_costs = _merged_costs(costs, pp, blocks)
-      pipe = generate(base, 1, len(blocks), m)
-      ops = _with_redundancy(pipe, pipe_costs, redundant)
+    lost = lost_in.get(d, frozenset())
+    if lost not in scheds:
+      ops = redundant_ops(pp, m, lost, costs=costs, base=base, pipeline=d)
       name = f"bamboo-{base}" + (f"-failover{sorted(lost)}" if lost else "")
-      sched = make_schedule(name, 1, len(blocks), m, ops)
-      cache[lost] = BambooPipeline(d, tuple(blocks), tuple(redundant), sched, pipe_costs)
-    pipelines.append(dataclasses.replace(cache[lost], index=d))
-  return BambooFailover(dp, pp, m, dead, tuple(pipelines))
+      scheds[lost] = make_schedule(name, 1, pp, m, {(0, s): ops[s] for s in range(pp)})
+    nodes = tuple(d * pp + ((s - 1) % pp if s in lost else s) for s in range(pp))
+    pipes.append(Pipeline(stages, nodes, tuple(range(d * m, (d + 1) * m)), scheds[lost]))
+  return PipelineSet("bamboo", tuple(pipes), stages[-1][1])
 
 
 def bamboo_step_time(
@@ -332,20 +230,12 @@ def bamboo_step_time(
   *,
   base: str = "1f1b",
 ) -> float:
-  """Step time of Bamboo on a DP x PP grid, fault-free or after `failed` workers died.
+  """Step time of Bamboo on a DP x PP grid, fault-free or after `failed` workers died: the
+  replay of `bamboo_set`'s step program under `costs` (every slot priced as its stage).
 
-  Args:
-    dp: data-parallel pipelines.
-    pp: pipeline stages.
-    m: micro-batches per pipeline.
-    costs: per-stage costs of the healthy grid.
-    failed: failed workers.
-    base: "gpipe", "1f1b" or "zb-h1".
-
-  Returns:
-    The step time; fault-free, the makespan of `bamboo_schedule` under `costs`.
+  Raises:
+    BambooUnrecoverableError: two neighbouring stages of one pipeline failed.
   """
-  dead = list(failed)
-  if not dead:
-    return simulate(bamboo_schedule(dp, pp, m, base, costs), costs).makespan
-  return bamboo_failover(dp, pp, m, dead, costs=costs, base=base).step_time
+  costs.check_stages(pp)
+  plan = bamboo_set(dp, pp, m, failed, costs=costs, base=base)
+  return replay_program(step_program(plan), costs.duration, comm=costs.comm).makespan

@@ -21,10 +21,9 @@ Two things only Bamboo uses:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from resilient_jax.schedule.core import FR, Schedule, Worker, make_schedule
-from resilient_jax.schedule.cost import OpCosts
+from resilient_jax.schedule.core import FR, Schedule, Worker
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import generate
 
@@ -110,6 +109,13 @@ class PipelineSet:
     """Every `(pipeline, stage)`."""
     return [(i, s) for i, p in enumerate(self.pipelines) for s in range(p.num_stages)]
 
+  def with_partition(self, partition: Sequence[LayerRange]) -> PipelineSet:
+    """The same pipelines, every one cut into `partition`'s layers (a plan made on stage
+    indices, given the model's layers to run)."""
+    stages = tuple(partition)
+    pipes = tuple(dataclasses.replace(p, stages=stages) for p in self.pipelines)
+    return dataclasses.replace(self, pipelines=pipes, num_layers=stages[-1][1])
+
   def on_nodes(self, nodes: Sequence[int]) -> PipelineSet:
     """The same pipelines with each grid position `n` replaced by `nodes[n]`."""
     pipes = tuple(dataclasses.replace(p, nodes=tuple(nodes[n] for n in p.nodes))
@@ -146,37 +152,3 @@ def oobleck_set(instance, num_layers: int, base: str = "1f1b") -> PipelineSet:
     sched = generate(base, 1, p.template.num_stages, p.microbatches)
     pipes.append(Pipeline(tuple(p.template.stages), tuple(p.nodes), mbs, sched))
   return PipelineSet("oobleck", tuple(pipes), num_layers)
-
-
-def bamboo_set(
-  dp: int,
-  pp: int,
-  m: int,
-  partition: Sequence[LayerRange],
-  failed: Iterable[Worker] = (),
-  *,
-  costs: OpCosts | None = None,
-  base: str = "1f1b",
-) -> PipelineSet:
-  """Bamboo on a DP x PP grid (node of worker (d, s) = `d * pp + s`) after `failed` died.
-
-  Every pipeline keeps its own micro-batches and its stages. A failed stage runs on its
-  predecessor's node (the last stage's for stage 0), which held its replica; stages whose node
-  and whose successor's node are both alive keep running FR (placed by
-  `bamboo.redundant_ops`).
-
-  Raises:
-    BambooUnrecoverableError: two neighbouring stages of one pipeline failed.
-  """
-  from resilient_jax.schedule import bamboo
-
-  dead = {tuple(w) for w in failed}
-  pipes = []
-  for d in range(dp):
-    lost = {s for dd, s in dead if dd == d}
-    ops = bamboo.redundant_ops(pp, m, lost, costs=costs, base=base, pipeline=d)
-    nodes = tuple(d * pp + ((s - 1) % pp if s in lost else s) for s in range(pp))
-    name = f"bamboo-{base}" + (f"-failover{sorted(lost)}" if lost else "")
-    sched = make_schedule(name, 1, pp, m, {(0, s): ops[s] for s in range(pp)})
-    pipes.append(Pipeline(tuple(partition), nodes, tuple(range(d * m, (d + 1) * m)), sched))
-  return PipelineSet("bamboo", tuple(pipes), partition[-1][1])
