@@ -227,6 +227,7 @@ def train_inputs(remaining: Sequence[str], train_flags: TrainFlags) -> tuple[Run
     `(cfg, workdir)`; any bad input is a one-line error and exit 2 instead.
   """
   from resilient_jax.config import check_paths, from_config_dict
+  from resilient_jax.files import UnusableFile, check_run_files
 
   if len(remaining) > 1:
     fail(f"unexpected arguments {' '.join(remaining[1:])} (flags are written --name=value)")
@@ -237,7 +238,12 @@ def train_inputs(remaining: Sequence[str], train_flags: TrainFlags) -> tuple[Run
     return cfg
 
   cfg = load_config(train_flags.config, convert, "configs/gpt_tiny.py")
-  return cfg, writable_dir("--workdir", train_flags.workdir.value)
+  workdir = writable_dir("--workdir", train_flags.workdir.value)
+  try:  # e.g. a directory where metrics.jsonl belongs: refused before JAX starts
+    check_run_files(workdir)
+  except UnusableFile as e:
+    fail(f"--workdir={train_flags.workdir.value}: {e}")
+  return cfg, workdir
 
 
 def parse_train_args(argv: Sequence[str]) -> tuple[RunConfig, str]:

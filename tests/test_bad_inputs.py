@@ -68,6 +68,8 @@ CASES = [
         needles=("--workdir={tmp}/file/run", "{tmp}/file is a file")),
   train("workdir-read-only", TRAIN[0], "--workdir={ro}", needles=("--workdir={ro}", "write")),
   train("workdir-missing", TRAIN[0], needles="--workdir is required"),
+  train("metrics-jsonl-is-a-directory", TRAIN[0], "--workdir={tmp}/metrics_dir",
+        needles=("--workdir={tmp}/metrics_dir", "metrics.jsonl is a directory")),
   # ---- the config file
   train("config-syntax-error", "--config={tmp}/syntax.py", TRAIN[1],
         needles=("--config={tmp}/syntax.py", "line 2", "invalid syntax")),
@@ -257,6 +259,7 @@ def results(tmp_path_factory) -> tuple[dict, dict]:
   tmp = str(tmp_path_factory.mktemp("bad_inputs"))
   with open(os.path.join(tmp, "file"), "w") as f:
     f.write("not a directory\n")
+  os.makedirs(os.path.join(tmp, "metrics_dir", "metrics.jsonl"))
   with open(os.path.join(tmp, "syntax.py"), "w") as f:
     f.write("import ml_collections\ndef get_config(:\n  pass\n")
   with open(os.path.join(tmp, "raises.py"), "w") as f:

@@ -16,7 +16,10 @@ from resilient_jax import checkpoint as ckpt
 from resilient_jax.checkpoint import store
 from resilient_jax.checkpoint.store import CheckpointWriter
 from resilient_jax.exit_codes import EXIT_PREEMPTED, exit_code_for
+from resilient_jax.files import UnusableFile, check_run_files
 from resilient_jax.policy import StageLost
+from resilient_jax.training.failures import kill_times
+from resilient_jax.training.hooks import MetricsFile
 from resilient_jax.training.loop import Preempted, Trainer
 from resilient_jax.training.preemption import stop_on_signals
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
@@ -58,6 +61,37 @@ def test_sigterm_checkpoints_the_step_and_the_resume_continues_exactly(tmp_path)
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
   assert [r["sample_digest"] for r in rows] == expected_digests(cfg)
   assert_matches_reference(rows, result.interpreter.all_params(), cfg)
+
+
+def test_damaged_observability_lines_are_set_aside_never_a_stop(tmp_path):
+  """One non-UTF-8 byte, a stray `[]`, a row whose step is a string: each once made every
+  resume exit 1 with a traceback. They are set aside in `metrics.jsonl.damaged` with one log
+  line and the rows that read are kept (the file is rewritten to them); a damaged
+  `kills.jsonl` is skipped; a directory in place of `metrics.jsonl` is a bad workdir (exit 2)."""
+  good = [{"step": s, "loss": 2.0 - s / 10, "step_time_s": 0.1} for s in (1, 2, 3)]
+  damaged = [b'{"step": 2, "loss": 1.9, "schedule": "zb\xff"}', b"[]",
+             b'{"step": "3", "loss": 1.7}']
+  text = [json.dumps(good[0]).encode(), damaged[0], json.dumps(good[1]).encode(), *damaged[1:],
+          json.dumps(good[2]).encode(), b'{"step": 4, "lo']  # the last one torn by a kill
+  (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(text))
+  lines = []
+  rows = MetricsFile(tmp_path / "metrics.jsonl", True).resume(4, lines.append, lambda: "")
+  assert rows == good and _rows(tmp_path) == good
+  assert len(lines) == 1, lines
+  assert "dropped 4 unreadable line(s) (line 2: not UTF-8; line 4: not a row" in lines[0]
+  assert f"kept in {tmp_path / 'metrics.jsonl.damaged'}" in lines[0]
+  assert (tmp_path / "metrics.jsonl.damaged").read_bytes() == b"\n".join(damaged) + b"\n"
+
+  (tmp_path / "kills.jsonl").write_bytes(b'[]\n{"process": 1, "time": 5.0, "signal": "SIGKILL"}'
+                                         b'\n\xff\xfe\n{"process": "2"}\n')
+  assert kill_times(tmp_path) == {1: 5.0}
+
+  (tmp_path / "w" / "metrics.jsonl").mkdir(parents=True)
+  with pytest.raises(UnusableFile, match="metrics.jsonl is a directory") as refused:
+    check_run_files(tmp_path / "w")
+  assert exit_code_for(refused.value) == 2
+  with pytest.raises(UnusableFile):
+    MetricsFile(tmp_path / "w" / "metrics.jsonl", True).resume(1, lines.append, lambda: "")
 
 
 def test_an_exit_waits_for_the_save_in_flight(tmp_path, monkeypatch):

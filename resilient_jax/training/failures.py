@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from resilient_jax.files import read_jsonl, write_json_atomic
+from resilient_jax.files import UnusableFile, read_jsonl, write_json_atomic
 from resilient_jax.policy import Decision, NoDevicesLeft, StageLost
 from resilient_jax.programs.compiled import Counts
 from resilient_jax.runtime.records import StepResult, WorkerLost
@@ -189,6 +189,15 @@ class Failures:
 
 
 def kill_times(workdir: Path, relaunches: bool = False) -> dict[int, float]:
-  """When `launch/local.py` killed (or, with `relaunches`, relaunched) each process."""
-  return {r["process"]: r["time"] for r in read_jsonl(workdir / KILLS_FILE)
-          if (r.get("signal") == "relaunch") == relaunches}
+  """When `launch/local.py` killed (or, with `relaunches`, relaunched) each process. These
+  only annotate `recovery.json`: a damaged line is skipped, and a `kills.jsonl` that is not a
+  file reads as none, never an error in the middle of a recovery."""
+  def whole(r: object) -> bool:
+    return (isinstance(r, dict) and isinstance(r.get("process"), int)
+            and isinstance(r.get("time"), (int, float)))
+
+  try:
+    rows = read_jsonl(workdir / KILLS_FILE, valid=whole)
+  except UnusableFile:
+    return {}
+  return {r["process"]: r["time"] for r in rows if (r.get("signal") == "relaunch") == relaunches}

@@ -92,6 +92,21 @@ class Hooks:
       fn(run, metrics)
 
 
+_NUMBERS = ("loss", "step_time_s", "samples_per_s", "tokens_per_s", "compile_s", "lr")
+
+
+def is_metrics_row(row: object) -> bool:
+  """Whether a line read back from `metrics.jsonl` is a row the resumed run can use: an object
+  with an integer `step` >= 1 and a numeric `loss`, and numbers where a row has them (the
+  end-of-run report sums and prints them)."""
+  def number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+  return (isinstance(row, dict) and isinstance(row.get("step"), int)
+          and not isinstance(row["step"], bool) and row["step"] >= 1 and "loss" in row
+          and all(number(row[k]) for k in _NUMBERS if k in row))
+
+
 class MetricsFile:
   """`metrics.jsonl`: one line per committed step, on process 0 (`enabled`)."""
 
@@ -103,7 +118,9 @@ class MetricsFile:
     """The rows of the steps before `start` (an earlier run's), the file rewritten to them."""
     if not self.enabled:
       return []
-    earlier = read_jsonl(self.path, log=log)
+    # Damaged lines are set aside (`metrics.jsonl.damaged`, one log line); the rewind below
+    # then leaves only whole rows in the file.
+    earlier = read_jsonl(self.path, log=log, valid=is_metrics_row, set_aside=True)
     if start == 1 and earlier:
       log(f"no checkpoint to resume from in {self.path.parent / 'checkpoints'} ({why_none()}): "
           f"starting from step 1; the {len(earlier)} step(s) metrics.jsonl holds from an "

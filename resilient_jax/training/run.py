@@ -25,6 +25,7 @@ import jax
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter
 from resilient_jax.config import ConfigError, RunConfig
 from resilient_jax.data import BatchPlan
+from resilient_jax.files import check_run_files
 from resilient_jax.observe.goodput import GoodputLog
 from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
@@ -137,6 +138,7 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
   workdir = Path(workdir)
   if group.chief:
     workdir.mkdir(parents=True, exist_ok=True)
+    check_run_files(workdir)  # a directory where metrics.jsonl belongs: exit 2, nothing written
   model = make_model(cfg) if model is None else model
   if cfg.checkpoint.init_from:
     from resilient_jax.checkpoint.init_from import init_params, read_params
