@@ -2,8 +2,9 @@
 `Policy` protocol that the runtime's coordinator and the simulator both call.
 
 A policy is asked about a `Grid` and a set of failed workers (positions `(d, s)` of that grid;
-the runtime maps them to its nodes): what it runs then (`plan`, in each policy's own terms), how
-fast that is (`step_time`), and what getting there costs once (`recovery`). Costs come through
+the runtime maps them to its nodes): what it runs then (`plan`, a `Planned`), how fast that is
+(`step_time`: the cost model's price of that plan, or of a smaller one a test shows costs the
+same), and what getting there costs once (`recovery`). Costs come through
 `PlanCosts`: the simulator's `CostModel` (specs or a measured profile, seconds) and the runtime's
 analytic model (`costs.AnalyticCosts`, block-forward units) both provide it, so one policy prices
 plans for both.
@@ -14,14 +15,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from resilient_jax.checks import require_ints, require_numbers
-from resilient_jax.schedule.core import Worker
+from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.schedule.cost import OpCosts
 from resilient_jax.schedule.generators import GENERATORS
-from resilient_jax.schedule.oobleck import LayerProfile
+from resilient_jax.schedule.oobleck import LayerProfile, OobleckInstance
+from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import Plan
+
+Planned = Schedule | OobleckInstance | PipelineSet | tuple[int, int]
+"""What a policy runs with some workers down, on its grid's positions (worker `(d, s)` at
+`d * pp + s`): a re-routed `Schedule` (recycle, naive), an `OobleckInstance`, Bamboo's
+`PipelineSet` (stage s as layer s), or the `(dp, pp)` grid a restore lays out (restart). The
+coordinator turns it into the runtime's `Plan` with `runtime_plan` (layers and nodes named)."""
 
 
 class PolicyUnavailableError(RuntimeError):
@@ -178,13 +186,14 @@ class Policy(Protocol):
     """Raises `PolicyUnavailableError` (with the reason) if it cannot evaluate this grid."""
     ...
 
-  def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> Any:
-    """What it runs with `failed` workers down (a `Schedule`, an `OobleckInstance`, Bamboo's
-    failovers, a restore layout); None where it cannot go on and falls back to a restore."""
+  def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> Planned | None:
+    """What it runs with `failed` workers down; None where it cannot go on and falls back to
+    a restore."""
     ...
 
   def step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> float:
-    """Steady-state seconds per step with `failed` workers down; `inf` if it cannot train."""
+    """Steady-state seconds per step with `failed` workers down, the replay of what `plan`
+    returns; `inf` if it cannot train."""
     ...
 
   def recovery(self, t: Transition) -> Recovery:
@@ -239,24 +248,24 @@ class InPlacePolicy:
 
   # -- the runtime's coordinator asks these; the simulator needs none of them
 
-  def runs(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts, previous: Any, *,
-           switched: bool) -> Any:
+  def runs(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+           previous: Planned | None, *, switched: bool) -> Planned | None:
     """What it runs with `failed` down (its own terms, as `plan`); `previous`: what it ran
     before, unless it was not in force (`switched`). None: it cannot go on."""
     del previous, switched
     return self.plan(grid, failed, costs)
 
   def planned_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
-                        planned: Any) -> float:
+                        planned: Planned) -> float:
     """The cost model's step time of `planned`, what `runs` returned."""
     del planned
     return self.step_time(grid, failed, costs)
 
-  def runtime_plan(self, planned: Any, layout: Layout, costs: PlanCosts) -> Plan:
+  def runtime_plan(self, planned: Planned, layout: Layout, costs: PlanCosts) -> Plan:
     """`planned` as the runtime runs it, on the grid's positions (`Layout.nodes` maps them)."""
     raise NotImplementedError
 
-  def report(self, planned: Any, plan: Plan, layout: Layout, workers: frozenset[Worker],
+  def report(self, planned: Planned, plan: Plan, layout: Layout, workers: frozenset[Worker],
              failed: frozenset[Worker], *, rejoin: bool = False) -> list[str]:
     """Log lines of what it did about `workers`, lost (or back, `rejoin`), with `failed` down,
     running `plan` (on nodes)."""
@@ -268,7 +277,7 @@ class InPlacePolicy:
     return (f"{self.name} cannot continue after nodes {list(nodes)} failed at step {step}: "
             "some layers lost every replica")
 
-  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> Any:
+  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> Planned | None:
     """What it runs when the run restores onto the live `positions` of its grid, keeping the
     grid; None: a fresh layout of the survivors instead (`restart.restore_layout`)."""
     del grid, costs, positions

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import Any
 
 from resilient_jax.exit_codes import EXIT_NO_DEVICES
 from resilient_jax.policy.base import (
   Grid,
+  InPlacePolicy,
   Layout,
   PlanCosts,
+  Planned,
   Recovery,
   RecoveryParams,
   Transition,
@@ -86,7 +87,7 @@ class RestartPolicy:
   chooses = False
   reroutes = True
   min_pp = 1
-  fault_free: Any = None
+  fault_free: InPlacePolicy | None = None
   """The planner whose fault-free schedule it runs until a failure makes it restore
   (`registry.build_policies` sets it: recycle's)."""
 
@@ -132,18 +133,18 @@ class RestartPolicy:
 
   # -- the runtime's side (`base.InPlacePolicy`): the fault-free schedule while it can
 
-  def runs(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts, previous: Any, *,
-           switched: bool) -> Any:
+  def runs(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+           previous: Planned | None, *, switched: bool) -> Planned | None:
     return None if failed else self.fault_free.plan(grid, failed, costs)
 
   def planned_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
-                        planned: Any) -> float:
-    return self.fault_free.plan_step_time(grid, failed, costs)
+                        planned: Planned) -> float:
+    return self.fault_free.planned_step_time(grid, failed, costs, planned)
 
-  def runtime_plan(self, planned: Any, layout: Layout, costs: PlanCosts) -> Plan:
+  def runtime_plan(self, planned: Planned, layout: Layout, costs: PlanCosts) -> Plan:
     return self.fault_free.runtime_plan(planned, layout, costs)
 
-  def report(self, planned: Any, plan: Plan, layout: Layout, workers: frozenset[Worker],
+  def report(self, planned: Planned, plan: Plan, layout: Layout, workers: frozenset[Worker],
              failed: frozenset[Worker], *, rejoin: bool = False) -> list[str]:
     return self.fault_free.report(planned, plan, layout, workers, failed, rejoin=rejoin)
 
@@ -154,5 +155,5 @@ class RestartPolicy:
     return (f"worker (dp={d}, stage={s}) failed at step {step} and "
             f"resilience.policy={configured}{chose}")
 
-  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> Any:
+  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> Planned | None:
     return None
