@@ -321,15 +321,26 @@ def writable_dir(flag: str, path: str | None) -> str:
     if blocker:
       fail(f"{where}: {blocker} is a file, not a directory")
     fail(f"{where}: cannot create it ({e.strerror or e})")
+  probe = None
   try:
-    # A probe file rather than os.access: root, ACLs and read-only mounts all answer here. The
-    # name is random, so processes of one job can probe a shared directory at once.
+    # A probe file rather than os.access: root, ACLs and read-only mounts all answer here. It
+    # gets a block of bytes, synced: a full disk (or quota) still lets an empty file be made.
+    # The name is random, so processes of one job can probe a shared directory at once.
     fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=full)
-    os.close(fd)
-    os.unlink(probe)
+    with os.fdopen(fd, "wb") as f:
+      f.write(bytes(_PROBE_BYTES))
+      f.flush()
+      os.fsync(f.fileno())
   except OSError as e:
     fail(f"{where}: cannot write there ({e.strerror or e})")
+  finally:
+    if probe is not None and os.path.exists(probe):
+      os.unlink(probe)
   return full
+
+
+_PROBE_BYTES = 4096
+"""What `writable_dir` writes to probe a directory: one block of a usual filesystem."""
 
 
 def _first_non_directory(path: str) -> str | None:

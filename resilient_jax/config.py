@@ -110,7 +110,9 @@ class TrainConfig:
         f"train.data_dtype={self.data_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
     if not isinstance(self.data_path, str):
       raise ConfigError(f"train.data_path must be a path, got {self.data_path!r}")
-    require_ints("train.", {"stop_after": self.stop_after}, 0, ConfigError)
+    require_ints("train.", {"stop_after": self.stop_after, "seed": self.seed}, 0, ConfigError)
+    if self.seed >= 2**63:  # jax.random.key takes an int64; numpy's generators no negative
+      raise ConfigError(f"train.seed={self.seed} is beyond int64 (it must be below 2**63)")
     keys = ("max_nonfinite_steps", "accumulate_steps")
     require_ints("train.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
 
@@ -201,20 +203,25 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
 
 def check_rejoins(events: Iterable[tuple[int, tuple[int, int], bool]]) -> None:
   """Checks that every rejoin `(step, worker, True)` is of a worker that failed at an earlier
-  step and has not come back since; failures are `(step, worker, False)`.
+  step and has not come back since, and that every failure `(step, worker, False)` is of a
+  worker that is up (a second failure of a failed worker would be silently ignored).
 
   Raises:
-    ConfigError: the first rejoin that is not (one line, naming it).
+    ConfigError: the first rejoin or failure that is not (one line, naming it).
   """
   down: dict[tuple[int, int], int] = {}  # worker -> the step it failed in
   # At one step, failures come before rejoins: a worker cannot fail and return in one step.
   for step, worker, rejoin in sorted(events, key=lambda e: (e[0], e[2])):
+    d, s = worker
     if not rejoin:
-      down.setdefault(worker, step)
+      if worker in down:
+        raise ConfigError(f"faults.schedule failure {step}:{d}.{s}: worker ({d}, {s}) already "
+                          f"failed at step {down[worker]} and has not rejoined (add a rejoin "
+                          f"STEP:+{d}.{s} between the two)")
+      down[worker] = step
       continue
     failed = down.get(worker)
     if failed is None or failed >= step:
-      d, s = worker
       raise ConfigError(f"faults.schedule rejoin {step}:+{d}.{s}: worker ({d}, {s}) has not "
                         f"failed before step {step}, so it cannot rejoin then")
     del down[worker]

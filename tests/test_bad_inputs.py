@@ -46,6 +46,9 @@ class Case:
   env: tuple[tuple[str, str], ...] = ()
   jax: bool = False
   """The check needs JAX's devices (the backend may start)."""
+  file_size_limit: int = 0
+  """Bytes any file the case writes may grow to (RLIMIT_FSIZE; 0: no limit): a disk that takes
+  no more bytes while it still lets a file be created, as a full one does."""
 
 
 def train(id: str, *args: str, needles: tuple[str, ...] | str, **kw) -> Case:
@@ -70,6 +73,10 @@ CASES = [
   train("workdir-missing", TRAIN[0], needles="--workdir is required"),
   train("metrics-jsonl-is-a-directory", TRAIN[0], "--workdir={tmp}/metrics_dir",
         needles=("--workdir={tmp}/metrics_dir", "metrics.jsonl is a directory")),
+  train("config-json-is-a-directory", TRAIN[0], "--workdir={tmp}/config_dir",
+        needles=("--workdir={tmp}/config_dir", "config.json is a directory")),
+  train("workdir-on-a-full-disk", TRAIN[0], "--workdir={tmp}/full",
+        needles=("--workdir={tmp}/full", "cannot write there"), file_size_limit=1024),
   # ---- the config file
   train("config-syntax-error", "--config={tmp}/syntax.py", TRAIN[1],
         needles=("--config={tmp}/syntax.py", "line 2", "invalid syntax")),
@@ -116,6 +123,9 @@ CASES = [
         needles="optimizer.weight_decay"),
   train("optimizer-unknown", *TRAIN, "--config.optimizer.name=adamax", needles="optimizer.name"),
   train("steps-zero", *TRAIN, "--config.train.steps=0", needles="train.steps"),
+  train("seed-beyond-int64", *TRAIN, "--config.train.seed=18446744073709551616",
+        needles=("train.seed=18446744073709551616", "int64")),
+  train("seed-negative", *TRAIN, "--config.train.seed=-1", needles=("train.seed", "-1")),
   train("schedule-unknown", *TRAIN, "--config.pipeline.schedule=bogus",
         needles="pipeline.schedule"),
   train("more-stages-than-layers", *TRAIN, "--config.mesh.pp=9", needles="mesh.pp"),
@@ -141,6 +151,8 @@ CASES = [
         needles=("faults.schedule", "9:0.0")),
   train("faults-outside-grid", *TRAIN, "--config.faults.schedule=2:5.0",
         needles=("faults.schedule", "2:5.0")),
+  train("faults-worker-fails-twice", *TRAIN, "--config.faults.schedule=1:0.1,3:0.1",
+        needles=("faults.schedule", "3:0.1", "already failed at step 1")),
   train("rejoin-never-failed", *TRAIN, "--config.faults.schedule=2:+0.1",
         needles=("faults.schedule", "2:+0.1", "cannot rejoin")),
   train("rejoin-same-step", *TRAIN, "--config.faults.schedule=2:0.1,2:+0.1",
@@ -260,6 +272,7 @@ def results(tmp_path_factory) -> tuple[dict, dict]:
   with open(os.path.join(tmp, "file"), "w") as f:
     f.write("not a directory\n")
   os.makedirs(os.path.join(tmp, "metrics_dir", "metrics.jsonl"))
+  os.makedirs(os.path.join(tmp, "config_dir", "config.json"))
   with open(os.path.join(tmp, "syntax.py"), "w") as f:
     f.write("import ml_collections\ndef get_config(:\n  pass\n")
   with open(os.path.join(tmp, "raises.py"), "w") as f:
@@ -267,7 +280,7 @@ def results(tmp_path_factory) -> tuple[dict, dict]:
   names = {"tmp": tmp, "ro": _read_only_dir(tmp) or "{ro}"}
   cases = [
     {"id": c.id, "launcher": c.launcher, "argv": [a.format(**names) for a in c.args],
-     "env": dict(c.env)}
+     "env": dict(c.env), "file_size_limit": c.file_size_limit}
     for c in CASES
   ]
   out = os.path.join(tmp, "results.json")
@@ -324,6 +337,13 @@ def _child(case: dict, out_path: str, err_path: str) -> None:
       os.dup2(f, fd)
       os.close(f)
     os.environ.update(case["env"])
+    if case["file_size_limit"]:
+      import resource
+      import signal
+
+      signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+      _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+      resource.setrlimit(resource.RLIMIT_FSIZE, (case["file_size_limit"], hard))
     from launch import cli
 
     module = importlib.import_module(case["launcher"])
