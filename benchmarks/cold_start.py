@@ -8,8 +8,8 @@ second process then runs the same variant on the cache the first one filled: the
 `programs/` folder, the plain variants on JAX's persistent compilation cache (with its
 thresholds at zero, so every program is kept): a second identical run's start. It times from
 building the step (model, programs, state) to the first step's updated parameters being ready,
-and counts XLA compilations (`compiled.Counts.xla`: every backend compile of the process). The
-variants of `benchmarks/overhead.py` run the same work:
+and counts XLA compilations (`compiled.BuildCounter.xla`: every backend compile while it
+counts). The variants of `benchmarks/overhead.py` run the same work:
 
   - library: `Trainer` + `run_step` on dp x pp devices (1F1B);
   - plain-dp: one `jax.jit` of value_and_grad + optax, micro-batches accumulated in the jit
@@ -44,19 +44,20 @@ if {variant!r} != "library":  # plain JAX at its best: its own persistent cache,
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from benchmarks import overhead
-from resilient_jax.programs.compiled import Counts
+from resilient_jax.programs.compiled import BuildCounter
 dp, pp, variant = {dp}, {pp}, {variant!r}
 args = overhead.parse_args(["--steps=1", "--warmup=0"])
 t0 = time.perf_counter()
-if variant == "library":
-  step = overhead.LibraryStep(overhead.make_cfg(args, dp, pp), jax.devices())
-elif variant == "plain-dp":
-  step = overhead.PlainStep(overhead.make_cfg(args, dp * pp, 1), jax.devices(), form="unrolled")
-else:
-  step = overhead.PlainPipeline(overhead.make_cfg(args, dp, pp), jax.devices())
-step(1)
-print(json.dumps(dict(seconds=time.perf_counter() - t0, xla=Counts.xla,
-                      compiled=Counts.compiled, loaded=Counts.loaded)))
+with BuildCounter().counting() as counts:
+  if variant == "library":
+    step = overhead.LibraryStep(overhead.make_cfg(args, dp, pp), jax.devices())
+  elif variant == "plain-dp":
+    step = overhead.PlainStep(overhead.make_cfg(args, dp * pp, 1), jax.devices(), form="unrolled")
+  else:
+    step = overhead.PlainPipeline(overhead.make_cfg(args, dp, pp), jax.devices())
+  step(1)
+print(json.dumps(dict(seconds=time.perf_counter() - t0, xla=counts.xla,
+                      compiled=counts.compiled, loaded=counts.loaded)))
 """
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from resilient_jax import data as data_lib
-from resilient_jax.programs.compiled import Counts, OnEachDevice
+from resilient_jax.programs.compiled import BuildCounter, OnEachDevice
 from resilient_jax.programs.stages import clear_shared_programs, model_signature
 from resilient_jax.training.api import train
 from resilient_jax.training.loop import Trainer
@@ -186,25 +186,26 @@ def test_one_compile_serves_every_device():
     return {"w": acc["w"] + jnp.tanh(x @ w).T @ x}
 
   program = OnEachDevice(step, donate_argnums=(2,))
-  before = (Counts.compiled + Counts.from_disk, Counts.loaded)
   outs = []
-  for device in jax.devices()[:4]:
-    w, x = (jax.device_put(jnp.linspace(-1, 1, 64).reshape(s), device) for s in [(8, 8), (8, 8)])
-    acc = {"w": jax.device_put(jnp.ones((8, 8)), device)}
-    out = program(w, x, acc)["w"]
-    assert out.devices() == {device} and acc["w"].is_deleted()  # placed there, donation kept
-    outs.append(np.asarray(out))
-  assert (Counts.compiled + Counts.from_disk - before[0], Counts.loaded - before[1]) == (1, 3)
+  with BuildCounter().counting() as counts:
+    for device in jax.devices()[:4]:
+      w, x = (jax.device_put(jnp.linspace(-1, 1, 64).reshape(s), device)
+              for s in [(8, 8), (8, 8)])
+      acc = {"w": jax.device_put(jnp.ones((8, 8)), device)}
+      out = program(w, x, acc)["w"]
+      assert out.devices() == {device} and acc["w"].is_deleted()  # placed there, donation kept
+      outs.append(np.asarray(out))
+  assert (counts.compiled + counts.from_disk, counts.loaded) == (1, 3)
   for out in outs[1:]:
     np.testing.assert_array_equal(out, outs[0])
   # A new process (here: a new program object) reads the executable from disk, whatever device.
   again = OnEachDevice(step, donate_argnums=(2,))
   device = jax.devices()[5]
   put = lambda v: jax.device_put(v, device)  # noqa: E731
-  before = Counts.from_disk
   w = put(jnp.linspace(-1, 1, 64).reshape(8, 8))
-  out = again(w, put(jnp.linspace(-1, 1, 64).reshape(8, 8)), {"w": put(jnp.ones((8, 8)))})["w"]
-  assert Counts.from_disk == before + 1
+  with BuildCounter().counting() as counts:
+    out = again(w, put(jnp.linspace(-1, 1, 64).reshape(8, 8)), {"w": put(jnp.ones((8, 8)))})["w"]
+  assert (counts.from_disk, counts.compiled) == (1, 0)
   np.testing.assert_array_equal(np.asarray(out), outs[0])
 
 

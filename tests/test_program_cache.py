@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from resilient_jax.programs import compiled
-from resilient_jax.programs.compiled import Counts, OnEachDevice
+from resilient_jax.programs.compiled import BuildCounter, OnEachDevice
 
 
 @pytest.fixture
@@ -18,9 +18,9 @@ def cache(tmp_path, monkeypatch):
 def _fresh_run(fn, *args):
   """`fn` on `args` as a new process would run it (a new program object, the same cache
   folder); what it built: (compiled, read from disk)."""
-  before = (Counts.compiled, Counts.from_disk)
-  out = OnEachDevice(fn)(*args)
-  return out, (Counts.compiled - before[0], Counts.from_disk - before[1])
+  with BuildCounter().counting() as counts:
+    out = OnEachDevice(fn)(*args)
+  return out, (counts.compiled, counts.from_disk)
 
 
 def test_an_unread_arguments_shape_is_in_the_key(cache):

@@ -40,6 +40,8 @@ the devices it was compiled for, to map from).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -51,7 +53,7 @@ import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -86,37 +88,62 @@ _Blob = tuple[bytes, Any, Any, tuple[int, ...]]
 """Serialized executable, in_tree, out_tree, ids of the devices it was compiled for."""
 
 
-class Counts:
-  """Programs compiled, loaded from another device's compile, and read from disk (all
-  `OnEachDevice`s of this process); `xla`: every XLA compilation of the process, JAX's
-  persistent cache reads included (any jitted or eager program).
+@dataclasses.dataclass
+class BuildCounter:
+  """What one owner (a training run, a benchmark) saw built while it counted (`counting`):
+  `OnEachDevice` programs compiled, loaded from another device's compile, and read from disk;
+  `xla`: every XLA compilation, JAX's persistent cache reads included (any jitted or eager
+  program).
 
   `build_s`: seconds spent building `OnEachDevice` programs (lowering, compiling, loading);
   `other_xla_s`: seconds of XLA compilation outside them (eager ops, plain `jax.jit`s).
+
+  Programs are shared by everything in the process (a second run builds nothing), so what a
+  counter sees is what its owner's thread caused to be built while it counted.
   """
 
-  compiled = 0
-  loaded = 0
-  from_disk = 0
-  xla = 0
-  build_s = 0.0
-  other_xla_s = 0.0
+  compiled: int = 0
+  loaded: int = 0
+  from_disk: int = 0
+  xla: int = 0
+  build_s: float = 0.0
+  other_xla_s: float = 0.0
+
+  @contextlib.contextmanager
+  def counting(self) -> Iterator[BuildCounter]:
+    """Counts what this thread builds inside the block (counters nest: each one counts)."""
+    stack = _counters()
+    stack.append(self)
+    try:
+      yield self
+    finally:
+      stack.remove(self)
+
+  def built(self) -> Built:
+    """What it has counted so far (differences of two are what happened between them)."""
+    return Built(self.build_s + self.other_xla_s, self.compiled, self.from_disk, self.loaded,
+                 self.xla)
 
 
-def built() -> Built:
-  """What this process has built so far."""
-  return Built(Counts.build_s + Counts.other_xla_s, Counts.compiled, Counts.from_disk,
-               Counts.loaded, Counts.xla)
+_local = threading.local()  # per thread: the counters counting, and whether a build is running
 
 
-_building = threading.local()  # set while this thread builds an OnEachDevice program
+def _counters() -> list[BuildCounter]:
+  if not hasattr(_local, "counters"):
+    _local.counters = []
+  return _local.counters
+
+
+def _count(field: str, amount: float = 1) -> None:
+  for c in _counters():
+    setattr(c, field, getattr(c, field) + amount)
 
 
 def _count_xla(event: str, duration_s: float, **_: Any) -> None:
   if event == "/jax/core/compile/backend_compile_duration":  # `jax._src.dispatch`'s name
-    Counts.xla += 1
-    if not getattr(_building, "active", False):  # a build times itself whole
-      Counts.other_xla_s += duration_s
+    _count("xla")
+    if not getattr(_local, "building", False):  # a build times itself whole
+      _count("other_xla_s", duration_s)
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_xla)
@@ -169,12 +196,12 @@ class OnEachDevice:
         program = self._programs.get((device, sig))
         if program is None:
           t0 = time.perf_counter()
-          _building.active = True
+          _local.building = True
           try:
             program = self._build(device, sig, args)
           finally:
-            _building.active = False
-            Counts.build_s += time.perf_counter() - t0
+            _local.building = False
+            _count("build_s", time.perf_counter() - t0)
     return program(*args)
 
   def _build(self, device: Placement, sig: _Signature, args: tuple) -> Callable:
@@ -186,7 +213,7 @@ class OnEachDevice:
       if _jax_cache_on():  # its executables may not re-serialize whole: compile per device
         self._blobs[sig] = None
         program = lowered.compile(self._options or None)
-        Counts.compiled += 1
+        _count("compiled")
         self.built += 1
         self._programs[(device, sig)] = program
         return program
@@ -200,7 +227,7 @@ class OnEachDevice:
       if kept is not None:
         self._blobs[sig] = (kept[0], lowered.in_tree, lowered.out_tree, kept[1])
         program = _load(self._blobs[sig], device)
-        Counts.from_disk += program is not None
+        _count("from_disk", program is not None)
       if here is not None:
         program, self._blobs[sig] = here
       if program is None:
@@ -211,10 +238,10 @@ class OnEachDevice:
       program = None if blob is None else _load(blob, device)
       if program is None:
         program = self._jit.lower(*args).compile(self._options or None)
-        Counts.compiled += 1
+        _count("compiled")
         self.built += 1
       else:
-        Counts.loaded += 1
+        _count("loaded")
     self._programs[(device, sig)] = program
     return program
 
@@ -222,7 +249,7 @@ class OnEachDevice:
                         device: Placement) -> tuple[Any, _Blob | None]:
     """Compiles `lowered` (for `device`), keeps it at `path`; the program and its blob."""
     program = lowered.compile(self._options or None)
-    Counts.compiled += 1
+    _count("compiled")
     return program, _serialize(program, path, device)
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from resilient_jax.files import UnusableFile, read_jsonl, write_json_atomic
 from resilient_jax.policy import Decision, NoDevicesLeft, StageLost
-from resilient_jax.programs.compiled import Counts
 from resilient_jax.runtime.records import StepResult, WorkerLost
 from resilient_jax.schedule.core import AR, Op
 from resilient_jax.schedule.plan import describe
@@ -74,7 +73,7 @@ class Failures:
     events = []
     for p in sorted(n for n in result.lost if n in run.coordinator.live):
       event = {"node": p, "step": step, "attempt": attempt, "detected_at": result.detected_at,
-               "xla_compiles": Counts.xla}
+               "xla_compiles": run.builds.xla}
       proc = run.group.process_of(p)
       if proc is not None:
         event["process"] = proc
@@ -165,7 +164,7 @@ class Failures:
       event["detect_to_next_step_s"] = round(done_at - event["detected_at"], 3)
       # Programs compiled (or read from JAX's cache) between detection and the step's commit:
       # a recovery should find every program it needs already built.
-      event["xla_compiles"] = Counts.xla - event["xla_compiles"]
+      event["xla_compiles"] = run.builds.xla - event["xla_compiles"]
       run.recovery.append(event)
       if event.get("kind") == "rejoin":
         admissions.rejoined(event, step, done_at)

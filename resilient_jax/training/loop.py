@@ -41,7 +41,6 @@ from resilient_jax.observe.profiling import RunTimelines, StepTraces, replay_rec
 from resilient_jax.observe.progress import reporting
 from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
-from resilient_jax.programs.compiled import Counts, built
 from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.interpreter import Interpreter
 from resilient_jax.runtime.records import Built, StepResult, WorkerLost
@@ -144,6 +143,10 @@ class Trainer:
     the job, with a checkpoint of it: `Preempted`. Whatever ends the run, a checkpoint save in
     flight is committed (or its error reported) first.
     """
+    with self.state.builds.counting():
+      return self._run()
+
+  def _run(self) -> TrainResult:
     run, cfg = self.state, self.cfg
     try:
       start = self.admissions.join() if run.group.relaunched else self.checkpoints.load(
@@ -189,7 +192,7 @@ class Trainer:
     """Runs `step` until it commits (the optimizer having applied `updates` steps before it);
     its metrics row and what hooks see."""
     run = self.state
-    compiles = Counts.xla
+    xla0 = run.builds.xla
     profile = run.group.profiles and self.timelines.profile(step, bool(run.coordinator.failed))
     with self.traces.step(step, lambda: (run.interpreter.params, run.interpreter.opt_state,
                                          run.interpreter.replicas)):
@@ -201,7 +204,7 @@ class Trainer:
       # The step as it would run with one core per worker (`observe/profiling.py`).
       replayed = replay_records(plan.schedule, result.records)
     row = metrics_row(run, step, result, ids, float(self.learning_rate(updates)))
-    return result, StepInfo(step, step == end, result, row, replayed, Counts.xla - compiles, run)
+    return result, StepInfo(step, step == end, result, row, replayed, run.builds.xla - xla0, run)
 
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
     """Attempts 1-based `step` until an attempt commits, whatever fails during it.
@@ -247,9 +250,9 @@ class Trainer:
     # Attempts are numbered over the whole run, so a step redone after a restore never reuses
     # the transfer ids and agreement keys of its first run.
     run.attempts += 1
-    before = built()
+    before = run.builds.built()
     try:
-      with reporting(run.log, lambda t, b=before: _still_running(step, t, built() - b)):
+      with reporting(run.log, lambda t: _still_running(step, t, run.builds.built() - before)):
         result = run.interpreter.run_step(
           inputs, targets, step=step, attempt=run.attempts, profile=profile, after_op=hook,
           seeds=recipe.sample_seeds(step, mb_ids))
@@ -258,7 +261,7 @@ class Trainer:
                         detected_at=time.time()), mb_ids
     # Building programs is work of its own, reported apart: a first step's compile would
     # otherwise read as a slow step (its samples/s a tiny fraction of the next step's).
-    result.built = built() - before
+    result.built = run.builds.built() - before
     result.step_time_s = max(result.step_time_s - result.built.seconds, 1e-6)
     return result, mb_ids
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from resilient_jax.programs.compiled import Counts
 from resilient_jax.runtime import admission
 from resilient_jax.runtime.admission import Admission
 from resilient_jax.training.checkpoints import Checkpoints
@@ -87,7 +86,7 @@ class Admissions:
       else:
         cl.readmit(p, j["generation"], j["address"])
     admitted_at = time.time()
-    compiles = Counts.xla
+    compiles = self.run.builds.xla
     t0 = time.perf_counter()
     # The policy, then the hand-over.
     apply_rejoin(self.run, self.checkpoints, set(back), adm.step, remote=True)

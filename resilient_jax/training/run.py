@@ -29,6 +29,7 @@ from resilient_jax.files import check_run_files
 from resilient_jax.observe.goodput import GoodputLog
 from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
+from resilient_jax.programs.compiled import BuildCounter
 from resilient_jax.programs.stages import StagePrograms, build_stage_programs
 from resilient_jax.recipe import (
   make_data,
@@ -98,6 +99,8 @@ class Run:
   """Every failure and admission so far, in order (the same in every live process)."""
   attempts: int = 0
   """Step attempts over the whole run: names transfers and agreements, never reused."""
+  builds: BuildCounter = dataclasses.field(default_factory=BuildCounter)
+  """What the run built (programs, XLA compiles) while it trained (`Trainer.run` counts)."""
 
   @property
   def chief(self) -> bool:
@@ -161,14 +164,16 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
   coordinator = RunCoordinator(cfg, nodes, log=log)
   group.attach(coordinator)
   programs = Programs(cfg, model)
-  interpreter = new_interpreter(cfg, programs, transport, coordinator.plan,
-                                replicas=not group.relaunched)
+  builds = BuildCounter()
+  with builds.counting():
+    interpreter = new_interpreter(cfg, programs, transport, coordinator.plan,
+                                  replicas=not group.relaunched)
+    group.warm_up(cfg, transport, interpreter)
   tp = cfg.mesh.tp
   if tp > 1 and not any(any(s) for prog in programs.configured
                         for s in prog.param_specs.values()):
     log(f"mesh.tp={tp}: no parameter of the model names a logical axis that splits "
         "(resilient_jax/model/sharding.py), so every worker's stage runs replicated over "
         f"its {tp} devices: correct, but neither faster nor smaller per device")
-  group.warm_up(cfg, transport, interpreter)
   return Run(cfg, workdir, log, group, model, data_source, batches, transport, coordinator,
-             programs, interpreter, writer)
+             programs, interpreter, writer, builds=builds)
