@@ -204,23 +204,17 @@ def _as_duration_fn(
   return costs, 0.0 if comm is None else comm
 
 
-def _propagate(
-  schedule: Schedule, duration: DurationFn, comm: float, sequential: bool
-) -> tuple[list[Worker], list[Op], list[float], list[float]]:
-  """Times every op of `schedule` by a topological sweep of its dependency graph.
-
-  Args:
-    schedule: the schedule to time.
-    duration: per-(worker, op) duration.
-    comm: added to every dependency between two different workers.
-    sequential: whether a worker runs its list strictly in order (the real replay). Without it
-      only data dependencies and collectives constrain start times: the critical path.
+def _index_ops(
+  schedule: Schedule,
+) -> tuple[list[Worker], list[int], list[Op], dict[Worker, dict[Op, int]]]:
+  """Numbers every op of `schedule`: workers sorted, each worker's ops in list order.
 
   Returns:
-    `(node_worker, node_op, start, end)`, one entry per op, workers sorted, lists in order.
+    `(node_worker, node_wid, node_op, index)`: per node its worker, that worker's rank and its
+    op, and per worker the node of each of its ops.
 
   Raises:
-    ScheduleError: on duplicate ops, dependencies on missing ops or workers, or a deadlock.
+    ScheduleError: when a worker runs an op twice.
   """
   workers = schedule.workers
   wid = {w: i for i, w in enumerate(workers)}
@@ -237,8 +231,27 @@ def _propagate(
       node_op.append(op)
       node_worker.append(w)
       node_wid.append(wid[w])
-  n = len(node_op)
+  return node_worker, node_wid, node_op, index
 
+
+def _dependency_graph(
+  schedule: Schedule,
+  node_worker: list[Worker],
+  node_wid: list[int],
+  node_op: list[Op],
+  index: dict[Worker, dict[Op, int]],
+  sequential: bool,
+) -> tuple[list[list[int]], list[int]]:
+  """The edges between the nodes of `_index_ops`: data dependencies and, when `sequential`,
+  each op after its predecessor in its worker's list.
+
+  Returns:
+    `(succ, indeg)`: per node the nodes that wait for it, and how many nodes it waits for.
+
+  Raises:
+    ScheduleError: on a dependency on a missing op or worker.
+  """
+  n = len(node_op)
   succ: list[list[int]] = [[] for _ in range(n)]
   indeg = [0] * n
   for i in range(n):
@@ -259,20 +272,52 @@ def _propagate(
     if sequential and i > 0 and node_wid[i - 1] == node_wid[i]:
       succ[i - 1].append(i)
       indeg[i] += 1
+  return succ, indeg
 
-  # AR is a collective over the stage's live workers: the k-th AR of every worker of a stage
-  # forms one instance that starts when its last participant is ready and ends together.
+
+def _allreduce_groups(
+  schedule: Schedule, node_worker: list[Worker], node_op: list[Op]
+) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+  """Which collective each AR node joins.
+
+  AR is a collective over the stage's live workers: the k-th AR of every worker of a stage forms
+  one instance that starts when its last participant is ready and ends together.
+
+  Returns:
+    `(group_of, group_size)`: per AR node its instance `(stage, k)`, and per stage how many
+    workers every instance of it waits for.
+  """
   group_of: dict[int, tuple[int, int]] = {}
   ar_seen: dict[Worker, int] = {}
-  for i in range(n):
-    if node_op[i].kind == AR:
+  for i, op in enumerate(node_op):
+    if op.kind == AR:
       w = node_worker[i]
       k = ar_seen.get(w, 0)
       ar_seen[w] = k + 1
       group_of[i] = (w[1], k)
   group_size = {s: len(schedule.stage_workers(s)) for s in range(schedule.pp)}
-  waiting: dict[tuple[int, int], list[int]] = {}
+  return group_of, group_size
 
+
+def _sweep(
+  node_worker: list[Worker],
+  node_wid: list[int],
+  node_op: list[Op],
+  succ: list[list[int]],
+  indeg: list[int],
+  group_of: dict[int, tuple[int, int]],
+  group_size: dict[int, int],
+  duration: DurationFn,
+  comm: float,
+) -> tuple[list[float], list[float], list[bool], int]:
+  """Times the nodes in topological order with a ready queue (consumes `indeg`).
+
+  Returns:
+    `(start, end, done, finished)`: per node its times and whether it ran, and how many ran
+    (fewer than all on a deadlock).
+  """
+  waiting: dict[tuple[int, int], list[int]] = {}
+  n = len(node_op)
   ready = [0.0] * n
   start = [0.0] * n
   end = [0.0] * n
@@ -307,19 +352,58 @@ def _propagate(
         indeg[k] -= 1
         if indeg[k] == 0:
           queue.append(k)
+  return start, end, done, finished
 
-  if finished < n:
-    stuck = []
-    for i in range(n):
-      if not done[i] and (i == 0 or node_wid[i - 1] != node_wid[i] or done[i - 1]):
-        stuck.append(f"{node_worker[i]}:{node_op[i]}")
-    listed = ", ".join(stuck[:_MAX_STUCK_LISTED])
-    if len(stuck) > _MAX_STUCK_LISTED:
-      listed += f", ... ({len(stuck) - _MAX_STUCK_LISTED} more)"
-    raise ScheduleError(
-      f"schedule {schedule.name}: deadlock, {n - finished} ops can never run; "
-      f"stuck at each worker's head: {listed}"
-    )
+
+def _deadlock(
+  schedule: Schedule,
+  node_worker: list[Worker],
+  node_wid: list[int],
+  node_op: list[Op],
+  done: list[bool],
+) -> ScheduleError:
+  """The error of a sweep that could not run every op: the stuck op at each blocked worker's
+  head, at most `_MAX_STUCK_LISTED` of them."""
+  n = len(node_op)
+  stuck = []
+  for i in range(n):
+    if not done[i] and (i == 0 or node_wid[i - 1] != node_wid[i] or done[i - 1]):
+      stuck.append(f"{node_worker[i]}:{node_op[i]}")
+  listed = ", ".join(stuck[:_MAX_STUCK_LISTED])
+  if len(stuck) > _MAX_STUCK_LISTED:
+    listed += f", ... ({len(stuck) - _MAX_STUCK_LISTED} more)"
+  return ScheduleError(
+    f"schedule {schedule.name}: deadlock, {n - sum(done)} ops can never run; "
+    f"stuck at each worker's head: {listed}"
+  )
+
+
+def _propagate(
+  schedule: Schedule, duration: DurationFn, comm: float, sequential: bool
+) -> tuple[list[Worker], list[Op], list[float], list[float]]:
+  """Times every op of `schedule` by a topological sweep of its dependency graph.
+
+  Args:
+    schedule: the schedule to time.
+    duration: per-(worker, op) duration.
+    comm: added to every dependency between two different workers.
+    sequential: whether a worker runs its list strictly in order (the real replay). Without it
+      only data dependencies and collectives constrain start times: the critical path.
+
+  Returns:
+    `(node_worker, node_op, start, end)`, one entry per op, workers sorted, lists in order.
+
+  Raises:
+    ScheduleError: on duplicate ops, dependencies on missing ops or workers, or a deadlock.
+  """
+  node_worker, node_wid, node_op, index = _index_ops(schedule)
+  succ, indeg = _dependency_graph(schedule, node_worker, node_wid, node_op, index, sequential)
+  group_of, group_size = _allreduce_groups(schedule, node_worker, node_op)
+  start, end, done, finished = _sweep(
+    node_worker, node_wid, node_op, succ, indeg, group_of, group_size, duration, comm
+  )
+  if finished < len(node_op):
+    raise _deadlock(schedule, node_worker, node_wid, node_op, done)
   return node_worker, node_op, start, end
 
 
