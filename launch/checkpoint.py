@@ -1,9 +1,12 @@
 """`python -m launch.checkpoint {inspect,verify} DIR` (or `resilient-jax-checkpoint`).
 
 DIR is one checkpoint (`.../checkpoints/12`, or an older `.../checkpoints/step_00000012`), a
-checkpoints folder, or a workdir; for the latter two the newest committed checkpoint is used.
-`inspect` prints the checkpoint's step, layout and entries; `verify` loads every entry and checks
-its checksum. Exit codes: 0 ok, 1 corrupt, 2 bad usage, a bad flag or nothing to read.
+checkpoints folder, or a workdir. `inspect` prints a checkpoint's step, layout and entries (of a
+folder: the newest); `verify` loads every entry and checks its checksum, and of a folder checks
+every checkpoint in it, newest first, a line each, so a damaged newest one is named even when an
+older one would be used. Damaged metadata (its checksum, a step other than its folder's, a
+folder without it) is damage like any other. Exit codes: 0 ok, 1 a checkpoint is damaged
+(`verify`: any of them), 2 bad usage, a bad flag or nothing to read.
 """
 
 from __future__ import annotations
@@ -15,42 +18,78 @@ import numpy as np
 
 from launch import cli
 from resilient_jax.checkpoint.store import (
+  META_FILE,
+  META_ITEM,
   CheckpointError,
-  committed_steps,
   load,
   meta_path,
   read_meta,
-  step_dir,
+  step_folders,
 )
 
 USAGE = "usage: python -m launch.checkpoint {inspect,verify} DIR"
 
 
-def _resolve(arg: str) -> Path:
+def _checkpoints(arg: str) -> list[tuple[int | None, Path]]:
+  """The checkpoints DIR names, newest first: itself, or every step folder in it (or in its
+  `checkpoints/`)."""
   path = Path(arg)
   if meta_path(path).exists():
-    return path
+    return [(None, path)]
   for root in (path, path / "checkpoints"):
-    steps = committed_steps(root)
-    if steps:
-      return step_dir(root, steps[-1])
+    found = step_folders(root)
+    if found:
+      return list(reversed(found))
   raise FileNotFoundError(f"no committed checkpoint in {arg}")
 
 
+def _has_meta(path: Path) -> None:
+  """A step folder without metadata is a damaged checkpoint: its save commits all at once."""
+  if not meta_path(path).exists():
+    raise CheckpointError(f"{path}: no {META_ITEM}/{META_FILE} (damaged, or never committed)")
+
+
 def _inspect(path: Path) -> None:
+  _has_meta(path)
   meta = read_meta(path)
-  layout = meta.get("layout", {})
+  layout, data = meta.get("layout", {}), meta.get("data", {})
   print(f"checkpoint {path}")
-  print(f"  step {meta['step']}  (next data step {meta.get('data', {}).get('next_step')})")
+  print(f"  step {meta['step']}  (next data step {data.get('next_step')})")
   print(f"  saved from layout dp={layout.get('dp')} pp={layout.get('pp')} tp={layout.get('tp', 1)} "
         f"partition={layout.get('partition')} live_workers={layout.get('live_workers')}")
-  print(f"  {meta['bytes'] / 2**20:.2f} MiB in {sum(len(g) for g in meta['entries'].values())} "
-        "entries")
+  total = meta.get("bytes")
+  print(f"  {total / 2**20 if isinstance(total, (int, float)) else float('nan'):.2f} MiB in "
+        f"{sum(len(g) for g in meta['entries'].values())} entries")
   for group, entries in meta["entries"].items():
     print(f"  {group}:")
     for name, info in sorted(entries.items()):
-      nbytes = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
-      print(f"    {name:48s} {str(tuple(info['shape'])):>16s} {info['dtype']:8s} {nbytes:>12,d} B")
+      try:
+        nbytes = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
+        size = f"{nbytes:>12,d}"
+      except TypeError:  # a dtype this numpy does not know
+        size = f"{'?':>12s}"
+      print(f"    {name:48s} {str(tuple(info['shape'])):>16s} {info['dtype']:8s} {size} B")
+
+
+def _verify(found: list[tuple[int | None, Path]]) -> int:
+  """Verifies each checkpoint, a line each (damage on stderr); 1 if any is damaged."""
+  usable, damaged = None, 0
+  for step, path in found:
+    try:
+      _has_meta(path)
+      loaded = load(path)
+    except CheckpointError as e:
+      damaged += 1
+      print(f"CORRUPT: {'' if step is None else f'step {step}: '}{e}", file=sys.stderr)
+      continue
+    usable = loaded.step if usable is None else usable
+    n = len(loaded.params) + len(loaded.opt_state)
+    print(f"OK: {path} (step {loaded.step}): {n} entries match their checksums")
+  if len(found) > 1:
+    print(f"{damaged} of {len(found)} checkpoints damaged; " + (
+      f"a resume starts after step {usable}" if usable is not None else
+      "none is usable: a resume starts from step 1"))
+  return 1 if damaged else 0
 
 
 def main(argv: list[str]) -> int:
@@ -58,20 +97,17 @@ def main(argv: list[str]) -> int:
     print(USAGE, file=sys.stderr)
     return 2
   try:
-    path = _resolve(argv[2])
-    if argv[1] == "inspect":
-      _inspect(path)
-      return 0
-    loaded = load(path)
+    found = _checkpoints(argv[2])
+    if argv[1] == "verify":
+      return _verify(found)
+    _inspect(found[0][1])
+    return 0
   except FileNotFoundError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except CheckpointError as e:
     print(f"CORRUPT: {e}", file=sys.stderr)
     return 1
-  n = len(loaded.params) + len(loaded.opt_state)
-  print(f"OK: {path} (step {loaded.step}): {n} entries match their checksums")
-  return 0
 
 
 def run() -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from resilient_jax import checkpoint as ckpt
+from resilient_jax.checkpoint import store
 from resilient_jax.config import ConfigError
 from resilient_jax.training.api import train
 from resilient_jax.training.loop import Trainer
@@ -84,12 +85,21 @@ def test_restored_state_is_exactly_the_saved_one(saved, tmp_path):
   assert loaded.meta["layout"]["dp"] == 2 and loaded.meta["data"]["next_step"] == 5
 
 
+def _write_meta(folder, meta, seal=True):
+  """Rewrites a checkpoint's metadata, with its own checksum recomputed (`seal`), or none (as
+  versions before the checksum wrote it)."""
+  meta = {k: v for k, v in meta.items() if k != store.META_DIGEST}
+  if seal:
+    meta[store.META_DIGEST] = store.meta_digest(meta)
+  ckpt.meta_path(folder).write_text(json.dumps(meta))
+
+
 def _corrupt_latest(run_dir, how):
   latest = ckpt.step_dir(run_dir / "checkpoints", 4)
   if how == "checksum":
     meta = json.loads(ckpt.meta_path(latest).read_text())
     meta["entries"]["params"]["blocks.1.mlp.fc.kernel"]["crc32"] = "00000000"
-    ckpt.meta_path(latest).write_text(json.dumps(meta))
+    _write_meta(latest, meta)  # resealed: the entry's bytes, not the metadata, fail
   else:  # truncate every data file of the array store
     for f in (latest / "state").rglob("*"):
       if f.is_file() and f.stat().st_size > 64 and "METADATA" not in f.name:
@@ -231,7 +241,7 @@ def _damage(folder, how, name, data):
   elif how == "meta_without_checksums":
     meta = json.loads(ckpt.meta_path(folder).read_text())
     del meta["entries"]["opt_state"]
-    ckpt.meta_path(folder).write_text(json.dumps(meta))
+    _write_meta(folder, meta, seal=False)  # an older checkpoint's, without a checksum
   elif how == "truncated":  # the largest data file loses its second half
     files = sorted((p for p in state.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
     files[0].write_bytes(files[0].read_bytes()[: files[0].stat().st_size // 2])
@@ -256,6 +266,56 @@ def test_damage_is_caught_by_the_one_pass_read(saved, tmp_path, how):
               "meta_without_checksums": "lacks the opt_state entries"}[how]
   with pytest.raises(ckpt.CheckpointError, match=expected):
     ckpt.load(folder)
+
+
+def test_damaged_metadata_is_a_damaged_checkpoint(tmp_path, capsys, monkeypatch):
+  """Metadata carries its own checksum and its step must be its folder's: a `step` edited to 7
+  in step 3's folder once skipped a step silently; `inspect` crashed on damaged metadata;
+  `verify WORKDIR` said OK for an older step without naming the damaged newest; `init_from`
+  took an older checkpoint without saying which or why. An older checkpoint without the
+  checksum still loads."""
+  from launch.checkpoint import main as checkpoint_cli
+  from resilient_jax.checkpoint.init_from import read_params
+
+  root = tmp_path / "run" / "checkpoints"
+  writer = ckpt.CheckpointWriter(root, keep=0)
+  for step in (1, 2, 3):
+    writer.save(step, {"w": np.full((2, 2), step, np.float32)}, {}, {"layout": {}})
+  writer.wait()
+  monkeypatch.setattr(store, "non_finite", lambda arrays: [])  # as an older version wrote it
+  writer.save(4, {"w": np.full((2, 2), np.nan, np.float32)}, {}, {"layout": {}})
+  writer.wait()
+  monkeypatch.undo()
+  lines = []
+  params, taken = read_params(tmp_path / "run", log=lines.append)
+  assert params["w"][0, 0] == 3 and taken.startswith("step 3 (")
+  assert "1 newer one(s) skipped" in taken
+  assert len(lines) == 1 and "step 4 is unusable" in lines[0] and "non-finite" in lines[0]
+  shutil.rmtree(root / "4")
+
+  meta = json.loads(ckpt.meta_path(root / "3").read_text())
+  assert meta[store.META_DIGEST] == store.meta_digest(meta)
+  edited = {**meta, "step": 7}
+  for write, why in ((lambda: ckpt.meta_path(root / "3").write_text(json.dumps(edited)),
+                      "fails its checksum"),  # its checksum is the unedited one's
+                     (lambda: _write_meta(root / "3", edited),  # resealed: step 7 in 3/
+                      "says step 7, but its folder is step 3")):
+    write()
+    lines = []
+    assert ckpt.load_latest(root, log=lines.append).step == 2
+    assert len(lines) == 1 and "step 3 is unusable" in lines[0] and why in lines[0], lines
+    assert checkpoint_cli(["checkpoint", "verify", str(tmp_path / "run")]) == 1
+    out, err = capsys.readouterr()
+    assert f"CORRUPT: step 3: {root / '3'}" in err and why in err
+    assert "OK:" in out and "(step 2)" in out and "a resume starts after step 2" in out
+    assert checkpoint_cli(["checkpoint", "inspect", str(tmp_path / "run")]) == 1
+    assert why in capsys.readouterr().err
+
+  ckpt.meta_path(root / "3").write_bytes(b'{"format": "\xff\xfe"}')  # not UTF-8
+  assert checkpoint_cli(["checkpoint", "inspect", str(root)]) == 1
+  assert "unreadable" in capsys.readouterr().err
+  _write_meta(root / "3", meta, seal=False)  # written before metadata had a checksum
+  assert ckpt.load_latest(root, log=quiet).step == 3
 
 
 def test_bfloat16_state_is_checksummed_and_checked_for_non_finite(tmp_path, monkeypatch):

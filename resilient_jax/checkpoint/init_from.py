@@ -8,7 +8,7 @@ model's NNX state (e.g. `ocp.StandardCheckpointer().save(path, nnx.state(model, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,11 @@ def _flatten(tree: Any, prefix: tuple = ()) -> dict[str, np.ndarray]:
   return {".".join(map(str, prefix)): np.asarray(tree)}
 
 
-def read_params(path: str | Path) -> dict[str, np.ndarray]:
-  """Parameters by global name from a universal checkpoint or a plain orbax NNX state.
+def read_params(path: str | Path, log: Callable[[str], None] = lambda _: None
+                ) -> tuple[dict[str, np.ndarray], str]:
+  """Parameters by global name from a universal checkpoint or a plain orbax NNX state, and
+  which checkpoint they came from (a folder of several: the newest that verifies; `log` gets a
+  line for each newer one skipped, with why: corrupt, non-finite, damaged metadata).
 
   Raises:
     CheckpointError: nothing readable at `path` (the message says what was tried).
@@ -47,13 +50,18 @@ def read_params(path: str | Path) -> dict[str, np.ndarray]:
   if not path.exists():
     raise CheckpointError(f"checkpoint.init_from={str(path)!r} does not exist")
   if meta_path(path).exists():
-    return load(path).params
+    loaded = load(path)
+    return loaded.params, f"step {loaded.step} ({loaded.path})"
   for root in (path, path / "checkpoints"):
     if root.is_dir() and committed_steps(root):
-      loaded = load_latest(root, log=lambda _: None)
+      skipped: list[str] = []
+      loaded = load_latest(root, log=skipped.append)
+      for line in skipped:
+        log(f"checkpoint.init_from: {line}")
       if loaded is None:
         raise CheckpointError(f"checkpoint.init_from={str(path)!r}: no checkpoint verifies")
-      return loaded.params
+      newer = f", the {len(skipped)} newer one(s) skipped (above)" if skipped else ""
+      return loaded.params, f"step {loaded.step} ({loaded.path}: the newest that verifies{newer})"
   import orbax.checkpoint as ocp
 
   try:
@@ -63,7 +71,7 @@ def read_params(path: str | Path) -> dict[str, np.ndarray]:
       f"checkpoint.init_from={str(path)!r} is neither a universal checkpoint nor an orbax "
       f"checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
     ) from None
-  return _flatten(tree)
+  return _flatten(tree), f"the orbax checkpoint {path}"
 
 
 def init_params(model: nnx.Module, params: Mapping[str, np.ndarray], source: str) -> int:

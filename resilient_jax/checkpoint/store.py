@@ -8,7 +8,9 @@ lists and restores it; the README's "Checkpoint format" section has the example)
               NNX path, as `nnx.state(model, nnx.Param)` is; optimizer entries flat, by the
               universal keys of `universal.py`
   meta/metadata   orbax JSON item: step, the layout it was saved from, data position, config,
-              and per-entry shape/dtype/CRC32 (names as above, flat)
+              and per-entry shape/dtype/CRC32 (names as above, flat), and `meta_sha256`, the
+              metadata's own checksum: a load trusts nothing of it that does not match, nor a
+              `step` other than its folder's
   _CHECKPOINT_METADATA   orbax's own step metadata
 Older versions wrote `<dir>/step_00000012/` with `state/` and `meta.json` beside it: `load`,
 `committed_steps`, `step_dir` and the CLI read both, so an older workdir resumes.
@@ -52,6 +54,7 @@ layouts (orbax counts only its own folders).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -78,6 +81,8 @@ STATE_ITEM, META_ITEM = "state", "meta"
 META_FILE = "metadata"
 """The JSON item's file (`meta/metadata`); older versions wrote `meta.json` in the folder."""
 FORMAT = "resilient_jax.universal.v1"
+META_DIGEST = "meta_sha256"
+"""The metadata's own checksum: sha256 of its canonical JSON without this field (`meta_digest`)."""
 
 
 class CheckpointError(RuntimeError):
@@ -180,18 +185,26 @@ def non_finite(scanned: Mapping[str, tuple[str, bool]]) -> list[str]:
   return sorted(k for k, (_, finite) in scanned.items() if not finite)
 
 
-def committed_steps(root: str | Path) -> list[int]:
-  """Steps with a committed (fully written and renamed) checkpoint, ascending; either
-  layout."""
+def meta_digest(meta: Mapping[str, Any]) -> str:
+  """sha256 (hex) of `meta`'s canonical JSON (sorted keys, no spaces), `META_DIGEST` left out."""
+  body = {k: v for k, v in meta.items() if k != META_DIGEST}
+  return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+                        ).hexdigest()
+
+
+def step_folders(root: str | Path) -> list[tuple[int, Path]]:
+  """Every folder named as a step's (either layout), committed or not, by step."""
   root = Path(root)
   if not root.is_dir():
     return []
-  steps = set()
-  for p in root.iterdir():
-    step = _step_of(p.name)
-    if step is not None and meta_path(p).exists():
-      steps.add(step)
-  return sorted(steps)
+  found = ((_step_of(p.name), p) for p in root.iterdir())
+  return sorted((step, p) for step, p in found if step is not None and p.is_dir())
+
+
+def committed_steps(root: str | Path) -> list[int]:
+  """Steps with a committed (fully written and renamed) checkpoint, ascending; either
+  layout."""
+  return sorted({step for step, p in step_folders(root) if meta_path(p).exists()})
 
 
 @dataclasses.dataclass
@@ -208,24 +221,48 @@ class Loaded:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
+  """A checkpoint folder's metadata, checked before anything trusts it.
+
+  Raises:
+    CheckpointError: unreadable (a non-UTF-8 byte too), another format, its checksum fails, its
+      `step` is not its folder's (`12/` holding step 7 would silently skip a step), or it lacks
+      what a load needs: a damaged checkpoint, so `load_latest` falls back.
+  """
   file = meta_path(path)
+  rel = file.relative_to(path)
   try:
-    meta = json.loads(file.read_text())
-  except (OSError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{path}: {file.relative_to(path)} unreadable ({e})") from None
+    meta = json.loads(file.read_bytes())
+  except (OSError, ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+    raise CheckpointError(f"{path}: {rel} unreadable ({e})") from None
   if not isinstance(meta, dict) or meta.get("format") != FORMAT:
     fmt = meta.get("format") if isinstance(meta, dict) else None
     raise CheckpointError(f"{path}: unknown format {fmt!r}")
+  # Checkpoints written before the checksum have none: they load as they always did (backward
+  # compatible), checked only by the field tests below.
+  if META_DIGEST in meta and meta[META_DIGEST] != meta_digest(meta):
+    raise CheckpointError(f"{path}: {rel} fails its checksum (edited or damaged)")
+  step, folder = meta.get("step"), _step_of(path.name)
+  if not isinstance(step, int) or isinstance(step, bool):
+    raise CheckpointError(f"{path}: {rel} has no step")
+  if folder is not None and step != folder:
+    raise CheckpointError(f"{path}: {rel} says step {step}, but its folder is step {folder}'s")
+  if not all(isinstance(meta.get(k, {}), dict) for k in ("layout", "data", "model")):
+    raise CheckpointError(f"{path}: {rel} has a damaged layout, data or model section")
   # A load trusts these fields to size and check every array: a damaged metadata is a corrupt
   # checkpoint (fall back), not a KeyError halfway through the load.
   entries = meta.get("entries")
   for group in reader.GROUPS:
     infos = entries.get(group) if isinstance(entries, dict) else None
-    if not isinstance(infos, dict) or not all(
-        isinstance(i, dict) and {"shape", "dtype", "crc32"} <= i.keys() for i in infos.values()):
-      raise CheckpointError(f"{path}: {file.relative_to(path)} lacks the {group} entries' "
-                            "shapes and checksums")
+    if not isinstance(infos, dict) or not all(_entry_info(i) for i in infos.values()):
+      raise CheckpointError(f"{path}: {rel} lacks the {group} entries' shapes and checksums")
   return meta
+
+
+def _entry_info(info: Any) -> bool:
+  """Whether an entry's metadata has a shape (ints), a dtype and a CRC32 (strings)."""
+  return (isinstance(info, dict) and isinstance(info.get("shape"), list)
+          and all(isinstance(d, int) and d >= 0 for d in info["shape"])
+          and isinstance(info.get("dtype"), str) and isinstance(info.get("crc32"), str))
 
 
 def load(path: str | Path, workers: int | None = None) -> Loaded:
@@ -261,10 +298,18 @@ def load(path: str | Path, workers: int | None = None) -> Loaded:
 
 
 def load_latest(root: str | Path, log: Callable[[str], None] = info) -> Loaded | None:
-  """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
-  for step in reversed(committed_steps(root)):
+  """The newest checkpoint that verifies; each newer one is named and skipped, with why (a
+  log line each: corrupt, non-finite, damaged metadata, a step folder without metadata)."""
+  root = Path(root)
+  committed = committed_steps(root)
+  newest = committed[-1] if committed else None
+  for step, path in reversed(step_folders(root)):
+    if not meta_path(path).exists() and (newest is None or step > newest):
+      log(f"checkpoint folder {path} has no {META_ITEM}/{META_FILE} (damaged, or never "
+          "committed): skipped")
+  for step in reversed(committed):
     try:
-      return load(step_dir(Path(root), step))
+      return load(step_dir(root, step))
     except CheckpointError as e:
       log(f"checkpoint at step {step} is unusable: {e}; falling back to the previous one")
   return None
@@ -364,6 +409,8 @@ class CheckpointWriter:
                           "crc32": scanned[g][k][0]} for k, a in arrays.items()}
       meta = {"format": FORMAT, "step": step, **meta, "entries": entries,
               "bytes": int(sum(a.nbytes for g in tree.values() for a in g.values()))}
+      meta = json.loads(json.dumps(meta))  # as a load reads it back, to checksum that
+      meta[META_DIGEST] = meta_digest(meta)
       self.root.mkdir(parents=True, exist_ok=True)
       if final.exists():
         # A step saved again (redone after its checkpoint failed to load): orbax refuses an

@@ -148,10 +148,11 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
 
     source = cfg.checkpoint.init_from
     try:
-      n = init_params(model, read_params(source), source)
+      params, taken = read_params(source, log)
+      n = init_params(model, params, source)
     except CheckpointError as e:
       raise ConfigError(str(e)) from None
-    log(f"initialised {n} parameters from {source}")
+    log(f"initialised {n} parameters from {source}: {taken}")
   data_source, batches = make_data(cfg)
   writer = None
   if group.chief:
