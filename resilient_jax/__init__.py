@@ -16,7 +16,7 @@ _EXPORTS = {
   "Trainer": "resilient_jax.training.loop",
   "TrainResult": "resilient_jax.training.loop",
   "FaultEvent": "resilient_jax.training.faults",
-  "NonFiniteSteps": "resilient_jax.training.loop",
+  "NonFiniteSteps": "resilient_jax.training.hooks",
   "train": "resilient_jax.training.api",
   "run_config": "resilient_jax.training.api",
   "configure_jax": "resilient_jax.runtime.setup",

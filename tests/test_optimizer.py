@@ -10,7 +10,8 @@ import pytest
 from resilient_jax.config import ConfigError
 from resilient_jax.schedule.core import B, Op
 from resilient_jax.training.faults import FaultEvent
-from resilient_jax.training.loop import NonFiniteSteps, Trainer
+from resilient_jax.training.hooks import NonFiniteSteps
+from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_matches_reference, expected_digests, reference_for, tiny_config
 
 
@@ -97,18 +98,31 @@ def test_a_non_finite_gradient_skips_the_step_on_every_stage(tmp_path):
 
 
 def test_too_many_non_finite_steps_stop_the_run(tmp_path):
-  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=3, train__max_nonfinite_steps=2)
-  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
-  prog = trainer.programs[0]
-  real = prog.optimizer_step
+  """Steps 1 and 2 are non-finite: exit 8 after step 2. The resume (from the checkpoint of step
+  1) counts step 1 on, so step 2 stops it again: it once started a fresh allowance."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=3, train__max_nonfinite_steps=2,
+                    checkpoint__every_steps=1)
 
-  def infinite_share(*args, **kwargs):
-    params, opt_state, share = real(*args, **kwargs)
-    return params, opt_state, share * np.inf
+  def poisoned() -> Trainer:
+    trainer = Trainer(cfg, tmp_path, log=lines.append)
+    prog = trainer.programs[0]
+    real = prog.optimizer_step
 
-  prog.optimizer_step = infinite_share
-  with pytest.raises(NonFiniteSteps, match="2 steps in a row"):
-    trainer.run()
+    def infinite_share(*args, **kwargs):
+      params, opt_state, share = real(*args, **kwargs)
+      return params, opt_state, share * np.inf
+
+    prog.optimizer_step = infinite_share
+    return trainer
+
+  lines = []
+  with pytest.raises(NonFiniteSteps, match=r"2 steps in a row .*\(steps 1-2\)"):
+    poisoned().run()
+  lines.clear()
+  with pytest.raises(NonFiniteSteps, match=r"2 steps in a row .*\(steps 1-2\)"):
+    poisoned().run()
+  assert any(x.startswith("restored step 1") for x in lines), lines
+  assert any(x.startswith("step 1 had non-finite gradients") for x in lines), lines
 
 
 @pytest.mark.parametrize("key,value,message", [

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from resilient_jax import data as data_lib
+from resilient_jax.exit_codes import EXIT_NONFINITE
 from resilient_jax.files import read_jsonl, write_text_atomic
 from resilient_jax.observe.profiling import RunTimelines, write_step_timeline
 from resilient_jax.runtime.records import StepResult
@@ -137,6 +138,50 @@ class MetricsFile:
     if self.enabled:
       with self.path.open("a") as f:
         f.write(json.dumps(info.row) + "\n")
+
+
+class NonFiniteSteps(RuntimeError):
+  """`train.max_nonfinite_steps` steps in a row had non-finite gradients."""
+
+  exit_code = EXIT_NONFINITE
+
+
+class NonFiniteStreak:
+  """The skipped (non-finite) steps in a row, and the stop after `train.max_nonfinite_steps`.
+
+  A resume counts on from the rows `metrics.jsonl` holds just before its first step, so a run
+  stopped with exit 8 gets no fresh allowance by resuming. Process 0 holds the file, so it
+  decides for the job; a process relaunched into a live job starts at 0.
+  """
+
+  def __init__(self, run: Run, start: int, metrics: list[dict]):
+    self.limit = run.cfg.train.max_nonfinite_steps
+
+    def before() -> int:
+      n = 0
+      for row in reversed(metrics):
+        if not row.get("skipped") or row["step"] != start - 1 - n:
+          break
+        n += 1
+      return n
+
+    resumed = start > 1 and not run.group.relaunched
+    self.count = run.group.agree("nonfinite/start", before) if resumed else 0
+    if self.count:
+      run.log(f"{_steps(start - self.count, start - 1)} had non-finite gradients (skipped): "
+              f"{self.count} of train.max_nonfinite_steps={self.limit} in a row count on")
+
+  def after(self, step: int, skipped: bool) -> None:
+    """Counts committed `step`; raises `NonFiniteSteps` when the streak reaches the limit."""
+    self.count = self.count + 1 if skipped else 0
+    if self.count >= self.limit:
+      raise NonFiniteSteps(f"{self.count} steps in a row had non-finite gradients "
+                           f"({_steps(step - self.count + 1, step)}); stopping "
+                           "(train.max_nonfinite_steps)")
+
+
+def _steps(first: int, last: int) -> str:
+  return f"step {last}" if first == last else f"steps {first}-{last}"
 
 
 def step_line(info: StepInfo) -> None:

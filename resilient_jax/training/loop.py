@@ -34,7 +34,7 @@ import numpy as np
 
 from resilient_jax import recipe
 from resilient_jax.config import RunConfig
-from resilient_jax.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
+from resilient_jax.exit_codes import EXIT_PREEMPTED
 from resilient_jax.files import write_json_atomic
 from resilient_jax.observe.logs import info
 from resilient_jax.observe.profiling import RunTimelines, StepTraces, replay_records
@@ -50,6 +50,7 @@ from resilient_jax.training.failures import Failures
 from resilient_jax.training.faults import FaultEvent, check_fault_events
 from resilient_jax.training.hooks import (
   MetricsFile,
+  NonFiniteStreak,
   StepHook,
   StepInfo,
   metrics_row,
@@ -66,12 +67,6 @@ class TrainResult:
   interpreter: Interpreter
   coordinator: RunCoordinator
   last_step: StepResult | None
-
-
-class NonFiniteSteps(RuntimeError):
-  """`train.max_nonfinite_steps` steps in a row had non-finite gradients."""
-
-  exit_code = EXIT_NONFINITE
 
 
 class Preempted(RuntimeError):
@@ -156,7 +151,8 @@ class Trainer:
       metrics = self.metrics_file.resume(start, run.log, self.checkpoints.why_none)
       if run.chief:
         run.board = Board(run.workdir / "tb", start, log=run.log)
-      end, step, result, nonfinite = self.timelines.end, start, None, 0
+      end, step, result = self.timelines.end, start, None
+      nonfinite = NonFiniteStreak(run, start, metrics)  # counts on from before a resume
       updates = _updates(metrics)  # optimizer steps applied so far: the schedule's count
       while step <= end:
         try:
@@ -169,10 +165,7 @@ class Trainer:
         metrics.append(step_info.row)
         updates += not result.skipped
         self.hooks.after_step(step_info)
-        nonfinite = nonfinite + 1 if result.skipped else 0
-        if nonfinite >= cfg.train.max_nonfinite_steps:
-          raise NonFiniteSteps(f"{nonfinite} steps in a row had non-finite gradients (up to "
-                               f"step {step}); stopping (train.max_nonfinite_steps)")
+        nonfinite.after(step, result.skipped)  # NonFiniteSteps after too many in a row
         if result.stop and step < end:
           self._stop_after(step)
         self.checkpoints.if_due(step, step == end)
