@@ -1,0 +1,347 @@
+"""The list scheduler behind `plan_adaptive` (`adaptive.py`): one event-driven pass over the
+cost model that places every F, B and W of the survivors.
+
+Its own module because it is the planner's hot loop, on the runtime's recovery path: every
+variant `plan_adaptive` tries is one pass over every op of the touched grid. Its main loop is
+therefore kept whole in `_place` and `_land` (a call per instant of the event queue, none per
+op), on plain lists and int keys. Which variants to try and how to turn the result into a
+`Schedule` is `adaptive.py`'s.
+
+Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from resilient_jax.schedule.core import B, F, W, Worker
+from resilient_jax.schedule.cost import OpCosts
+from resilient_jax.schedule.errors import ScheduleError
+from resilient_jax.schedule.routing import Route
+
+_F, _B, _W = 0, 1, 2
+_KIND = (F, B, W)
+
+# Variants tried by `plan_adaptive`, best on GPT-like profiles first: (order in which an idle
+# worker considers the kinds, which ready F goes first, limit on Fs not yet back-propagated).
+#   F keys:  "feed": the F whose next-stage worker has the fewest forwards coming or waiting
+#            (keeps every survivor of the next stage busy; ties as "local"); "local": the lowest
+#            position inside its own pipeline (mb % m), so that re-routed micro-batches
+#            interleave with a survivor's own at the pace their pipeline feeds them; "mb": the
+#            lowest id; "crit": first the micro-batch whose later stages run on the most loaded
+#            workers (feeds the bottleneck survivors first).
+#   Limits:  None: the memory cap only; "ramp": ceil((pp - s) * load / m) between F and B, 1F1B's
+#            warm-up depth scaled by the worker's load: with F before B, 1F1B's rhythm.
+_VARIANTS: tuple[tuple[tuple[int, ...], str, str | None], ...] = (
+  ((_B, _F, _W), "feed", None),
+  ((_F, _B, _W), "feed", "ramp"),
+  ((_B, _F, _W), "local", None),
+  ((_F, _B, _W), "local", "ramp"),
+  ((_B, _F, _W), "mb", None),
+  ((_B, _F, _W), "crit", None),
+)
+
+
+class _Listed(NamedTuple):
+  """What `_list_schedule` returns (see there)."""
+
+  out: list[list[tuple[int, int]]]
+  makespan: float
+  peak: int
+  feed_was_local: bool
+  crit_is_mb: bool
+
+
+def _list_schedule(
+  pp: int,
+  m: int,
+  route: Route,
+  live: Sequence[Worker],
+  costs: OpCosts,
+  cap: int,
+  order: tuple[int, ...],
+  f_key: str,
+  act_cap: Sequence[int] | None = None,
+) -> _Listed:
+  """Event-driven list scheduling of F, B and W over the cost model.
+
+  Whenever a worker is idle it starts the best ready op: the first kind in `order` that has a
+  ready op (F only while the worker holds fewer than `cap` micro-batches in flight and fewer than
+  its `act_cap` between F and B), the best of that kind by its key (B and W: lowest id). An op
+  starts as soon as the worker is free and its dependencies (plus `costs.comm` across workers)
+  are done, which is exactly how `simulate` replays the recorded order, so the makespan this
+  returns is the replay's.
+
+  Args:
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    route: the routes.
+    live: the live workers.
+    costs: op costs.
+    cap: most micro-batches in flight (F done, W not) per worker.
+    order: priority of the kinds `_B`, `_F`, `_W`.
+    f_key: which ready F goes first (see `_VARIANTS`).
+    act_cap: per worker (in `live` order), most micro-batches between F and B; None: no limit.
+
+  Returns:
+    Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
+    `_F`, `_B`, `_W` (see `_to_ops`), the makespan of the step once each worker's AR and OPT are
+    appended, the most micro-batches any worker holds in flight, (for "feed") whether every F
+    it picked was the one "local" picks, i.e. "local" with the same order and limits would make
+    this very plan, and whether "crit" orders every worker's forwards as "mb" does (all of a
+    worker's micro-batches meet the same most loaded worker downstream), i.e. would make the
+    same plan as "mb".
+
+  Raises:
+    ScheduleError: if the ops cannot all be placed (a limit below 1).
+  """
+  wid = {w: i for i, w in enumerate(live)}
+  # A node is one (micro-batch, stage): node = mb * pp + stage.
+  node_w = [wid[(route[mb][s], s)] for mb in range(len(route)) for s in range(pp)]
+  crit, crit_is_mb = _criticality(pp, node_w, len(live))
+  f_entry = _f_entries(f_key, pp, m, crit)
+  act_lim = list(act_cap) if act_cap is not None else [cap] * len(live)
+  out, last_end, peak, feed_was_local = _place(
+    pp, live, costs, cap, act_lim, order, f_key, node_w, f_entry
+  )
+  scheduled, total = sum(len(ops) for ops in out), 3 * len(node_w)
+  if scheduled != total:
+    # Cannot happen with limits >= 1 (the last stage always drains), but never return half a plan.
+    raise ScheduleError(f"list scheduling stalled after {scheduled} of {total} ops (cap {cap})")
+  # Staggered optimizer: a stage's AR starts when the last of its workers is done, then OPT.
+  stage_end: dict[int, float] = {}
+  for w, (_, s) in enumerate(live):
+    stage_end[s] = max(stage_end.get(s, 0.0), last_end[w])
+  makespan = max(end + costs.ar_at(s) + costs.opt_at(s) for s, end in stage_end.items())
+  return _Listed(out, makespan, peak, feed_was_local, crit_is_mb)
+
+
+def _criticality(pp: int, node_w: list[int], n_w: int) -> tuple[list[int], bool]:
+  """The "crit" key of every node, and whether it orders each worker's forwards as "mb" does.
+
+  Args:
+    pp: pipeline stages.
+    node_w: the worker (index in `live`) of every node `mb * pp + stage`.
+    n_w: live workers.
+
+  Returns:
+    Per node, minus the load of the most loaded worker at its stage or below in its
+    micro-batch; and whether all nodes of every worker share one key (then "crit" and "mb"
+    make the same plan).
+  """
+  load = [0] * n_w
+  for w in node_w:
+    load[w] += 1
+  crit = [0] * len(node_w)
+  for mb in range(len(node_w) // pp):
+    worst = 0
+    for s in range(pp - 1, -1, -1):
+      node = mb * pp + s
+      worst = max(worst, load[node_w[node]])
+      crit[node] = -worst
+  crit_of: list[int | None] = [None] * n_w
+  for node, w in enumerate(node_w):
+    if crit_of[w] is None:
+      crit_of[w] = crit[node]
+    elif crit_of[w] != crit[node]:
+      return crit, False
+  return crit, True
+
+
+def _f_entries(f_key: str, pp: int, m: int, crit: list[int]) -> list[int]:
+  """Every node's entry in its worker's queue of ready forwards under `f_key`.
+
+  Queue entries are ints ordered as (key, node) tuples would be, node = entry % n_nodes:
+  planning is on the recovery path, and int keys halve its time. B and W go lowest id first,
+  and on one worker (one stage) node order is id order, so their entry is the node. F's key:
+  "mb": the id; "local"/"feed": (mb % m, mb); "crit": (crit, mb).
+  """
+  n_nodes = len(crit)
+  if f_key == "mb":
+    return list(range(n_nodes))
+  if f_key in ("local", "feed"):
+    return [(node // pp % m) * n_nodes + node for node in range(n_nodes)]
+  low = min(crit, default=0)
+  return [(crit[node] - low) * n_nodes + node for node in range(n_nodes)]
+
+
+def _place(
+  pp: int,
+  live: Sequence[Worker],
+  costs: OpCosts,
+  cap: int,
+  act_lim: list[int],
+  order: tuple[int, ...],
+  f_key: str,
+  node_w: list[int],
+  f_entry: list[int],
+) -> tuple[list[list[tuple[int, int]]], list[float], int, bool]:
+  """The event loop of `_list_schedule`: idle workers pick, then the next instant's events land.
+
+  Args:
+    pp, live, costs, cap, order, f_key: as for `_list_schedule`.
+    act_lim: per worker, most micro-batches between F and B.
+    node_w: the worker (index in `live`) of every node `mb * pp + stage`.
+    f_entry: every node's entry in a queue of ready forwards (`_f_entries`).
+
+  Returns:
+    Per worker its `(kind, mb)` in execution order, per worker the end of its last op, the most
+    micro-batches any worker held in flight, and (for "feed") whether every F picked was the
+    head of its heap.
+  """
+  n_w, n_nodes = len(live), len(node_w)
+  dur = [(costs.f_at(s), costs.b_at(s), costs.w_at(s)) for _, s in live]
+  # B of a node waits for its own F and, below the last stage, for the B of the stage above.
+  b_need = [1 if i % pp == pp - 1 else 2 for i in range(n_nodes)]
+  b_ready = [0.0] * n_nodes
+  queues: list[tuple[list, list, list]] = [([], [], []) for _ in range(n_w)]
+  inflight = [0] * n_w
+  active = [0] * n_w
+  busy = [False] * n_w
+  # Forwards started upstream or waiting here that this worker has not started yet.
+  supply = [0] * n_w
+  last_end = [0.0] * n_w
+  out: list[list[tuple[int, int]]] = [[] for _ in range(n_w)]
+  # (time, seq, code): code = (node * 3 + kind) * 2 + is_finish; seq makes ties deterministic
+  # (and is unique, so the comparison never reaches the code).
+  events: list[tuple[float, int, int]] = []
+  seq = 0
+  push, pop = heapq.heappush, heapq.heappop
+  for node in range(0, n_nodes, pp):
+    push(queues[node_w[node]][_F], f_entry[node])
+    supply[node_w[node]] += 1
+  # Downstream stages first, then by worker: `(-stage, w)` as one int.
+  rank = [(pp - 1 - s) * n_w + w for w, (_, s) in enumerate(live)]
+  peak = 0
+  dirty = set(range(n_w))
+  t = 0.0
+  feed_was_local = f_key == "feed"
+  while True:
+    # Deterministic, and downstream first: a worker that starts consuming its queued forwards
+    # now no longer counts them as supply when its upstream peers pick at the same instant.
+    for w in sorted(dirty, key=rank.__getitem__):
+      if busy[w]:
+        continue
+      q = queues[w]
+      pick = -1
+      for kind in order:
+        if q[kind] and (kind != _F or (inflight[w] < cap and active[w] < act_lim[w])):
+          pick = kind
+          break
+      if pick < 0:
+        continue
+      if pick == _F and f_key == "feed":
+        node, was_head = _feed_pick(q[_F], supply, node_w, pp)
+        feed_was_local = feed_was_local and was_head
+      else:
+        node = pop(q[pick]) % n_nodes
+      if pick == _F:
+        inflight[w] += 1
+        peak = max(peak, inflight[w])
+        active[w] += 1
+        supply[w] -= 1
+        if node % pp < pp - 1:
+          supply[node_w[node + 1]] += 1
+      elif pick == _B:
+        active[w] -= 1
+      busy[w] = True
+      out[w].append((pick, node // pp))
+      seq += 1
+      push(events, (t + dur[w][pick], seq, (node * 3 + pick) * 2 + 1))
+    dirty.clear()
+    if not events:
+      return out, last_end, peak, feed_was_local
+    t = events[0][0]
+    seq = _land(
+      t, events, seq, node_w, f_entry, queues, busy, last_end, inflight, b_need, b_ready, dirty,
+      pp, costs.comm,
+    )
+
+
+def _feed_pick(fq: list[int], supply: list[int], node_w: list[int], pp: int) -> tuple[int, bool]:
+  """Takes "feed"'s F out of the heap `fq`: the F whose next stage has the fewest forwards
+  coming or waiting, which keeps every worker of the next stage fed instead of queueing work at
+  one of them. Returns its node and whether it was the heap's head ("local"'s pick)."""
+  n_nodes = len(node_w)
+  best_i = min(
+    range(len(fq)),
+    key=lambda i: (
+      supply[node_w[fq[i] % n_nodes + 1]] if fq[i] % n_nodes % pp < pp - 1 else 0, fq[i]
+    ),
+  )
+  was_head = fq[best_i] == fq[0]
+  node = fq[best_i] % n_nodes
+  fq[best_i] = fq[-1]
+  fq.pop()
+  heapq.heapify(fq)
+  return node, was_head
+
+
+def _land(
+  t: float,
+  events: list[tuple[float, int, int]],
+  seq: int,
+  node_w: list[int],
+  f_entry: list[int],
+  queues: list[tuple[list, list, list]],
+  busy: list[bool],
+  last_end: list[float],
+  inflight: list[int],
+  b_need: list[int],
+  b_ready: list[float],
+  dirty: set[int],
+  pp: int,
+  comm: float,
+) -> int:
+  """Lands every event at time `t`, before any worker picks, so choices see all that is ready.
+
+  A finished op frees its worker and makes its successors ready: the next stage's F (after
+  `comm`), its own W, and the B of the stage below once both its F and the B above are done.
+  Readiness at a later time is a new event; at `t` the op joins its worker's queue at once.
+  Every worker touched goes into `dirty`. Returns the last event sequence number used.
+  """
+  push, pop = heapq.heappush, heapq.heappop
+  while events and events[0][0] <= t:
+    code = pop(events)[2]
+    node, kind = divmod(code >> 1, 3)
+    w = node_w[node]
+    dirty.add(w)
+    if not code & 1:
+      push(queues[w][kind], f_entry[node] if kind == _F else node)
+      continue
+    busy[w] = False
+    last_end[w] = t
+    s = node % pp
+    # What becomes ready now (free transfers) joins its queue at once: an event at time t
+    # would only be popped in this same batch, before any worker picks.
+    if kind == _F:
+      if s < pp - 1:
+        if comm:
+          seq += 1
+          push(events, (t + comm, seq, ((node + 1) * 3 + _F) * 2))
+        else:
+          push(queues[node_w[node + 1]][_F], f_entry[node + 1])
+          dirty.add(node_w[node + 1])
+      up, at = node, t
+    elif kind == _B:
+      push(queues[w][_W], node)
+      if s == 0:
+        continue
+      up, at = node - 1, t + comm
+    else:
+      inflight[w] -= 1
+      continue
+    # B of `up` is ready once its own F and the B of the stage above are done.
+    if at > b_ready[up]:
+      b_ready[up] = at
+    b_need[up] -= 1
+    if b_need[up] == 0:
+      if b_ready[up] > t:
+        seq += 1
+        push(events, (b_ready[up], seq, (up * 3 + _B) * 2))
+      else:
+        push(queues[node_w[up]][_B], up)
+        dirty.add(node_w[up])
+  return seq
