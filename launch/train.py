@@ -22,10 +22,15 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
 from launch import cli
+
+if TYPE_CHECKING:
+  from resilient_jax.config import RunConfig
 
 _FLAGS = cli.define_train_flags()
 
@@ -33,6 +38,18 @@ _FLAGS = cli.define_train_flags()
 def main(argv: list[str]) -> None:
   started = time.time()
   cfg, workdir = cli.train_inputs(argv, _FLAGS)
+  from resilient_jax.training.preemption import stop_on_signals
+
+  # A scheduler's SIGTERM stops the job after the step in flight, with a checkpoint. Installed
+  # before anything is built: a signal while the trainer is built ends the process with the
+  # same exit code 9 at once (nothing trained yet, nothing to checkpoint), not 143.
+  with stop_on_signals() as attach:
+    _train(cfg, workdir, started, attach)
+
+
+def _train(cfg: RunConfig, workdir: str, started: float, attach: Callable[[Any], None]) -> None:
+  """Joins the job (if any), builds the trainer, hands it to the signal handlers (`attach`),
+  trains and reports."""
   # Flax imports IPython, when installed, only to ask whether it is running inside it, which
   # a training process never is: 0.2 s of CPU at every process start (and every relaunch).
   sys.modules.setdefault("IPython", None)
@@ -70,12 +87,12 @@ def main(argv: list[str]) -> None:
 
   from resilient_jax.exit_codes import EXIT_OK, EXIT_PREEMPTED, end_process, exit_code_for
   from resilient_jax.training.loop import Trainer
-  from resilient_jax.training.preemption import steady_gc, stop_on_signals
+  from resilient_jax.training.preemption import steady_gc
 
   try:
     trainer = Trainer(cfg, workdir, cluster=cluster)  # progress: absl logging at INFO
-    # A scheduler's SIGTERM stops the job after the step in flight, with a checkpoint.
-    with stop_on_signals(trainer), steady_gc():
+    attach(trainer)
+    with steady_gc():
       result = trainer.run()
   except Exception as e:
     code = exit_code_for(e)

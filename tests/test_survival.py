@@ -6,6 +6,8 @@ The multi-process side (stalled processes, SIGTERM to a whole job) is in test_mu
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -22,7 +24,7 @@ from resilient_jax.training.failures import kill_times
 from resilient_jax.training.hooks import MetricsFile
 from resilient_jax.training.loop import Preempted, Trainer
 from resilient_jax.training.preemption import stop_on_signals
-from tests.helpers import assert_matches_reference, expected_digests, tiny_config
+from tests.helpers import ROOT, assert_matches_reference, expected_digests, tiny_config
 
 
 def _rows(workdir):
@@ -61,6 +63,25 @@ def test_sigterm_checkpoints_the_step_and_the_resume_continues_exactly(tmp_path)
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
   assert [r["sample_digest"] for r in rows] == expected_digests(cfg)
   assert_matches_reference(rows, result.interpreter.all_params(), cfg)
+
+
+def test_sigterm_while_the_trainer_is_built_exits_9_at_once(tmp_path):
+  """`launch.train` installs its handlers before it builds anything: a SIGTERM then (after the
+  start's log line, before the first step) ends it with exit 9 and one line, nothing written
+  (it was the default action: 143)."""
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "launch.train", "--config=configs/gpt_tiny.py:runlocal",
+     f"--workdir={tmp_path}", "--config.mesh.dp=1", "--config.mesh.pp=1"],
+    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  for line in proc.stdout:
+    if "] training " in line:  # logged before the trainer is built
+      proc.send_signal(signal.SIGTERM)
+      break
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == EXIT_PREEMPTED, err
+  assert err.splitlines() == ["preempted: SIGTERM before the first step; nothing to checkpoint "
+                              "(the workdir is as it was): run the same command to resume"]
+  assert os.listdir(tmp_path) == []
 
 
 def test_damaged_observability_lines_are_set_aside_never_a_stop(tmp_path):

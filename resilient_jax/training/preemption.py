@@ -4,7 +4,8 @@ notebook or a test calling `train` keeps its own signal handlers and garbage col
 * `stop_on_signals`: SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) asks the run to
   stop after the step in flight, in every process of the job, with a checkpoint of that step
   (`Trainer.request_stop`, then `Preempted`, exit code 9); a second signal ends the process at
-  once.
+  once. A launcher installs it before it builds the trainer: a signal then (nothing trained,
+  nothing to checkpoint) ends the process at once with exit code 9 too, not 143.
 * `steady_gc`: objects built before the steps leave the cyclic collector's full passes, which
   stalled dispatch ~150 ms every ~10 steps (`docs/benchmarks.md`); they are still freed at
   refcount zero.
@@ -17,29 +18,45 @@ import gc
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from resilient_jax.exit_codes import EXIT_PREEMPTED, end_process
 
 
 @contextlib.contextmanager
-def stop_on_signals(trainer: Any) -> Iterator[None]:
+def stop_on_signals(trainer: Any = None) -> Iterator[Callable[[Any], None]]:
   """While the block runs, SIGTERM and SIGINT ask `trainer` to stop after the step in flight;
   the handlers it replaced come back after. Off the main thread (where Python cannot install
-  handlers) it installs none."""
+  handlers) it installs none.
+
+  Yields `attach(trainer)`, for a launcher that enters the block before it builds its trainer:
+  until a trainer is there, a signal ends the process at once with exit code 9 and one line
+  (nothing has trained since the workdir's last checkpoint, so there is nothing to save).
+  """
+  held = [trainer]
+
+  def attach(t: Any) -> None:
+    held[0] = t
+
   if threading.current_thread() is not threading.main_thread():
-    yield
+    yield attach
     return
 
   def on_signal(signum: int, frame: Any) -> None:
     del frame
-    if trainer.transport.stop_requested:  # asked twice: stop now
+    name = signal.Signals(signum).name
+    if held[0] is None:
+      end_process(EXIT_PREEMPTED, f"preempted: {name} before the first step; nothing to "
+                  "checkpoint (the workdir is as it was): run the same command to resume")
+    if held[0].transport.stop_requested:  # asked twice: stop now
       signal.signal(signum, signal.SIG_DFL)
       os.kill(os.getpid(), signum)
-    trainer.request_stop(signal.Signals(signum).name)
+    held[0].request_stop(name)
 
   previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
-    yield
+    yield attach
   finally:
     for signum, handler in previous.items():
       signal.signal(signum, handler)
