@@ -3,7 +3,8 @@ and the one way a process ends at once (`end_process`).
 
 A cluster scheduler acts on them: 2 and 3 need a person (a bad configuration; nothing left to
 train on), 4 a look at the storage, 5 a requeue of the whole job (it resumes from its latest
-checkpoint), 6 and 7 end one process while the others go on, 9 a requeue (preempted: it stopped
+checkpoint), 6 and 7 end one process while the others go on (7 also ends a job that a newer
+job on the same workdir superseded: never requeue a 7), 9 a requeue (preempted: it stopped
 with a checkpoint of its last step).
 
 The bottom of the house: it imports nothing of the library. An error a run can end with carries
@@ -30,8 +31,9 @@ EXIT_COORDINATOR_LOST = 5
 EXIT_WAIT_TIMEOUT = 6
 """A blocking wait passed `distributed.wait_timeout_s` (a live peer stopped making progress)."""
 EXIT_DECLARED_DEAD = 7
-"""The other processes declared this one dead (its heartbeat stopped for
-`distributed.heartbeat_timeout_s`) and went on without it."""
+"""Left behind: the other processes declared this one dead (its heartbeat stopped for
+`distributed.heartbeat_timeout_s`) and went on without it; or a newer job took the workdir's
+lease (`checkpoint/lease.py`), so this job commits nothing more (every process of it exits 7)."""
 EXIT_NONFINITE = 8
 """`train.max_nonfinite_steps` steps in a row had non-finite gradients (each was skipped on
 every stage; the checkpoints hold the last finite state)."""

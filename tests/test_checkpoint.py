@@ -318,6 +318,45 @@ def test_damaged_metadata_is_a_damaged_checkpoint(tmp_path, capsys, monkeypatch)
   assert ckpt.load_latest(root, log=quiet).step == 3
 
 
+def test_a_superseded_job_commits_no_checkpoint(saved, tmp_path):
+  """Two jobs on one workdir (process 0 frozen past the heartbeat, the job requeued, the frozen
+  process let go): each start takes the workdir's lease, and the older job, at its next commit,
+  finds the newer one's there and stops with exit 7, committing nothing; before the lease it
+  trained on and committed over the newer job's checkpoints."""
+  from resilient_jax.checkpoint.lease import Lease, Superseded
+  from resilient_jax.exit_codes import EXIT_DECLARED_DEAD, exit_code_for
+
+  base, _, _ = saved
+  run = tmp_path / "run"
+  shutil.copytree(base / "stopped", run)
+  lines = []
+  trainer = Trainer(cfg_of(mesh__dp=2, mesh__pp=2, checkpoint__every_steps=2), run,
+                    log=lines.append)
+  newer = []
+  trainer.add_hook(lambda info: newer.append(Lease.take(run)))  # step 5's, before its save
+  with pytest.raises(Superseded, match="a newer job took over") as stopped:
+    trainer.run()
+  assert exit_code_for(stopped.value) == EXIT_DECLARED_DEAD
+  assert any("workdir lease: generation 2" in x for x in lines), lines
+  assert newer[0].generation == 3 and "checkpoint of step 5 not committed" in str(stopped.value)
+  assert ckpt.committed_steps(run / "checkpoints") == [2, 4]
+
+  # The writer checks again just before its commit; a damaged lease is its holder's again.
+  writer = ckpt.CheckpointWriter(tmp_path / "w")
+  older = Lease.take(tmp_path)
+  writer.fence = lambda step: older.check(f"the checkpoint of step {step}")
+  (tmp_path / "lease").write_bytes(b"\xff")
+  older.check("a test")
+  assert json.loads((tmp_path / "lease").read_text())["token"] == older.token
+  writer.save(1, {"w": np.ones(2, np.float32)}, {}, {"layout": {}})
+  writer.wait()
+  Lease.take(tmp_path)
+  writer.save(2, {"w": np.ones(2, np.float32)}, {}, {"layout": {}})
+  with pytest.raises(Superseded):
+    writer.wait()
+  assert ckpt.committed_steps(tmp_path / "w") == [1]
+
+
 def test_bfloat16_state_is_checksummed_and_checked_for_non_finite(tmp_path, monkeypatch):
   """numpy does not count bfloat16 as floating; an inf in it is still never written or loaded."""
   import ml_dtypes

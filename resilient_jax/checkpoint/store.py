@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from resilient_jax.checkpoint import reader
+from resilient_jax.checkpoint.lease import Superseded
 from resilient_jax.exit_codes import EXIT_CHECKPOINT
 from resilient_jax.observe.logs import hold_back_library_info, info
 
@@ -336,6 +337,9 @@ class CheckpointWriter:
     """Per save: how long of `blocked_s` was waiting for the previous save."""
     self.write_s: list[float] = []
     """Per save: how long the background write took."""
+    self.fence: Callable[[int], None] | None = None
+    """Called with the step just before each commit; what it raises (`lease.Superseded`: a
+    newer job took the workdir) stops the commit."""
 
   def save(self, step: int, params: Mapping[str, Any], opt_state: Mapping[str, Any],
            meta: Mapping[str, Any]) -> None:
@@ -368,6 +372,7 @@ class CheckpointWriter:
 
     Raises:
       CheckpointError: the save failed (its checkpoint was not committed).
+      Superseded: the fence stopped its commit (a newer job took the workdir).
     """
     if self._thread is not None:
       self._thread.join(timeout_s)
@@ -376,6 +381,8 @@ class CheckpointWriter:
       self._thread = None
     if self._error is not None:
       err, self._error = self._error, None
+      if isinstance(err, Superseded):
+        raise err  # not a failed write: its own exit code
       raise CheckpointError(f"a background checkpoint save failed: {err}") from err
     return True
 
@@ -411,6 +418,8 @@ class CheckpointWriter:
               "bytes": int(sum(a.nbytes for g in tree.values() for a in g.values()))}
       meta = json.loads(json.dumps(meta))  # as a load reads it back, to checksum that
       meta[META_DIGEST] = meta_digest(meta)
+      if self.fence is not None:
+        self.fence(step)  # the last check before the commit; raising here touches nothing
       self.root.mkdir(parents=True, exist_ok=True)
       if final.exists():
         # A step saved again (redone after its checkpoint failed to load): orbax refuses an

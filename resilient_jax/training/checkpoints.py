@@ -4,7 +4,9 @@ Process 0 owns the writer (`checkpoint.CheckpointWriter`, orbax's manager undern
 multi-process job the other processes hand their stages' state to it (`Job.gather_state`) and
 follow its decisions (`Group.agree`): which checkpoint every process restores (`restore/TAG`),
 and whether a due save is taken now or deferred while the previous one is still being written
-(`save/STEP`, `checkpoint.if_busy=defer`).
+(`save/STEP`, `checkpoint.if_busy=defer`), and whether this job still holds the workdir's
+lease (`checkpoint/lease.py`: process 0 reads it before every commit, `lease/STEP/ATTEMPT`), so
+that a job superseded by a newer one on the same workdir stops, every process of it, with exit 7.
 
 Costs: a save moves every stage's state once to process 0 (the model's parameters and
 optimizer state, whatever dp is: one holder per stage sends), and writes it asynchronously; the
@@ -14,6 +16,7 @@ restore reads it once per process.
 from __future__ import annotations
 
 from resilient_jax.checkpoint import CheckpointError, load_latest
+from resilient_jax.checkpoint.lease import Lease, Superseded
 from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
 from resilient_jax.observe.progress import reporting
@@ -31,6 +34,8 @@ class Checkpoints:
 
   def __init__(self, run: Run):
     self.run = run
+    self.lease: Lease | None = None
+    """Process 0's hold on the workdir, taken by the first load (`_hold_workdir`)."""
     self.deferred: int | None = None
     """The step whose periodic checkpoint waits for the writer (`if_due`)."""
     self._told_slow_save = False
@@ -50,7 +55,9 @@ class Checkpoints:
     """Loads the newest valid checkpoint into the interpreter; returns its step (0: none).
 
     In a multi-process job process 0 picks the checkpoint (after its save in flight is
-    committed) and every process loads that one, so all resume from the same step.
+    committed) and every process loads that one, so all resume from the same step. The load at
+    the start (`tag` "start") then takes the workdir's lease for the job (process 0): after
+    the checks that may refuse the resume, so a refused resume changes no file.
     """
     run = self.run
     self.wait()
@@ -65,9 +72,12 @@ class Checkpoints:
       step = run.group.agree(f"restore/{tag}", pick)
       loaded = picked["loaded"] if picked else (load(step_dir(run.ckpt_dir, step)) if step
                                                 else None)
+    if loaded is not None:
+      check_resumable(run.cfg, loaded)
+    if tag == "start" and run.chief:
+      self._hold_workdir()
     if loaded is None:
       return 0
-    check_resumable(run.cfg, loaded)
     run.interpreter.import_state(loaded.params, loaded.opt_state)
     lay = loaded.meta["layout"]
     run.log(f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
@@ -76,10 +86,38 @@ class Checkpoints:
             + (f", {run.group.processes} processes" if run.group.processes else ""))
     return loaded.step
 
+  def _hold_workdir(self) -> None:
+    """Takes the workdir's lease; the writer checks it again just before each commit."""
+    run = self.run
+    lease = self.lease = Lease.take(run.workdir, run.log)
+    run.writer.fence = lambda step: lease.check(f"the checkpoint of step {step}")
+
+  def _fence(self, step: int) -> None:
+    """Raises `Superseded` in every process of the job if process 0 finds that a newer job
+    took the workdir's lease (one small file read, on process 0 alone)."""
+    run = self.run
+
+    def verdict() -> str:
+      try:
+        if self.lease is not None:
+          self.lease.check(f"the checkpoint of step {step}")
+      except Superseded as e:
+        return str(e)
+      return ""
+
+    why = run.group.agree(f"lease/{step}/{run.attempts}", verdict, "process 0's lease check")
+    if why:  # None: process 0 died, which the hand-over below finds
+      raise Superseded(why)
+
   def save(self, step: int, plan: Plan | None = None) -> None:
     """Writes a checkpoint of `step` (process 0; the others hand their state over); `plan`:
-    the layout the state is on, when not the coordinator's (it has already moved on)."""
+    the layout the state is on, when not the coordinator's (it has already moved on).
+
+    Raises:
+      Superseded: a newer job took the workdir (every process of this job raises it).
+    """
     run = self.run
+    self._fence(step)
     plan = plan or run.coordinator.plan
     state = run.group.gather_state(step, run.interpreter)
     if run.chief and state is None:

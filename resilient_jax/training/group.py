@@ -31,6 +31,8 @@ if TYPE_CHECKING:
   from resilient_jax.runtime.records import StepResult
 
 AfterOp = Callable[[int, Op], None]
+_PER_STEP = ("step", "checkpoint", "save", "lease")
+"""The key-value directories that hold a step's agreements (`lease/STEP/ATTEMPT` among them)."""
 
 
 class Solo:
@@ -229,7 +231,7 @@ class Job(Solo):
     # process the plan left idle only follows decisions, so it is at most a step or two
     # behind: old agreements are read by nobody again. Without this the store grows by about
     # a dozen keys a step.
-    for what in ("step", "checkpoint", "save"):  # outcomes, a hand-over's mark, save or not
+    for what in _PER_STEP:  # outcomes, a hand-over's mark, save or not, the lease's verdict
       self.cluster.kv_delete(f"{what}/{step}")
 
   def row(self, result: StepResult) -> dict[str, Any]:
@@ -237,7 +239,7 @@ class Job(Solo):
 
   def kept_keys(self) -> list[int] | None:
     return sorted({int(k.strip("/").split("/")[1])
-                   for d in ("step", "checkpoint", "save") for k in self.cluster.kv_keys(d)})
+                   for d in _PER_STEP for k in self.cluster.kv_keys(d)})
 
 
 Group = Solo
