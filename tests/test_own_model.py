@@ -220,6 +220,56 @@ def test_check_stageable_names_each_problem():
   check_stageable(Net(), num_stages=4, seq_len=16)
 
 
+class NanoGPTStyle(Net):
+  """The way such models are published: a learned positional embedding and a final norm added
+  in the model's own `__call__`, around embed -> blocks -> head."""
+
+  def __init__(self, num_blocks: int = 2):
+    super().__init__(num_blocks)
+    self.pos = nnx.Embed(16, D, rngs=nnx.Rngs(3))
+    self.norm_f = nnx.LayerNorm(D, rngs=nnx.Rngs(4))
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos(jnp.arange(tokens.shape[-1]))
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.norm_f(x))
+
+
+class SameForward(Net):
+  """A `__call__` of its own that is exactly embed -> blocks -> head (with dropout on)."""
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+class ScaledInCall(Net):
+  """Every parameter in embed, blocks or head, but `__call__` scales the embedding (as Gemma
+  does) where `embed` does not."""
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) * D**0.5
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+def test_a_model_whose_own_forward_the_pipeline_would_not_train_is_refused_by_name(tmp_path):
+  # Its positional embedding and final norm are read only by __call__: both named, never
+  # silently left untrained (the run would train another network).
+  with pytest.raises(NotStageableError) as err:
+    train(tiny_config(), tmp_path, model=NanoGPTStyle())
+  assert "pos.embedding" in str(err.value) and "norm_f.scale" in str(err.value)
+  assert "\n" not in str(err.value)
+  # No parameter left out, but __call__ computes something else: refused too.
+  with pytest.raises(NotStageableError, match=r"ScaledInCall.__call__ computes something"):
+    check_stageable(ScaledInCall(num_blocks=2), seq_len=16)
+  check_stageable(SameForward(num_blocks=2), num_stages=2, seq_len=16)
+
+
 def test_train_rejects_a_bad_model_in_one_line(tmp_path):
   with pytest.raises(NotStageableError) as err:
     train(tiny_config(), tmp_path, model=NoBlocks())

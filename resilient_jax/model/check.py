@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend import core as jcore
 
 from resilient_jax.config import ConfigError
 from resilient_jax.model.config import CustomModelConfig
@@ -118,6 +119,78 @@ def _trial(model: Any, seq_len: int, batch: int) -> list[str]:
     jax.eval_shape(loss_fn(model), x, targets)
   except Exception as e:  # noqa: BLE001
     return [f"loss fails on logits {x.dtype}{list(x.shape)}: {type(e).__name__}: {e}"]
+  return _unused_params(model, seq_len, batch) or _own_forward_differs(model, seq_len)
+
+
+def _composed(model: Any, tokens: jax.Array) -> jax.Array:
+  """What the stages compute together: `head(blocks(embed(tokens)))`."""
+  x = model.embed(tokens)
+  for block in model.blocks:
+    x = block(x)
+  return model.head(x)
+
+
+def _unused_params(model: Any, seq_len: int, batch: int) -> list[str]:
+  """Parameters that `embed`, `blocks` and `head` never read: no stage would train them (and
+  a forward of the model's own that uses them would silently lose them)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  named = [(".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path), leaf)
+           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+  rest_leaves, rest_def = jax.tree.flatten(rest)
+
+  def composed(leaves: list[jax.Array], tokens: jax.Array) -> jax.Array:
+    # Both states rebuilt inside the trace: a layer that draws (dropout) counts its draws.
+    state = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    return _composed(nnx.merge(graphdef, state, jax.tree.unflatten(rest_def, rest_leaves)),
+                     tokens)
+
+  tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+  closed = jax.make_jaxpr(composed)([leaf for _, leaf in named], tokens)
+  jaxpr = closed.jaxpr
+  used = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+  for eqn in reversed(jaxpr.eqns):  # a sub-program counts as reading all its inputs
+    if any(v in used for v in eqn.outvars) or eqn.effects:
+      used.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+  unused = [name for (name, _), v in zip(named, jaxpr.invars, strict=False) if v not in used]
+  if not unused:
+    return []
+  listed = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+  return [f"parameter(s) {listed} are never read by embed -> blocks -> head, so no stage would "
+          "train them: move what uses them into `embed` (before the blocks) or `head` (after), "
+          "or delete them"]
+
+
+def _defines_call(model: Any) -> bool:
+  return any("__call__" in vars(c) for c in type(model).__mro__
+             if c not in (nnx.Module, object) and issubclass(c, nnx.Module))
+
+
+def _own_forward_differs(model: Any, seq_len: int) -> list[str]:
+  """A model's own `__call__(tokens)` that computes something `embed -> blocks -> head` does
+  not (a positional embedding or a final norm added in `__call__`): the pipeline would train
+  another network. Compared on one sequence, in eval mode (no dropout); a `__call__` that does
+  not take token ids alone is not compared."""
+  if not _defines_call(model):
+    return []
+  copy = nnx.merge(*nnx.split(model))
+  copy.eval()
+  tokens = (jnp.arange(seq_len, dtype=jnp.int32) % 2)[None]
+  try:
+    own = jnp.asarray(copy(tokens), jnp.float32)
+  except Exception:  # noqa: BLE001 - it needs more than token ids: nothing to compare
+    return []
+  staged = jnp.asarray(_composed(copy, tokens), jnp.float32)
+  if own.shape != staged.shape:
+    return [f"{type(model).__name__}.__call__ returns {list(own.shape)} but embed -> blocks -> "
+            f"head returns {list(staged.shape)}: the pipeline trains embed -> blocks -> head, "
+            "not __call__; make them compute the same"]
+  diff = float(jnp.max(jnp.abs(own - staged)))
+  if not diff <= 1e-3 * max(1.0, float(jnp.max(jnp.abs(own)))):
+    return [f"{type(model).__name__}.__call__ computes something embed -> blocks -> head does "
+            f"not (outputs differ by up to {diff:.3g}): the pipeline trains embed -> blocks -> "
+            "head, so whatever __call__ adds (a positional embedding, a final norm) would be "
+            "lost; move it into `embed` (before the blocks) or `head` (after)"]
   return []
 
 
