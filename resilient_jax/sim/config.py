@@ -158,111 +158,157 @@ def _hours(cd: Mapping[str, Any], key: str) -> float:
   return math.inf if v == 0 else v * _HOUR
 
 
+def _model(cd: Mapping[str, Any]) -> ModelSpec:
+  return ModelSpec(
+    name=_str(cd, "model", "name"),
+    **{
+      k: _num(cd, "model", k, integer=True)
+      for k in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size")
+    },
+  )
+
+
+def _device(cd: Mapping[str, Any]) -> DeviceSpec:
+  return DeviceSpec(
+    name=_str(cd, "device", "name"),
+    **{k: _num(cd, "device", k) for k in ("peak_tflops", "hbm_gbps", "memory_gb", "efficiency")},
+  )
+
+
+def _network(cd: Mapping[str, Any]) -> NetworkSpec:
+  return NetworkSpec(
+    intra_node_gbps=_num(cd, "network", "intra_node_gbps"),
+    inter_node_gbps=_num(cd, "network", "inter_node_gbps"),
+    intra_latency_us=_num(cd, "network", "intra_latency_us", allow_zero=True),
+    inter_latency_us=_num(cd, "network", "inter_latency_us", allow_zero=True),
+  )
+
+
+def _layout(cd: Mapping[str, Any], model: ModelSpec) -> Layout:
+  """The grid from `cluster.*` and `parallel.*`: devices split into pp x tp, the rest is dp."""
+  devices = _num(cd, "cluster", "devices", integer=True)
+  pp = _num(cd, "parallel", "pp", integer=True)
+  tp = _num(cd, "parallel", "tp", integer=True)
+  if devices % (pp * tp):
+    raise SimConfigError(
+      f"cluster.devices={devices} is not a multiple of parallel.pp * parallel.tp = {pp * tp}"
+    )
+  if pp > model.num_layers:
+    raise SimConfigError(f"parallel.pp={pp} exceeds model.num_layers={model.num_layers}")
+  cap = _num(cd, "parallel", "memory_cap", integer=True, allow_zero=True)
+  schedule = _str(cd, "parallel", "schedule")
+  if schedule not in GENERATORS:
+    raise SimConfigError(
+      f"parallel.schedule={schedule!r} is not one of {', '.join(sorted(GENERATORS))}"
+    )
+  placement = _str(cd, "cluster", "placement")
+  if placement not in PLACEMENTS:
+    raise SimConfigError(f"cluster.placement={placement!r} is not one of {', '.join(PLACEMENTS)}")
+  dpn = _num(cd, "cluster", "devices_per_node", integer=True)
+  if tp % dpn and dpn % tp:
+    raise SimConfigError(
+      f"parallel.tp={tp} and cluster.devices_per_node={dpn}: one must divide the other"
+    )
+  if devices % dpn:
+    raise SimConfigError(f"cluster.devices={devices} is not a multiple of devices_per_node={dpn}")
+  return Layout(
+    dp=devices // (pp * tp),
+    pp=pp,
+    tp=tp,
+    microbatches=_num(cd, "parallel", "microbatches", integer=True),
+    micro_batch_size=_num(cd, "parallel", "micro_batch_size", integer=True),
+    devices_per_node=dpn,
+    placement=placement,
+    schedule=schedule,
+    memory_cap=cap or None,
+  )
+
+
+def _recompute(cd: Mapping[str, Any]) -> bool:
+  recompute = _section(cd, "parallel").get("recompute", False)
+  if not isinstance(recompute, bool):
+    raise SimConfigError(f"parallel.recompute must be True or False, got {recompute!r}")
+  return recompute
+
+
+def _recovery(cd: Mapping[str, Any]) -> RecoveryParams:
+  return RecoveryParams(
+    **{
+      k: _num(cd, "recovery", k, allow_zero=k != "checkpoint_interval_s")
+      for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
+    }
+  )
+
+
+def _trace(cd: Mapping[str, Any]) -> TraceConfig:
+  return TraceConfig(
+    duration_s=_num(cd, "trace", "hours") * _HOUR,
+    device_mtbf_s=_hours(cd, "device_mtbf_hours"),
+    node_mtbf_s=_hours(cd, "node_mtbf_hours"),
+    repair_s=_hours(cd, "repair_hours"),
+    seed=_num(cd, "trace", "seed", integer=True, allow_zero=True),
+    csv=_str(cd, "trace", "csv"),
+  )
+
+
+def _sweep(cd: Mapping[str, Any], layout: Layout) -> SweepConfig:
+  """The `sweep.*` section, checked against the grid: a stage of it, and failure counts that
+  leave every stage a live worker (hosts: no more than the cluster has)."""
+  placement = _str(cd, "sweep", "placement")
+  if placement not in SWEEP_PLACEMENTS:
+    raise SimConfigError(
+      f"sweep.placement={placement!r} is not one of {', '.join(SWEEP_PLACEMENTS)}"
+    )
+  pp = layout.pp
+  stage = _num(cd, "sweep", "stage", integer=True, positive=False)
+  if not -pp <= stage < pp:
+    raise SimConfigError(f"sweep.stage={stage} is not a stage of pp={pp}")
+  stage %= pp  # -1: the last stage
+  failures = _int_list(_str(cd, "sweep", "failures"), "sweep.failures")
+  if placement == "hosts":
+    if max(failures) > layout.nodes:
+      raise SimConfigError(f"sweep.failures={max(failures)} hosts, but the cluster has "
+                           f"{layout.nodes}")
+  elif max(failures) >= (layout.dp if placement == "stage" else layout.workers + 1):
+    raise SimConfigError(
+      f"sweep.failures={max(failures)} leaves no live worker in a stage of {layout.dp}"
+    )
+  return SweepConfig(
+    failures, placement, stage, _num(cd, "sweep", "seed", integer=True, allow_zero=True)
+  )
+
+
+def _policies(cd: Mapping[str, Any]) -> tuple[str, ...] | None:
+  """`sim.policies`: comma-separated names, or "" / "all" for every available one (None)."""
+  names = _str(cd, "sim", "policies").replace(" ", "")
+  policies = None if names in ("", "all") else tuple(names.split(","))
+  for name in policies or ():
+    if name not in POLICY_NAMES:
+      raise SimConfigError(
+        f"sim.policies: unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)} or all"
+      )
+  return policies
+
+
 def from_config_dict(cd: Mapping[str, Any]) -> SimConfig:
   """Validates a simulation ConfigDict and converts it to a `SimConfig`.
+
+  Sections are read in a fixed order (model, device, network, the grid, recovery, trace, sweep,
+  sim), so the error is always about the first invalid key.
 
   Raises:
     SimConfigError: naming the first invalid key.
   """
   try:
-    model = ModelSpec(
-      name=_str(cd, "model", "name"),
-      **{
-        k: _num(cd, "model", k, integer=True)
-        for k in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size")
-      },
-    )
-    device = DeviceSpec(
-      name=_str(cd, "device", "name"),
-      **{k: _num(cd, "device", k) for k in ("peak_tflops", "hbm_gbps", "memory_gb", "efficiency")},
-    )
-    network = NetworkSpec(
-      intra_node_gbps=_num(cd, "network", "intra_node_gbps"),
-      inter_node_gbps=_num(cd, "network", "inter_node_gbps"),
-      intra_latency_us=_num(cd, "network", "intra_latency_us", allow_zero=True),
-      inter_latency_us=_num(cd, "network", "inter_latency_us", allow_zero=True),
-    )
-    devices = _num(cd, "cluster", "devices", integer=True)
-    pp = _num(cd, "parallel", "pp", integer=True)
-    tp = _num(cd, "parallel", "tp", integer=True)
-    if devices % (pp * tp):
-      raise SimConfigError(
-        f"cluster.devices={devices} is not a multiple of parallel.pp * parallel.tp = {pp * tp}"
-      )
-    if pp > model.num_layers:
-      raise SimConfigError(f"parallel.pp={pp} exceeds model.num_layers={model.num_layers}")
-    cap = _num(cd, "parallel", "memory_cap", integer=True, allow_zero=True)
-    schedule = _str(cd, "parallel", "schedule")
-    if schedule not in GENERATORS:
-      raise SimConfigError(
-        f"parallel.schedule={schedule!r} is not one of {', '.join(sorted(GENERATORS))}"
-      )
-    placement = _str(cd, "cluster", "placement")
-    if placement not in PLACEMENTS:
-      raise SimConfigError(f"cluster.placement={placement!r} is not one of {', '.join(PLACEMENTS)}")
-    dpn = _num(cd, "cluster", "devices_per_node", integer=True)
-    if tp % dpn and dpn % tp:
-      raise SimConfigError(
-        f"parallel.tp={tp} and cluster.devices_per_node={dpn}: one must divide the other"
-      )
-    if devices % dpn:
-      raise SimConfigError(f"cluster.devices={devices} is not a multiple of devices_per_node={dpn}")
-    layout = Layout(
-      dp=devices // (pp * tp),
-      pp=pp,
-      tp=tp,
-      microbatches=_num(cd, "parallel", "microbatches", integer=True),
-      micro_batch_size=_num(cd, "parallel", "micro_batch_size", integer=True),
-      devices_per_node=dpn,
-      placement=placement,
-      schedule=schedule,
-      memory_cap=cap or None,
-    )
-    recompute = _section(cd, "parallel").get("recompute", False)
-    if not isinstance(recompute, bool):
-      raise SimConfigError(f"parallel.recompute must be True or False, got {recompute!r}")
-    recovery = RecoveryParams(
-      **{
-        k: _num(cd, "recovery", k, allow_zero=k != "checkpoint_interval_s")
-        for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
-      }
-    )
-    trace = TraceConfig(
-      duration_s=_num(cd, "trace", "hours") * _HOUR,
-      device_mtbf_s=_hours(cd, "device_mtbf_hours"),
-      node_mtbf_s=_hours(cd, "node_mtbf_hours"),
-      repair_s=_hours(cd, "repair_hours"),
-      seed=_num(cd, "trace", "seed", integer=True, allow_zero=True),
-      csv=_str(cd, "trace", "csv"),
-    )
-    sweep_placement = _str(cd, "sweep", "placement")
-    if sweep_placement not in SWEEP_PLACEMENTS:
-      raise SimConfigError(
-        f"sweep.placement={sweep_placement!r} is not one of {', '.join(SWEEP_PLACEMENTS)}"
-      )
-    stage = _num(cd, "sweep", "stage", integer=True, positive=False)
-    if not -pp <= stage < pp:
-      raise SimConfigError(f"sweep.stage={stage} is not a stage of pp={pp}")
-    stage %= pp  # -1: the last stage
-    failures = _int_list(_str(cd, "sweep", "failures"), "sweep.failures")
-    if sweep_placement == "hosts":
-      if max(failures) > layout.nodes:
-        raise SimConfigError(f"sweep.failures={max(failures)} hosts, but the cluster has "
-                             f"{layout.nodes}")
-    elif max(failures) >= (layout.dp if sweep_placement == "stage" else layout.workers + 1):
-      raise SimConfigError(
-        f"sweep.failures={max(failures)} leaves no live worker in a stage of {layout.dp}"
-      )
-    sweep = SweepConfig(
-      failures, sweep_placement, stage, _num(cd, "sweep", "seed", integer=True, allow_zero=True)
-    )
-    names = _str(cd, "sim", "policies").replace(" ", "")
-    policies = None if names in ("", "all") else tuple(names.split(","))
-    for name in policies or ():
-      if name not in POLICY_NAMES:
-        raise SimConfigError(
-          f"sim.policies: unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)} or all"
-        )
+    model = _model(cd)
+    device = _device(cd)
+    network = _network(cd)
+    layout = _layout(cd, model)
+    recompute = _recompute(cd)
+    recovery = _recovery(cd)
+    trace = _trace(cd)
+    sweep = _sweep(cd, layout)
+    policies = _policies(cd)
     return SimConfig(
       model=model,
       device=device,
