@@ -146,37 +146,9 @@ def run_simulation(
       lay, costs, policies, trace, checkpoint_interval_s=cfg.recovery.checkpoint_interval_s
     )
   t_total = time.perf_counter() - t_start
-  op = costs.op_costs((lay.dp,) * lay.pp)
   results = {
-    "config": {
-      "title": _title(cfg),
-      "model": cfg.model.name,
-      "params": cfg.model.params,
-      "device": cfg.device.name,
-      "devices": lay.devices,
-      "dp": lay.dp,
-      "pp": lay.pp,
-      "tp": lay.tp,
-      "microbatches": lay.microbatches,
-      "micro_batch_size": lay.micro_batch_size,
-      "global_batch": lay.global_batch,
-      "schedule": lay.schedule,
-      "placement": lay.placement,
-      "cost_source": costs.source,
-      "sweep_placement": cfg.sweep.placement,
-      "recovery": {
-        k: getattr(cfg.recovery, k)
-        for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
-      },
-    },
-    "op_costs_s": {
-      "f": list(op.f),
-      "b": list(op.b),
-      "w": list(op.w),
-      "ar": list(op.ar),
-      "opt": list(op.opt),
-      "comm": op.comm,
-    },
+    "config": _config_json(cfg, costs),
+    "op_costs_s": _op_costs_json(cfg, costs),
     "rows": [r.to_json() for r in rows],
     "trace": _trace_json(cfg, result),
     "unavailable": unavailable,
@@ -188,17 +160,61 @@ def run_simulation(
     },
   }
   if out_dir is not None:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(_finite(results), indent=1) + "\n")
-    from resilient_jax.sim import plots
-
-    plots.plot_trace(results, out / "sim_trace.png")
-    plots.plot_sweep(results, out / "sim_failures.png")
-    from resilient_jax.observe import tensorboard
-
-    tensorboard.write_simulation(out / "tb", results, log=log)
+    _write_results(results, Path(out_dir), log)
   return results
+
+
+def _config_json(cfg: SimConfig, costs: CostModel) -> dict[str, Any]:
+  """results.json's `config`: what was simulated, for the table, the plots and a reader."""
+  lay = cfg.layout
+  return {
+    "title": _title(cfg),
+    "model": cfg.model.name,
+    "params": cfg.model.params,
+    "device": cfg.device.name,
+    "devices": lay.devices,
+    "dp": lay.dp,
+    "pp": lay.pp,
+    "tp": lay.tp,
+    "microbatches": lay.microbatches,
+    "micro_batch_size": lay.micro_batch_size,
+    "global_batch": lay.global_batch,
+    "schedule": lay.schedule,
+    "placement": lay.placement,
+    "cost_source": costs.source,
+    "sweep_placement": cfg.sweep.placement,
+    "recovery": {
+      k: getattr(cfg.recovery, k)
+      for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
+    },
+  }
+
+
+def _op_costs_json(cfg: SimConfig, costs: CostModel) -> dict[str, Any]:
+  """results.json's `op_costs_s`: the per-stage op times of the fault-free grid."""
+  lay = cfg.layout
+  op = costs.op_costs((lay.dp,) * lay.pp)
+  return {
+    "f": list(op.f),
+    "b": list(op.b),
+    "w": list(op.w),
+    "ar": list(op.ar),
+    "opt": list(op.opt),
+    "comm": op.comm,
+  }
+
+
+def _write_results(results: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
+  """results.json, the two plots and the TensorBoard events under `out`."""
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "results.json").write_text(json.dumps(_finite(results), indent=1) + "\n")
+  from resilient_jax.sim import plots
+
+  plots.plot_trace(results, out / "sim_trace.png")
+  plots.plot_sweep(results, out / "sim_failures.png")
+  from resilient_jax.observe import tensorboard
+
+  tensorboard.write_simulation(out / "tb", results, log=log)
 
 
 def _finite(obj: Any) -> Any:
