@@ -32,6 +32,10 @@ _UNIT_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 # a compute op would not.
 _COMM_TID_OFFSET = 1000
 
+# Gantt charts: their time axis is in milliseconds, a compute bar this high (in rows).
+_TO_MS = 1e3
+_BAR_H = 0.8
+
 KIND_COLORS = {
   "F": "#3b75af",  # blue
   "B": "#2a9d8f",  # teal
@@ -161,9 +165,32 @@ def write_chrome_trace(
   items = _normalize(spans, scale)
   moves = _normalize_transfers(transfers, scale)
   dead = _normalize_failed(failed)
-  # Rounded to nanoseconds: keeps the JSON short and free of float noise like 4000.000000000001.
-  to_us = lambda t: round(t * 1e6, 3)
+  events = _trace_events(items, moves, dead)
+  meta = _trace_metadata(items, {tr.dst for tr in moves}, dead)
+  other = dict(metadata or {})
+  if title:
+    other.setdefault("title", title)
+  if dead:
+    other.setdefault(
+      "failed_workers", [{"worker": [d, s], "step": n} for (d, s), n in sorted(dead.items())]
+    )
+  path = _prepare_path(path)
+  with open(path, "w") as f:
+    json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}, f)
+  return path
 
+
+def _to_us(t: float) -> float:
+  """Seconds as trace microseconds, rounded to nanoseconds: keeps the JSON short and free of
+  float noise like 4000.000000000001."""
+  return round(t * 1e6, 3)
+
+
+def _trace_events(
+  items: list[_Span], moves: list[_Transfer], dead: dict[Worker, int]
+) -> list[dict[str, Any]]:
+  """The complete ("X") events: ops on their worker's thread, transfers on the destination's
+  recv thread, and a failed worker's one event across the step."""
   events: list[dict[str, Any]] = []
   for sp in sorted(items, key=lambda x: (x.worker, x.start)):
     d, s = sp.worker
@@ -174,15 +201,13 @@ def write_chrome_trace(
         "ph": "X",
         "pid": d,
         "tid": s,
-        "ts": to_us(sp.start),
-        "dur": to_us(sp.end - sp.start),
+        "ts": _to_us(sp.start),
+        "dur": _to_us(sp.end - sp.start),
         "args": {"mb": sp.mb, "worker": [d, s]},
       }
     )
-  comm_lanes = set()
   for tr in sorted(moves, key=lambda x: (x.dst, x.start)):
     d, s = tr.dst
-    comm_lanes.add(tr.dst)
     events.append(
       {
         "name": tr.label,
@@ -190,12 +215,11 @@ def write_chrome_trace(
         "ph": "X",
         "pid": d,
         "tid": _COMM_TID_OFFSET + s,
-        "ts": to_us(tr.start),
-        "dur": to_us(tr.end - tr.start),
+        "ts": _to_us(tr.start),
+        "dur": _to_us(tr.end - tr.start),
         "args": {"src": list(tr.src), "dst": list(tr.dst)},
       }
     )
-
   t_end = max([sp.end for sp in items] + [tr.end for tr in moves] + [0.0])
   for (d, s), step in sorted(dead.items()):
     events.append(
@@ -206,11 +230,18 @@ def write_chrome_trace(
         "pid": d,
         "tid": s,
         "ts": 0.0,
-        "dur": to_us(t_end),
+        "dur": _to_us(t_end),
         "args": {"worker": [d, s], "failure_step": step},
       }
     )
+  return events
 
+
+def _trace_metadata(
+  items: list[_Span], comm_lanes: set[Worker], dead: dict[Worker, int]
+) -> list[dict[str, Any]]:
+  """The metadata ("M") events naming and ordering the processes (pipelines) and threads
+  (stages, their recv lanes right below them)."""
   meta: list[dict[str, Any]] = []
   workers = {sp.worker for sp in items} | comm_lanes | set(dead)
   for d in sorted({w[0] for w in workers}):
@@ -224,18 +255,7 @@ def write_chrome_trace(
     tid = _COMM_TID_OFFSET + s
     meta.append(_meta("thread_name", d, tid, {"name": f"stage {s} recv"}))
     meta.append(_meta("thread_sort_index", d, tid, {"sort_index": 2 * s + 1}))
-
-  other = dict(metadata or {})
-  if title:
-    other.setdefault("title", title)
-  if dead:
-    other.setdefault(
-      "failed_workers", [{"worker": [d, s], "step": n} for (d, s), n in sorted(dead.items())]
-    )
-  path = _prepare_path(path)
-  with open(path, "w") as f:
-    json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}, f)
-  return path
+  return meta
 
 
 def _normalize_failed(failed: Mapping[Any, int] | None) -> dict[Worker, int]:
@@ -283,10 +303,8 @@ def plot_gantt(
   # explicit Agg canvas means no display is ever needed.
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
-  from matplotlib.patches import Patch
 
   scale = _scale(time_unit)
-  to_ms = 1e3
   items = _normalize(spans, scale)
   moves = _normalize_transfers(transfers, scale)
   highlight = set(highlight_mbs or ())
@@ -295,7 +313,7 @@ def plot_gantt(
   workers = sorted({sp.worker for sp in items} | {tr.dst for tr in moves} | set(dead))
   row = {w: i for i, w in enumerate(workers)}
   n = max(len(workers), 1)
-  t_end = max([sp.end for sp in items] + [tr.end for tr in moves] + [0.0]) * to_ms
+  t_end = max([sp.end for sp in items] + [tr.end for tr in moves] + [0.0]) * _TO_MS
   t_end = t_end if t_end > 0 else 1.0
 
   width_in, height_in = 14.0, 1.4 + 0.45 * n
@@ -304,8 +322,27 @@ def plot_gantt(
   fig = Figure(figsize=(width_in, height_in), dpi=dpi)
   FigureCanvasAgg(fig)
   ax = fig.add_axes((0.07, 0.8 / height_in, 0.8, 1 - 1.4 / height_in))
-  bar_h = 0.8
 
+  kinds_present = _draw_ops(ax, items, row)
+  if moves:
+    _draw_transfers(ax, moves, row)
+  _draw_failed_rows(ax, dead, row, t_end)
+  marked = [
+    sp for sp in items if sp.mb >= 0 and (sp.mb in highlight or (sp.worker, sp.mb) in highlight)
+  ]
+  if marked:
+    _outline(ax, marked, row)
+  _draw_axes(ax, workers, dead, t_end, title)
+  _label_bars(ax, items, row, t_end, ax.get_position().width * width_in * dpi, n, dpi)
+  _draw_legend(ax, kinds_present, bool(moves), bool(marked), bool(dead))
+
+  path = _prepare_path(path)
+  fig.savefig(path, format="png", dpi=dpi, bbox_inches="tight", facecolor="white")
+  return path
+
+
+def _draw_ops(ax: Any, items: list[_Span], row: dict[Worker, int]) -> list[str]:
+  """One bar per op, coloured by kind; returns the kinds drawn, in legend order."""
   kinds_present = []
   for kind in _KIND_ORDER + tuple(sorted({sp.kind for sp in items} - set(_KIND_ORDER))):
     group = [sp for sp in items if sp.kind == kind]
@@ -314,33 +351,43 @@ def plot_gantt(
     kinds_present.append(kind)
     ax.barh(
       [row[sp.worker] for sp in group],
-      [(sp.end - sp.start) * to_ms for sp in group],
-      left=[sp.start * to_ms for sp in group],
-      height=bar_h,
+      [(sp.end - sp.start) * _TO_MS for sp in group],
+      left=[sp.start * _TO_MS for sp in group],
+      height=_BAR_H,
       color=KIND_COLORS.get(kind, "#555555"),
       edgecolor="white",
       linewidth=0.4,
       zorder=2,
     )
-  if moves:
-    # In the gap below the row's compute bars, so a receive never hides the op it feeds.
-    comm_h = 0.14
-    ax.barh(
-      [row[tr.dst] + bar_h / 2 + comm_h / 2 - 0.03 for tr in moves],
-      [(tr.end - tr.start) * to_ms for tr in moves],
-      left=[tr.start * to_ms for tr in moves],
-      height=comm_h,
-      color=KIND_COLORS["comm"],
-      edgecolor="#9a9a9a",
-      linewidth=0.3,
-      zorder=3,
-    )
+  return kinds_present
+
+
+def _draw_transfers(ax: Any, moves: list[_Transfer], row: dict[Worker, int]) -> None:
+  """Thin bars in the gap below the destination row's compute bars, so a receive never hides
+  the op it feeds."""
+  comm_h = 0.14
+  ax.barh(
+    [row[tr.dst] + _BAR_H / 2 + comm_h / 2 - 0.03 for tr in moves],
+    [(tr.end - tr.start) * _TO_MS for tr in moves],
+    left=[tr.start * _TO_MS for tr in moves],
+    height=comm_h,
+    color=KIND_COLORS["comm"],
+    edgecolor="#9a9a9a",
+    linewidth=0.3,
+    zorder=3,
+  )
+
+
+def _draw_failed_rows(
+  ax: Any, dead: dict[Worker, int], row: dict[Worker, int], t_end: float
+) -> None:
+  """A failed worker's row: hatched in red across the step, labelled with the failure's step."""
   for w, step in dead.items():
     ax.barh(
       row[w],
       t_end * 1.01,
       left=0,
-      height=bar_h,
+      height=_BAR_H,
       facecolor="#fbeaea",
       edgecolor=FAILED_COLOR,
       hatch="///",
@@ -359,23 +406,29 @@ def plot_gantt(
       bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5},
       zorder=5,
     )
-  marked = [
-    sp for sp in items if sp.mb >= 0 and (sp.mb in highlight or (sp.worker, sp.mb) in highlight)
-  ]
-  if marked:
-    ax.barh(
-      [row[sp.worker] for sp in marked],
-      [(sp.end - sp.start) * to_ms for sp in marked],
-      left=[sp.start * to_ms for sp in marked],
-      height=bar_h,
-      fill=False,
-      edgecolor="black",
-      linewidth=2.2,
-      zorder=4,
-    )
 
+
+def _outline(ax: Any, marked: list[_Span], row: dict[Worker, int]) -> None:
+  """A thick black outline around the highlighted bars."""
+  ax.barh(
+    [row[sp.worker] for sp in marked],
+    [(sp.end - sp.start) * _TO_MS for sp in marked],
+    left=[sp.start * _TO_MS for sp in marked],
+    height=_BAR_H,
+    fill=False,
+    edgecolor="black",
+    linewidth=2.2,
+    zorder=4,
+  )
+
+
+def _draw_axes(
+  ax: Any, workers: list[Worker], dead: dict[Worker, int], t_end: float, title: str
+) -> None:
+  """Limits, one tick label per row (failed ones in red), the time grid and a line between
+  pipelines."""
   ax.set_xlim(0, t_end * 1.01)
-  ax.set_ylim(n - 0.5, -0.5)  # first worker on top
+  ax.set_ylim(max(len(workers), 1) - 0.5, -0.5)  # first worker on top
   ax.set_yticks(
     range(len(workers)), [f"d{d} s{s}" + (" FAILED" if (d, s) in dead else "") for d, s in workers]
   )
@@ -392,17 +445,27 @@ def plot_gantt(
   if title:
     ax.set_title(title)
 
-  # Labels only where they fit: compare the bar's width in pixels with the text's.
-  ax_px = ax.get_position().width * width_in * dpi
+
+def _label_bars(
+  ax: Any,
+  items: list[_Span],
+  row: dict[Worker, int],
+  t_end: float,
+  ax_px: float,
+  n_rows: int,
+  dpi: int,
+) -> None:
+  """Each bar's micro-batch id (or kind), only where it fits: the bar's width in pixels (of
+  the axes' `ax_px`) against the text's."""
   px_per_ms = ax_px / (t_end * 1.01)
-  fontsize = 7.5 if n <= 16 else 6.0
+  fontsize = 7.5 if n_rows <= 16 else 6.0
   char_px = 0.62 * fontsize * dpi / 72
   for sp in items:
     label = str(sp.mb) if sp.mb >= 0 else sp.kind
-    if (sp.end - sp.start) * to_ms * px_per_ms < len(label) * char_px + 4:
+    if (sp.end - sp.start) * _TO_MS * px_per_ms < len(label) * char_px + 4:
       continue
     ax.text(
-      (sp.start + sp.end) / 2 * to_ms,
+      (sp.start + sp.end) / 2 * _TO_MS,
       row[sp.worker],
       label,
       ha="center",
@@ -413,23 +476,25 @@ def plot_gantt(
       clip_on=True,
     )
 
-  handles = [Patch(color=KIND_COLORS.get(k, "#555555"), label=k) for k in kinds_present]
-  if moves:
+
+def _draw_legend(
+  ax: Any, kinds: list[str], transfers: bool, marked: bool, failed: bool
+) -> None:
+  """The legend of what was drawn, outside the axes so it never covers a bar."""
+  from matplotlib.patches import Patch
+
+  handles = [Patch(color=KIND_COLORS.get(k, "#555555"), label=k) for k in kinds]
+  if transfers:
     handles.append(Patch(facecolor=KIND_COLORS["comm"], edgecolor="#9a9a9a", label="comm"))
   if marked:
     handles.append(Patch(fill=False, edgecolor="black", linewidth=2.2, label="re-routed"))
-  if dead:
+  if failed:
     handles.append(
       Patch(facecolor="#fbeaea", edgecolor=FAILED_COLOR, hatch="///", label="failed worker")
     )
-  # Outside the axes so it never covers a bar.
   ax.legend(
     handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8
   )
-
-  path = _prepare_path(path)
-  fig.savefig(path, format="png", dpi=dpi, bbox_inches="tight", facecolor="white")
-  return path
 
 
 __all__ = ["KIND_COLORS", "plot_gantt", "write_chrome_trace"]
