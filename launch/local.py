@@ -39,9 +39,11 @@ logging flags there apply to every worker, e.g. `--log_dir=D`: one log file per 
 are checked as `launch.train` reads them (`launch/cli.py`) before any process starts: a bad
 flag, config, workdir or process count is one line on stderr and exit 2.
 
-Exit code: 0 if every process that was not killed finished with 0 (or 7, declared dead, while
-process 0 finished with 0), else the first other code among them (`launch/train.py` documents
-them; 5 means process 0 was lost). No process outlives the launcher.
+Exit code: 0 if every process that was not killed finished with 0, or if process 0 did (the job
+completed) and the others it went on without were declared dead (7) or ended by a signal (a
+crash from outside, survived like a --kill); else the first other code among them
+(`launch/train.py` documents them; 5 means process 0 was lost; a process ended by signal N
+counts as 128 + N). No process outlives the launcher.
 """
 
 from __future__ import annotations
@@ -506,20 +508,41 @@ def launch(
       with job.lock:
         logging.warning("[launch] processes %s never reached their --kill/--stop point",
                         not_reached)
-    # A frozen process that was let go ends as the others left it (7: declared dead; 5: the
-    # job had ended); and any process the others declared dead leaving with 7 is the job
-    # working as designed, once process 0 finished.
-    survivors = {i: c for i, c in codes.items() if i not in killed and i not in frozen}
-    expected = {EXIT_OK} | ({EXIT_DECLARED_DEAD} if codes.get(0) == EXIT_OK else set())
-    failed = {i: c for i, c in survivors.items() if c not in expected}
-    summary = ", ".join(f"p{i}={'killed' if i in killed else c}"
+    summary = ", ".join(f"p{i}={'killed' if i in killed else _code(c)}"
                         + (" (relaunched)" if i in relaunched else "") for i, c in codes.items())
     print(f"[launch] exit codes: {summary}", flush=True)  # the job's result: on stdout, always
-    return next(iter(failed.values())) if failed else 0
+    return job_exit_code(codes, killed | set(frozen))
   finally:
     job.close()
     for signum, handler in previous.items():
       signal.signal(signum, handler)
+
+
+def job_exit_code(codes: dict[int, int], injected: set[int]) -> int:
+  """The launcher's exit code for a job whose processes ended with `codes` (`Popen.returncode`:
+  negative for a signal), `injected` the processes it killed or froze itself.
+
+  0 when every other process finished with 0, or when process 0 did (the job completed) and the
+  others that did not were ones it went on without: declared dead (7), or ended by a signal (a
+  crash the job survived, as a --kill is). Else the first other code; a process ended by
+  signal N as 128 + N, as a shell says it (`sys.exit` of a negative code gave 247 for SIGKILL).
+  """
+  completed = codes.get(0) == EXIT_OK
+  for i, c in codes.items():
+    if i in injected or c == EXIT_OK or (completed and (c == EXIT_DECLARED_DEAD or c < 0)):
+      continue
+    return 128 - c if c < 0 else c
+  return EXIT_OK
+
+
+def _code(returncode: int) -> str:
+  """A process's end for the summary line: its exit code, or the signal that ended it."""
+  if returncode >= 0:
+    return str(returncode)
+  try:
+    return signal.Signals(-returncode).name
+  except ValueError:
+    return f"signal {-returncode}"
 
 
 def _catch(asked: list[int]) -> dict[int, Any]:

@@ -91,3 +91,17 @@ def test_the_pause_hook_stops_once_at_each_of_its_points(tmp_path, monkeypatch):
     marker.unlink()
   t.join(timeout=30)
   assert len(seen) == 6  # (4, F1) a second time: it went on through it
+
+
+def test_launch_local_exits_0_for_a_completed_job_whatever_it_survived():
+  """`launch.local`'s exit code from its processes' `Popen.returncode`s (negative: a signal). A
+  worker SIGKILLed from outside while the job completed made it exit 247 (`sys.exit(-9)`)."""
+  from launch.local import job_exit_code
+
+  assert job_exit_code({0: 0, 1: 0, 2: -9, 3: 0}, set()) == 0  # a crash the job survived
+  assert job_exit_code({0: 0, 1: -9}, {1}) == 0  # its own --kill
+  assert job_exit_code({0: 0, 1: 7}, set()) == 0  # declared dead; the others went on
+  assert job_exit_code({0: 0, 1: 6}, set()) == 6  # a wait timed out: not the design
+  assert job_exit_code({0: 9, 1: 9}, set()) == 9  # preempted
+  assert job_exit_code({0: -9, 1: 5}, set()) == 128 + 9  # process 0 crashed: as a shell says
+  assert job_exit_code({0: -9, 1: 5, 2: -15}, {0}) == 5  # its --kill of process 0: the others' 5
