@@ -11,7 +11,8 @@ checkpoint could not be written, 8 too many non-finite steps in a row, 9 preempt
 SIGINT: stopped after the step in flight with a checkpoint of it); multi-process jobs also: 5
 the coordination service (process 0) was lost, requeue the job; 6 a survivor waited past
 distributed.wait_timeout_s; 7 the other processes declared this one dead (its heartbeat stopped
-for distributed.heartbeat_timeout_s) and went on without it.
+for distributed.heartbeat_timeout_s) and went on without it, or (any run) a newer job took the
+workdir's lease, so this one stopped before committing a checkpoint: do not requeue it.
 
 Progress lines are absl log lines at INFO (stdout by default; `--log_dir`, `--alsologtostderr`,
 `--verbosity`: see `--helpfull`); the final loss and the list of outputs are printed to stdout.
