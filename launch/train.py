@@ -72,6 +72,7 @@ def _train(cfg: RunConfig, workdir: str, started: float, attach: Callable[[Any],
       cli.fail(f"distributed.enabled=true: {cli.last_line(e)} (no SLURM, TPU VM, GKE or MPI "
                "environment was detected; set distributed.coordinator, num_processes and "
                "process_id, or start the job with launch/local.py)")
+    attach(None)  # jax.distributed.initialize installed its own SIGTERM handler: ours again
   else:
     runtime_setup.configure_jax(num_cpu_devices=cfg.mesh.num_devices)
   chief = cluster is None or cluster.process_id == 0

@@ -23,6 +23,8 @@ from typing import Any
 
 from resilient_jax.exit_codes import EXIT_PREEMPTED, end_process
 
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 @contextlib.contextmanager
 def stop_on_signals(trainer: Any = None) -> Iterator[Callable[[Any], None]]:
@@ -33,13 +35,19 @@ def stop_on_signals(trainer: Any = None) -> Iterator[Callable[[Any], None]]:
   Yields `attach(trainer)`, for a launcher that enters the block before it builds its trainer:
   until a trainer is there, a signal ends the process at once with exit code 9 and one line
   (nothing has trained since the workdir's last checkpoint, so there is nothing to save).
+  `attach` also installs the handlers again: joining a job (`jax.distributed.initialize`) puts
+  JAX's own SIGTERM handler in their place, so a launcher calls it (with None) once joined.
   """
   held = [trainer]
+  main = threading.current_thread() is threading.main_thread()
 
   def attach(t: Any) -> None:
     held[0] = t
+    if main:
+      for s in _SIGNALS:
+        signal.signal(s, on_signal)
 
-  if threading.current_thread() is not threading.main_thread():
+  if not main:
     yield attach
     return
 
@@ -54,7 +62,7 @@ def stop_on_signals(trainer: Any = None) -> Iterator[Callable[[Any], None]]:
       os.kill(os.getpid(), signum)
     held[0].request_stop(name)
 
-  previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+  previous = {s: signal.signal(s, on_signal) for s in _SIGNALS}
   try:
     yield attach
   finally:
