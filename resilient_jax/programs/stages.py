@@ -117,81 +117,87 @@ class StagePrograms:
     module = cut(model, info.layers, first=info.first, last=info.last)
     names = variable_names(model) if names is None else names
     self._binder = Binder(module, names)
+    self._init_parameters(module, names)
+    self.input_spec = input_spec
+    self.target_spec = target_spec
+    self.uses_rng = self._binder.uses_rng
+    apply, arg_specs = self._stage_function(model, global_batch)
+    self.output_spec: jax.ShapeDtypeStruct = jax.eval_shape(apply, *arg_specs)
+    closed, out_tree = self._split_backward(apply, arg_specs)
+    self._build_forward(closed, out_tree)
+    self._build_backward_and_optimizer()
+
+  def _init_parameters(self, module: nnx.Module, names: dict[int, str]) -> None:
+    """The stage's initial parameter values, their shapes, and how they and the optimizer
+    state split over a worker's sub-mesh."""
     self._initial = {n: np.asarray(v) for n, v in flat_params(module, names).items()}
     self.param_names: tuple[str, ...] = tuple(sorted(self._initial))
     self._shapes = shapes = {n: v.shape for n, v in self._initial.items()}
     self._abstract = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self._initial.items()}
-    self.param_specs = sharding.partition_specs(sharding.logical_axes(module, names), shapes, tp)
+    self.param_specs = sharding.partition_specs(sharding.logical_axes(module, names), shapes,
+                                                self.tp)
     """Each parameter's split over the worker's sub-mesh (all replicated when `tp` is 1)."""
-    opt_template = jax.eval_shape(optimizer.init, self.abstract_params())
+    opt_template = jax.eval_shape(self.optimizer.init, self.abstract_params())
     self.opt_specs = universal.unflatten_state(opt_template, {
       k: sharding.opt_entry_spec(k, v.shape, self.param_specs, shapes)
       for k, v in universal.flatten_state(opt_template).items()})
-    self.input_spec = input_spec
-    self.target_spec = target_spec
-    self.uses_rng = self._binder.uses_rng
+
+  def _stage_function(self, model: Any, global_batch: int) -> tuple[Callable, tuple]:
+    """What the stage computes, `apply(params, x, targets, seeds)`: its blocks, and on the last
+    stage the micro-batch's share of the global mean loss.
+
+    Returns:
+      `apply` and the specs of its arguments (targets only for the last stage, seeds only for
+      a model that draws random numbers).
+    """
+    info, binder, input_spec = self.info, self._binder, self.input_spec
     seeds_spec = jax.ShapeDtypeStruct((input_spec.shape[0], 2), jnp.int32) \
       if self.uses_rng else None
     loss = loss_fn(model)
-    targets_spec = target_spec if info.last else None
+    targets_spec = self.target_spec if info.last else None
     loss_scale = 0.0
     if info.last:
-      per_mb = jax.eval_shape(lambda p, x, t, r: loss(self._binder.apply(p, x, r), t),
-                              self.abstract_params(), input_spec, target_spec, seeds_spec)
+      per_mb = jax.eval_shape(lambda p, x, t, r: loss(binder.apply(p, x, r), t),
+                              self.abstract_params(), input_spec, self.target_spec, seeds_spec)
       loss_scale = input_spec.shape[0] / (global_batch * max(per_mb.size, 1))
 
     def apply(params: Params, x: Array, targets: Array | None, seeds: Array | None) -> Array:
-      out = self._binder.apply(params, x, seeds)
+      out = binder.apply(params, x, seeds)
       if info.last:
         out = loss(out, targets).sum() * jnp.float32(loss_scale)
       return out
 
-    self.output_spec: jax.ShapeDtypeStruct = jax.eval_shape(
-      apply, self.abstract_params(), input_spec, targets_spec, seeds_spec
-    )
-    argnums = (0,) if info.first else (0, 1)
-    fwd, bwd = jax.fwd_and_bwd(apply, argnums=argnums, jitted=False)
+    return apply, (self.abstract_params(), input_spec, targets_spec, seeds_spec)
 
-    # The backward, traced once and cut into B and W (`model.split`).
-    closed, (out_tree, res_tree) = jax.make_jaxpr(fwd, return_shape=True)(
-      self.abstract_params(), input_spec, targets_spec, seeds_spec
-    )
+  def _split_backward(self, apply: Callable, arg_specs: tuple) -> tuple[jcore.ClosedJaxpr, Any]:
+    """Traces F and its backward once and cuts the backward into B and W (`model.split`,
+    kept as `self.split`).
+
+    Returns:
+      F's closed jaxpr (its outputs: the stage output's leaves, then the residuals) and the
+      stage output's tree.
+    """
+    argnums = (0,) if self.info.first else (0, 1)
+    fwd, bwd = jax.fwd_and_bwd(apply, argnums=argnums, jitted=False)
+    closed, (out_tree, res_tree) = jax.make_jaxpr(fwd, return_shape=True)(*arg_specs)
     res_def = jax.tree.structure(res_tree)
-    res_specs = jax.tree.leaves(res_tree)
     n_params = len(self.param_names)
-    split = split_backward(
+    self.split = split_backward(
       lambda res, g: jax.tree.leaves(bwd(jax.tree.unflatten(res_def, res), g[0])),
-      res_specs,
+      jax.tree.leaves(res_tree),
       [self.output_spec],
-      input_outs=[] if info.first else [n_params],
+      input_outs=[] if self.info.first else [n_params],
       weight_outs=list(range(n_params)),
     )
-    self.split = split
-    # What F hands to B and W is trimmed once, on F's jaxpr, rather than copied out of a jit as
-    # is: a parameter or the stage input among the residuals would come back as a fresh copy
-    # per micro-batch (the residuals of `x @ kernel` include the kernel), and residuals neither
-    # B nor W reads are not kept.
+    return closed, out_tree
+
+  def _build_forward(self, closed: jcore.ClosedJaxpr, out_tree: Any) -> None:
+    """F as one compiled program returning only what B and W read (`_trimmed_outputs`), and
+    `forward`, which puts the caller's own arrays back where F's outputs forward them."""
+    split, info = self.split, self.info
     n_out = len(jax.tree.leaves(out_tree))
-    res_live = set(split.b_residuals) | set(split.w_residuals)
-    in_index = {v: i for i, v in enumerate(closed.jaxpr.invars)}
-    kept: list[int] = []  # positions of the outputs the trimmed program returns
-    first_at: dict[Any, int] = {}  # each distinct variable is returned once
-    # Per live output leaf of F: ("input", i) forwards input leaf i, ("kept", j) is output j of
-    # the trimmed program.
-    sources: list[tuple[str, int] | None] = []
-    for k, v in enumerate(closed.jaxpr.outvars):
-      is_var = isinstance(v, jcore.Var)
-      if k >= n_out and k - n_out not in res_live:
-        sources.append(None)
-      elif is_var and v in in_index:
-        sources.append(("input", in_index[v]))
-      elif is_var and v in first_at:
-        sources.append(("kept", first_at[v]))
-      else:
-        if is_var:
-          first_at[v] = len(kept)
-        sources.append(("kept", len(kept)))
-        kept.append(k)
+    kept, sources = _trimmed_outputs(
+      closed.jaxpr, n_out, set(split.b_residuals) | set(split.w_residuals))
     forward_all = jcore.jaxpr_as_fun(closed)
 
     def stage_forward(*inputs):
@@ -212,11 +218,18 @@ class StagePrograms:
       return (out, tuple(res[i] for i in split.b_residuals),
               tuple(res[i] for i in split.w_residuals))
 
+    self.forward: Callable = forward
+    self._forward_program = forward_program
+
+  def _build_backward_and_optimizer(self) -> None:
+    """B, W, BW and OPT, and the optimizer-state and zero-gradient initializers, each compiled
+    once for the stage and loaded on every replica's device."""
+    split, optimizer, tp = self.split, self.optimizer, self.tp
+    pin = self._pin  # outputs constrained to the sub-mesh split (identity when tp is 1)
+
     def backward_input(residuals, g):
       dx, handover = split.backward_input(residuals, [g])
       return (dx[0] if dx else None), tuple(handover)
-
-    pin = self._pin  # outputs constrained to the sub-mesh split (identity when tp is 1)
 
     def weight_grads(params, saved, handover, acc):
       del params  # W reads what it needs of the parameters among the residuals
@@ -239,9 +252,6 @@ class StagePrograms:
       return (pin(optax.apply_updates(params, updates), self.param_specs),
               pin(opt_state, self.opt_specs), sumsq)
 
-    self.forward: Callable = forward
-    self._forward_program = forward_program
-    # Each program is compiled once for the stage and loaded on every replica's device.
     scoped = functools.partial(_scoped, tp=tp)
     self.backward_input: Callable = OnEachDevice(scoped("B", backward_input))
     self.backward_weight: Callable = OnEachDevice(scoped("W", weight_grads),
@@ -322,6 +332,46 @@ class StagePrograms:
     """Zeros shaped and placed as `params` (which live at `where`), made on their device."""
     zeros = self._zeros(params)  # on one device: committed there already
     return zeros if self.tp == 1 else jax.device_put(zeros, self.param_shardings(where))
+
+
+def _trimmed_outputs(
+  jaxpr: jcore.Jaxpr, n_out: int, res_live: set[int]
+) -> tuple[list[int], list[tuple[str, int] | None]]:
+  """Which of F's outputs its compiled program returns, and where every other one comes from.
+
+  What F hands to B and W is trimmed once, on F's jaxpr, rather than copied out of a jit as is:
+  a parameter or the stage input among the residuals would come back as a fresh copy per
+  micro-batch (the residuals of `x @ kernel` include the kernel), and residuals neither B nor W
+  reads are not kept.
+
+  Args:
+    jaxpr: F's jaxpr: outputs are the stage output's `n_out` leaves, then the residuals.
+    n_out: leaves of the stage output.
+    res_live: the residuals B or W reads (positions among the residuals).
+
+  Returns:
+    The positions of the outputs the trimmed program returns (each distinct variable once), and
+    per output leaf of F: None (not kept), `("input", i)` (input leaf i itself) or `("kept", j)`
+    (output j of the trimmed program).
+  """
+  in_index = {v: i for i, v in enumerate(jaxpr.invars)}
+  kept: list[int] = []
+  first_at: dict[Any, int] = {}
+  sources: list[tuple[str, int] | None] = []
+  for k, v in enumerate(jaxpr.outvars):
+    is_var = isinstance(v, jcore.Var)
+    if k >= n_out and k - n_out not in res_live:
+      sources.append(None)
+    elif is_var and v in in_index:
+      sources.append(("input", in_index[v]))
+    elif is_var and v in first_at:
+      sources.append(("kept", first_at[v]))
+    else:
+      if is_var:
+        first_at[v] = len(kept)
+      sources.append(("kept", len(kept)))
+      kept.append(k)
+  return kept, sources
 
 
 def _scoped(name: str, fn: Callable, tp: int = 1) -> Callable:
