@@ -150,3 +150,24 @@ def test_the_users_key_is_made_once_private_and_refused_when_shared(tmp_path, mo
     assert compiled._secret() == b"shared by the job's hosts"
   finally:
     compiled._secret.cache_clear()
+
+
+def test_a_layout_that_equals_only_itself_does_not_split_the_key():
+  """JAX 0.11 on GPU: arrays pulled from another process carry a layout object that prints as
+  `AutoLayout` but equals no other; keyed by the object, every step missed the program cache."""
+  from types import SimpleNamespace
+
+  from resilient_jax.programs.compiled import _signature
+
+  class Auto:  # equality by identity, as the layouts measured there
+    def __repr__(self):
+      return "AutoLayout"
+
+  def leaf():
+    aval = SimpleNamespace(shape=(3,), dtype=jnp.float32, weak_type=False, sharding=None,
+                           memory_space=None, layout=Auto())
+    return SimpleNamespace(aval=aval)
+
+  treedef = jax.tree.structure([0, 0])
+  assert _signature(treedef, [leaf(), leaf()], multi=False) == _signature(
+    treedef, [leaf(), leaf()], multi=False)
