@@ -254,8 +254,12 @@ grads = {transport.device(n): {"w": jax.device_put(np.full((4, 2), n + 1.0, np.f
                                                    NamedSharding(transport.placement(n), P("tp")))}
          for n in nodes if transport.is_local(n)}
 assert len(grads) == 2
+sent, received = cl.bytes_offered, cl.bytes_pulled
 summed = transport.reduce(0, nodes, members, grads)
 assert not transport.doomed, transport.doomed
+# A ring over the 2 member processes: each sends and receives 2 (P - 1) / P = 1 buffer of its
+# stage's gradients (one float32 [4, 2]: 32 bytes), in 2 chunks.
+assert (cl.bytes_offered - sent, cl.bytes_pulled - received) == (32, 32)
 assert sorted(summed, key=where_key) == sorted(grads, key=where_key)
 for g in summed.values():
   assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
@@ -271,7 +275,7 @@ def test_transfers_keep_sub_mesh_layouts():
   `pull`): an array replicated over a sub-mesh as one replica, copied over the receiver's
   sub-mesh; a tensor-parallel split piece by piece onto the receiver's sub-mesh split the same
   way; a split array asked for whole gathered onto one device. Then a gradient reduction whose
-  members are sub-meshes, two in each process."""
+  members are sub-meshes, two in each process: a ring, whose bytes it counts."""
   from launch.local import _free_port, simulated_devices_env
 
   address = f"127.0.0.1:{_free_port()}"

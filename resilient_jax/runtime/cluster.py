@@ -48,6 +48,7 @@ is bounded:
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -55,6 +56,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 
 from resilient_jax.config import DistributedConfig
 from resilient_jax.exit_codes import (
@@ -163,6 +165,10 @@ class Cluster:
     )
     self._addresses: dict[int, str] = {}
     self._connections: dict[int, Any] = {}
+    self.bytes_offered = 0
+    """Bytes of every array offered to other processes (each offer is pulled once)."""
+    self.bytes_pulled = 0
+    """Bytes of every array pulled from other processes."""
     # Liveness (see the module docstring).
     self._dead: set[int] = set()
     self._next_probe: dict[int, float] = {}
@@ -446,6 +452,7 @@ class Cluster:
     """
     specs = [None] * len(arrays) if specs is None else specs
     self._server.await_pull(uid, [offered(x, s) for x, s in zip(arrays, specs, strict=True)])
+    self.bytes_offered += sum(math.prod(x.shape) * x.dtype.itemsize for x in arrays)
 
   def pull(
     self, process: int, uid: int, specs: Sequence[jax.ShapeDtypeStruct],
@@ -462,6 +469,7 @@ class Cluster:
       return None
     where = device or self.device
     wire = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=landing(s, where)) for s in specs]
+    self.bytes_pulled += sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in specs)
     try:
       if process not in self._connections:
         self._connections[process] = self._server.connect(self._address(process))

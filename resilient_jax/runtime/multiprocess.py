@@ -10,8 +10,9 @@ one process moves with `jax.device_put`, between processes over the transfer ser
   an id derived from (step, attempt, micro-batch, stage, kind), so a stale attempt's data can
   never be mistaken for the current one's; the consumer pulls it asynchronously at the start of
   the attempt and computes on it once it has arrived (`runtime.inbox`);
-* a reduction whose holders span processes is `Transport.reduce`'s gather, its buffers pulled
-  from the other member processes over the same transfers (see `runtime.transport`);
+* a reduction whose holders span processes sums each process's members there, then runs a ring
+  (reduce-scatter, all-gather) over the member processes on the same transfers
+  (`ProcessTransport._ring`): 2 (P - 1) / P buffers in and out per process at any P;
 * the end of the attempt is agreed: every process installs its new state on a commit, or every
   survivor drops the attempt on a loss and the step is re-run on the new plan.
 
@@ -41,6 +42,7 @@ reads, so it follows a decision as soon as it is written. Every wait has the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,7 +50,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from resilient_jax.model.sharding import Where, target, where_key, worker_mesh
+from resilient_jax.model.sharding import Where, target, worker_mesh
+from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.runtime import placement as placement_lib
 from resilient_jax.runtime.cluster import Cluster
 from resilient_jax.runtime.inbox import Inbox
@@ -63,6 +66,9 @@ from resilient_jax.runtime.transport import (
   Tag,
   Transfer,
   Transport,
+  _add,
+  _in_ar_scope,
+  _reduce_programs,
 )
 
 PauseHook = Callable[[int, str], None]
@@ -161,6 +167,7 @@ class ProcessTransport(Transport):
     self.participants: list[int] = []
     """The processes holding the attempt's nodes."""
     self.doomed: list[str] = []
+    self._bytes0 = (0, 0)  # the cluster's byte counts at the attempt's start
     self.inbox = Inbox(cluster)
     """The attempt's pulls of activations and gradients (`expect`)."""
 
@@ -173,6 +180,7 @@ class ProcessTransport(Transport):
   def begin(self, step: int, attempt: int, nodes: Sequence[int] = ()) -> None:
     super().begin(step, attempt)
     self.step, self.attempt = step, attempt
+    self._bytes0 = (self.cluster.bytes_offered, self.cluster.bytes_pulled)
     self.participants = self.layout.processes_of(nodes)
     self.doomed = []
     self.inbox.clear()
@@ -217,8 +225,9 @@ class ProcessTransport(Transport):
   def reduce(
     self, index: int, nodes: Sequence[int], devices: Devices, local: PerDevice
   ) -> PerDevice:
-    """`Transport.reduce` across processes (see `runtime.transport`'s docstring); if a member
-    is lost, keeps the local values and marks the attempt doomed."""
+    """`Transport.reduce` across processes: this process's members summed here in the members'
+    order, then a ring over the member processes (`_ring`); if a member is lost, keeps the local
+    values and marks the attempt doomed."""
     what = f"all-reduce {index}"
     # Lists, not the dicts: a pytree's dict keys are sorted, and sub-meshes' shardings have no
     # order.
@@ -230,55 +239,91 @@ class ProcessTransport(Transport):
       # (its sharding is known without waiting).
       local = {d: {n: jnp.zeros(v.shape, v.dtype, device=v.sharding) for n, v in g.items()}
                for d, g in local.items()}
-    out = super().reduce(index, nodes, devices, local)
-    if out is local:
+    procs = list(dict.fromkeys(_process_of(d) for d in devices))
+    if len(procs) == 1:  # every member is here
+      return super().reduce(index, nodes, devices, local)
+    flatten, unflatten = _reduce_programs(local)
+    mine = [d for d in devices if d in local]
+    first = mine[0]
+    partial = None
+    for d in mine:
+      flat = flatten(local[d])
+      flat = flat if d == first else jax.device_put(flat, first)
+      partial = flat if partial is None else _add(partial, flat)
+    total = self._ring(index, procs, partial, first)
+    if total is None:
       return local
-    err = self.cluster.wait(list(out.values()), what, self.layout.processes_of(nodes))
+    out = {first: unflatten(total)}
+    for d in mine[1:]:
+      out[d] = unflatten(jax.device_put(total, d))
+    err = self.cluster.wait(list(out.values()), what, procs)
     if err is not None:
       self._failed(what, err)
       return local
     return out
 
-  def _gather(
-    self, index: int, nodes: Sequence[int], devices: Devices, flats: dict[Where, jax.Array]
-  ) -> dict[Where, jax.Array] | None:
-    """This process offers its buffers to every other member process and pulls theirs (one
-    replica of each, `Cluster.offer`), onto the device (or sub-mesh) where `Transport.reduce`
-    sums."""
-    me = self.cluster.process_id
-    procs = self.layout.processes_of(nodes)
-    mine = [flats[d] for d in sorted(flats, key=where_key)]
-    first = next(iter(flats))  # where `Transport.reduce` sums
-    for q in procs:
-      if q != me:
-        self.cluster.offer(self._reduce_id(index, me, q), mine)
-    if self.pause is not None:
-      self.pause(self.step, "AR")
-    spec = jax.ShapeDtypeStruct(mine[0].shape, mine[0].dtype)
-    parts = dict(flats)
-    others = [q for q in procs if q != me]
-    for q in others:
-      theirs = sorted((d for d in devices if _process_of(d) == q), key=where_key)
-      got = self.cluster.pull(q, self._reduce_id(index, q, me), [spec] * len(theirs), first)
+  def _ring(self, index: int, procs: list[int], partial: jax.Array, first: Where
+            ) -> jax.Array | None:
+    """The sum over `procs` of each one's `partial` (a flat buffer on its `first` member), by a
+    ring: a reduce-scatter, then an all-gather. The buffer is cut into K equal chunks, K the
+    job's process count (fixed for the job, so a ring that loses or regains members compiles
+    nothing), and chunk c belongs to ring position c mod P (P = len(procs)): each process sends
+    and receives about 2 (P - 1) / P buffers' bytes whatever P is (a gather of every member's
+    buffer was P - 1). Each chunk is summed once, in a fixed order (from the position after its
+    owner on around the ring, each adding its own part), and then only copied, so every replica
+    holds bitwise the same sum. Every pull is waited for before anything adds it (no device's
+    queue waits on another process), watching every member: a member that dies or freezes ends
+    the wait of all of them (`Cluster.wait`), so it costs its own worker only; None then.
+    """
+    me, n = self.cluster.process_id, len(procs)
+    r = procs.index(me)
+    prev = procs[(r - 1) % n]
+    own = list(_cut(self.cluster.num_processes)(partial))
+    chunks = list(own)
+    spec = jax.ShapeDtypeStruct(own[0].shape, own[0].dtype)
+    owned = [list(range(j, len(own), n)) for j in range(n)]  # the chunks of each position
+    watch = [q for q in procs if q != me]
+    for hop in range(2 * (n - 1)):
+      gather = hop >= n - 1  # the second half: completed chunks go round
+      s = hop - (n - 1) if gather else hop
+      send, recv = ((r + 1 - s) % n, (r - s) % n) if gather else ((r - s) % n, (r - s - 1) % n)
+      uid = self._ring_id(index, hop)
+      self.cluster.offer(uid, [chunks[c] for c in owned[send]])
+      if hop == 0 and self.pause is not None:
+        self.pause(self.step, "AR")
+      got = self.cluster.pull(prev, uid, [spec] * len(owned[recv]), first)
       if got is None:
-        self.doomed.append(f"all-reduce {index}: process {q} unreachable")
+        self.doomed.append(f"all-reduce {index}: process {prev} unreachable")
         return None
-      parts.update(zip(theirs, got, strict=True))
-    # Landed before anything sums them: no device's queue waits on another process
-    # (`runtime.inbox`).
-    pulled = [x for d, x in parts.items() if d not in flats]
-    err = self.cluster.wait(pulled, f"all-reduce {index}'s gradients from processes {others}",
-                            others)
-    if err is not None:
-      self._failed(f"all-reduce {index}", err)
-      return None
-    return parts
+      err = self.cluster.wait(got, f"all-reduce {index} from process {prev}", watch)
+      if err is not None:
+        self._failed(f"all-reduce {index}", err)
+        return None
+      for c, x in zip(owned[recv], got, strict=True):
+        chunks[c] = x if gather else _add(x, own[c])
+    return _join(partial.shape[0])(*chunks)
 
-  def _reduce_id(self, index: int, sender: int, receiver: int) -> int:
-    """The transfer id of `sender`'s gradients for `receiver` in reduction `index` of this
-    attempt: apart from activations' ids (below 2**60) and `Cluster.connect`'s (2**61 on)."""
-    key = ((self.step * 64 + self.attempt % 64) * 1024 + index % 1024) * 1024 + sender
-    return (1 << 60) + key * 1024 + receiver
+  def prepare_reduce(self, local: PerDevice) -> list[jax.Array]:
+    """`Transport.prepare_reduce`, and the ring's own programs (cut, add, join)."""
+    outs = super().prepare_reduce(local)
+    flatten, _ = _reduce_programs(local)
+    flat = flatten(next(iter(local.values())))
+    pieces = _cut(self.cluster.num_processes)(flat)
+    outs += [_add(pieces[0], pieces[0]), _join(flat.shape[0])(*pieces)]
+    return outs
+
+  def _ring_id(self, index: int, hop: int) -> int:
+    """The transfer id of hop `hop` of reduction `index` in this attempt (unique on the sending
+    process's server): apart from activations' ids (below 2**60) and `Cluster.connect`'s
+    (2**61 on).
+
+    Raises:
+      ValueError: a field outside its range (2**22 steps, 4096 hops: 2048 member processes).
+    """
+    if not (0 <= self.step < 1 << 22 and 0 <= hop < 1 << 12):
+      raise ValueError(f"reduction transfer id out of range: step {self.step}, hop {hop}")
+    key = ((self.step * 64 + self.attempt % 64) * 1024 + index % 1024) * 4096 + hop
+    return (1 << 60) + key
 
   def conclude(
     self, losses: Mapping[int, jax.Array], new_params: Sequence[Any], grad_sumsq: Sequence[Any]
@@ -296,6 +341,7 @@ class ProcessTransport(Transport):
       # A string, so that a non-finite norm survives the key-value store's JSON.
       "sumsq": "0.0" if doomed else repr(float(sum(jax.device_get(list(grad_sumsq))))),
       "stop": self.stop_requested,
+      "bytes": [cl.bytes_offered - self._bytes0[0], cl.bytes_pulled - self._bytes0[1]],
     }
     base = _attempt_key(self.step, self.attempt)
     if cl.process_id in self.participants:  # a process the plan left idle only follows
@@ -312,8 +358,9 @@ class ProcessTransport(Transport):
     mb_losses = {int(k): v for st in statuses.values() for k, v in st["losses"].items()}
     total = sum(float(st["sumsq"]) for st in statuses.values())
     stop = any(st.get("stop") for st in statuses.values())
+    sent, received = zip(*(st.get("bytes", (0, 0)) for st in statuses.values()), strict=True)
     return Outcome(True, mb_losses, detected_at=detected, remote=True, grad_sumsq=total,
-                   stop=stop)
+                   stop=stop, net_bytes=(max(sent), max(received)))
 
   def wait(self, tree: Any, what: str) -> None:
     self.cluster.wait(tree, what, self.participants)
@@ -452,6 +499,24 @@ class ProcessTransport(Transport):
   def holds_any(self, nodes: Sequence[int]) -> bool:
     """Whether this process holds one of `nodes`."""
     return any(self.is_local(n) for n in nodes)
+
+
+@functools.cache
+def _cut(k: int) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
+  """One program that cuts a flat buffer into `k` equal chunks (zero-padded at the end)."""
+
+  def cut(flat: jax.Array) -> tuple[jax.Array, ...]:
+    size = -(-flat.shape[0] // k)
+    padded = jnp.pad(flat, (0, size * k - flat.shape[0]))
+    return tuple(padded[i * size:(i + 1) * size] for i in range(k))
+
+  return OnEachDevice(_in_ar_scope(cut))
+
+
+@functools.cache
+def _join(length: int) -> Callable[..., jax.Array]:
+  """The inverse of `_cut`: the chunks joined, the padding dropped."""
+  return OnEachDevice(_in_ar_scope(lambda *chunks: jnp.concatenate(chunks)[:length]))
 
 
 def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[int, Any]]:

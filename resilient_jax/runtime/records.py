@@ -78,6 +78,8 @@ class StepResult:
   stop: bool = False
   """A process asked to stop after this step (`Outcome.stop`)."""
   built: Built = Built()
+  net_bytes: tuple[int, int] = (0, 0)
+  """The most bytes one process of a job sent, and received, in the step (`Outcome`)."""
   """What the attempt built; its seconds are not counted in `step_time_s` (set by the training
   loop)."""
 

@@ -355,6 +355,7 @@ class StepRun:
       skipped=skipped,
       clipped=clipped,
       stop=outcome.stop,
+      net_bytes=outcome.net_bytes,
     )
 
 

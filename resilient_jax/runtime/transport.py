@@ -8,17 +8,23 @@ below move activations and gradient buffers the same way for both.
 `runtime.multiprocess.ProcessTransport` extends it to a `jax.distributed` job, where some nodes
 live in other processes.
 
-A reduction (the data-parallel gradient sum) is a gather, the same within a process and
-across processes: each member lays its stage's gradients out as one flat float32 buffer; one
-device per process receives the other members' buffers (a device copy here, a transfer-server
-pull across processes) and adds them in the members' order, and the process's other members get
-copies of that sum, so every replica holds bitwise the same sum.
+A reduction (the data-parallel gradient sum): each member lays its stage's gradients out as one
+flat float32 buffer; within a process one device receives the other local members' buffers (a
+device copy) and adds them in the members' order, and the process's other members get copies
+of that sum, so every replica holds bitwise the same sum. Across processes
+(`runtime.multiprocess.ProcessTransport`) each process first sums its own members this way, then
+the member processes run a ring (reduce-scatter, all-gather) over the transfer server: 2 (P - 1)
+/ P buffers in and out per process, flat in the number of processes P, as the simulator's cost
+model prices it. Growth per reduction: bytes per process O(1) in dp; 2 (P - 1) sequential
+transfers (latency O(P)); host work O(local members + P) dispatches.
 It is not an XLA collective over the group, for three reasons: a new group after a failure
-compiles nothing (the programs are per stage, `compiled.OnEachDevice`); a member frozen inside
-a collective could not be abandoned (it holds its device's queue), while a pull from a member
-declared dead is cut off like any other transfer; and one buffer per member keeps the host's
-work per reduction to a few dispatches instead of one global array per parameter. Across D
-processes each receives D-1 buffers: the bytes of a ring all-reduce at D=2, more beyond.
+compiles nothing (the programs are per stage, `compiled.OnEachDevice`, and the ring's chunking is
+fixed for the job); a member frozen inside a collective could not be abandoned (it holds its
+device's queue), while a pull from a member declared dead is cut off like any other transfer;
+and one buffer per member keeps the host's work per reduction to a few dispatches instead of one
+global array per parameter. Within one process the local sum still lands on one device (D - 1
+copies in and out at D local members): fine for simulated CPU devices, and the part a real
+multi-GPU host would rather give to a device collective (not built).
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class Outcome:
   stop: bool = False
   """Some participant asked to stop after this step (`Transport.stop_requested`, e.g. on
   SIGTERM): every process that commits the step sees the same value."""
+  net_bytes: tuple[int, int] = (0, 0)
+  """The most bytes one process sent, and received, over the network in the attempt (the
+  largest of every process's count: what the busiest link carried)."""
 
 
 class Transport:

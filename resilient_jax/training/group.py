@@ -235,7 +235,9 @@ class Job(Solo):
       self.cluster.kv_delete(f"{what}/{step}")
 
   def row(self, result: StepResult) -> dict[str, Any]:
-    return {"attempts": result.attempts, "time": round(time.time(), 3)}
+    sent, received = result.net_bytes
+    return {"attempts": result.attempts, "time": round(time.time(), 3),
+            "net_bytes_out": sent, "net_bytes_in": received}
 
   def kept_keys(self) -> list[int] | None:
     return sorted({int(k.strip("/").split("/")[1])
