@@ -40,6 +40,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     stop_after=0,
     max_nonfinite_steps=10,
     accumulate_steps=1,  # global batches per optimizer step
+    eval_every=0,  # held-out evaluation every N steps and the last (0: off)
+    eval_batches=1,  # held-out batches (of a step's samples) per evaluation
   )
   c.optimizer = dict(
     name="adamw",

@@ -99,6 +99,12 @@ class TrainConfig:
   max_nonfinite_steps: int = 10
   """A step whose gradients are not finite (on any stage) is skipped on every stage; after this
   many in a row the run stops (exit code 8) rather than train on."""
+  eval_every: int = 0
+  """Evaluate on the held-out samples every this many steps and after the last (0: never):
+  `eval_loss` and `eval_ppl` in the step's row (`training/evaluation.py`)."""
+  eval_batches: int = 1
+  """Held-out batches an evaluation runs, each the samples of one step
+  (`global_batch * accumulate_steps`); the held-out split is `data.held_out`'s."""
 
   def __post_init__(self):
     keys = ("steps", "global_batch")
@@ -113,8 +119,9 @@ class TrainConfig:
     require_ints("train.", {"stop_after": self.stop_after, "seed": self.seed}, 0, ConfigError)
     if self.seed >= 2**63:  # jax.random.key takes an int64; numpy's generators no negative
       raise ConfigError(f"train.seed={self.seed} is beyond int64 (it must be below 2**63)")
-    keys = ("max_nonfinite_steps", "accumulate_steps")
+    keys = ("max_nonfinite_steps", "accumulate_steps", "eval_batches")
     require_ints("train.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
+    require_ints("train.", {"eval_every": self.eval_every}, 0, ConfigError)
 
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adafactor")

@@ -39,6 +39,7 @@ __all__ = [
   "SyntheticSource",
   "TextSource",
   "TokenSource",
+  "held_out",
   "make_source",
   "prepare_tokens",
   "sample_digest",
@@ -367,6 +368,51 @@ class BatchPlan:
       sel = epochs == epoch
       ids[sel] = self.epoch_permutation(epoch)[offsets[sel]]
     return ids
+
+
+HELD_OUT_BASE = 2**48
+"""The first held-out id of an infinite (synthetic) source: training's ids count up from 0, one
+per sample trained on, and never reach it."""
+
+
+def held_out(num_samples: int | None, count: int) -> tuple[int | None, np.ndarray]:
+  """Splits a source's ids into the ones training draws from and `count` held-out ones.
+
+  The split is a function of the source's size and `count` alone (`count`: the samples of an
+  evaluation, `train.eval_batches` steps' worth), so every layout and policy evaluates on the
+  same samples and trains on the same others:
+
+  * an infinite (synthetic) source: ids `HELD_OUT_BASE ..`, a range `BatchPlan` reaches only
+    after 2**48 samples, so training is unchanged by evaluating;
+  * a finite one (text, a token file): its last `count` windows, the tail of the file, as
+    nanoGPT-style preparers cut their validation split. A contiguous tail rather than ids
+    drawn at random: a window's neighbours continue its text, and held-out windows scattered
+    among trained ones would let training read most of their context. One window before the
+    tail is left out as well, since adjacent windows share a boundary token: training reads
+    no token of a held-out window. `BatchPlan` then permutes the ids before the gap only, so
+    turning evaluation on changes the samples training reads from a file (never with
+    `count` 0).
+
+  Args:
+    num_samples: the source's ids (None: infinite).
+    count: held-out samples; 0 holds nothing out.
+
+  Returns:
+    The number of ids training draws from (None: infinite), and the held-out ids (int64).
+
+  Raises:
+    ValueError: a finite source with fewer than `count + 2` windows.
+  """
+  if count < 0:
+    raise ValueError(f"held-out samples must be >= 0, got {count}")
+  if num_samples is None:
+    return None, HELD_OUT_BASE + np.arange(count, dtype=np.int64)
+  if not count:
+    return num_samples, np.zeros(0, np.int64)
+  if num_samples < count + 2:
+    raise ValueError(f"the data has {num_samples} samples: holding out {count} leaves none to "
+                     "train on")
+  return num_samples - count - 1, np.arange(num_samples - count, num_samples, dtype=np.int64)
 
 
 def sample_digest(ids: np.ndarray) -> str:

@@ -125,7 +125,16 @@ def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:
     )
   except ValueError as e:  # a missing or malformed data file is the config's to fix
     raise ConfigError(str(e)) from None
-  return source, data_lib.BatchPlan(source.num_samples, cfg.step_batch, t.seed)
+  try:
+    trained, _ = data_lib.held_out(source.num_samples, eval_samples(cfg))
+  except ValueError as e:
+    raise ConfigError(f"train.eval_batches={t.eval_batches}: {e}") from None
+  return source, data_lib.BatchPlan(trained, cfg.step_batch, t.seed)
+
+
+def eval_samples(cfg: RunConfig) -> int:
+  """Samples an evaluation runs (`train.eval_batches` steps' worth); 0 with evaluation off."""
+  return cfg.train.eval_batches * cfg.step_batch if cfg.train.eval_every else 0
 
 
 def num_microbatches(plan: Plan) -> int:
@@ -141,7 +150,21 @@ def step_batch(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Sample ids per micro-batch `[n, microbatch]`, and inputs and targets of 1-based `step` as
   `[n, microbatch, seq_len]` arrays; n defaults to the configured grid's `dp * m`."""
-  ids = plan.ids_for_step(step - 1)
+  return _microbatches(cfg, source, plan.ids_for_step(step - 1), microbatches)
+
+
+def eval_batch(
+  cfg: RunConfig, source: data_lib.DataSource, batch: int, microbatches: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`step_batch`'s arrays for 0-based held-out batch `batch` of an evaluation (one step's
+  number of samples, `data.held_out`'s ids in order)."""
+  _, ids = data_lib.held_out(source.num_samples, eval_samples(cfg))
+  n = cfg.step_batch
+  return _microbatches(cfg, source, ids[batch * n:(batch + 1) * n], microbatches)
+
+
+def _microbatches(cfg: RunConfig, source: data_lib.DataSource, ids: np.ndarray,
+                  microbatches: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   n = microbatches or cfg.mesh.dp * cfg.step_microbatches
   mbs = data_lib.split_microbatches(ids, 1, n)
   inputs, targets = source.get(mbs.reshape(-1))
