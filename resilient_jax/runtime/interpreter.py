@@ -22,7 +22,8 @@ every group of its names is reduced, so each stage steps its optimizer as soon a
 gradients are ready (the staggered optimizer ReCycle fills bubbles with).
 
 One attempt at a step is a `StepRun` (`runtime/step_run.py`): its state and its ops, dispatched
-by one thread (`runtime/dispatch.py`, which says why one).
+by one thread (`runtime/dispatch.py`, which says why one). An evaluation's attempt
+(`run_forward`) is the same `StepRun` on the plan's forward ops only (`ForwardOnly`).
 
 Each op's dispatch is annotated for `jax.profiler` (`TraceAnnotation`: its name in the schedule,
 `F3`, with stage, micro-batch and pipeline; always on: about half a microsecond an op when no
@@ -51,6 +52,7 @@ from resilient_jax.runtime.records import StepResult
 from resilient_jax.runtime.step_run import (
   AfterOp,
   DispatchList,
+  Holder,
   ReductionGroup,
   StepRun,
   local_dispatch_lists,
@@ -99,6 +101,7 @@ class Interpreter(StateHandover):
     self.replicas: dict[Slot, tuple[Params, Any]] = {}
     self._specs: dict[tuple, dict[str, Any]] = {}
     self._loss_seeds: dict[Where, jax.Array] = {}
+    self._forward: ForwardOnly | None = None
     self._set_plan(plan)
     if state is not None:
       self.place(plan, state)
@@ -383,3 +386,45 @@ class Interpreter(StateHandover):
     run.begin()
     dispatch(run)
     return run.conclude()
+
+  def run_forward(
+    self,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    *,
+    step: int,
+    attempt: int,
+    after_op: AfterOp | None = None,
+    seeds: np.ndarray | None = None,
+  ) -> StepResult:
+    """Runs one forward-only attempt (an evaluation) on the current plan: every slot's F ops
+    of `run_step`, through the same routes and transfers, each micro-batch's loss on its last
+    stage, agreed like a step's; no backward, reduction or optimizer step, and no state
+    changes. Arguments and outcome as `run_step`'s (`loss`: the batch's mean loss)."""
+    forward = self._forward
+    if forward is None or forward.source is not self.step_program:
+      forward = self._forward = ForwardOnly(self)  # once per plan, as `dispatch_lists`
+    run = StepRun(forward, inputs, targets, step=step, attempt=attempt, profile=False,
+                  after_op=after_op, seeds=seeds)
+    run.begin()
+    dispatch(run)
+    return run.conclude()
+
+
+class ForwardOnly:
+  """`interp` as an attempt that runs only its plan's forward ops sees it
+  (`StepProgram.forward_only`, `Interpreter.run_forward`): the same state, programs, devices
+  and transport, no reduction, and nothing to refresh, since nothing steps."""
+
+  def __init__(self, interp: Holder):
+    self._interp = interp
+    self.source = interp.step_program
+    self.step_program = interp.step_program.forward_only()
+    self.groups: list[ReductionGroup] = []
+    self.dispatch_lists = local_dispatch_lists(self, interp.local_slots)
+
+  def __getattr__(self, name: str) -> Any:  # the rest of `Holder` is the interpreter's
+    return getattr(self._interp, name)
+
+  def refresh_replicas(self, tag: tuple[int, int] = (0, 0)) -> None:
+    """The replicas stand: no state changed."""

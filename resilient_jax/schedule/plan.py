@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
 from resilient_jax.schedule.pipelines import LayerRange, PipelineSet
@@ -68,7 +68,7 @@ class SlotProgram:
     node: where it runs.
     split: the layer split of its pipeline (which stage programs it uses).
     stage: its stage index in that split.
-    ops: its ops in order, micro-batch ids global (for a grid plan, a `_WorkerOps` that reads
+    ops: its ops in order, micro-batch ids global (for a grid plan, a `_LazyOps` that reads
       the schedule's list on first use).
     replica: the stage of its split whose replica it keeps and runs `FR` on, or None.
   """
@@ -106,6 +106,19 @@ class StepProgram:
   @property
   def nodes(self) -> list[int]:
     return sorted({p.node for p in self.slots.values()})
+
+  def forward_only(self) -> StepProgram:
+    """The same slots and routes running their forward ops (F) only, each slot's in its
+    order: every micro-batch's loss on its last stage, no backward, reduction, optimizer step
+    or replica forward (an evaluation). Forward ops depend only on the stage before, so the
+    filtered lists cannot deadlock; a slot's list is filtered on first use, as a grid's are
+    read (`_LazyOps`)."""
+    def forward(ops: Sequence[Op]) -> _LazyOps:
+      return _LazyOps(lambda: (op for op in ops if op.kind == F))
+
+    slots = {s: dataclasses.replace(p, ops=forward(p.ops), replica=None)
+             for s, p in self.slots.items()}
+    return StepProgram(self.name, slots, self.route)
 
   def _backward_of(self, slot: Slot, mb: int) -> Op:
     """The B or BW of `mb` on `slot` (the first, as a list scan would find it)."""
@@ -161,21 +174,20 @@ class StepProgram:
       yield slot, Op(F, op.mb)
 
 
-class _WorkerOps(Sequence[Op]):
-  """A worker's op list, read from its schedule on first use.
+class _LazyOps(Sequence[Op]):
+  """An op list built on first use by `make`.
 
   A grid plan of 16k workers is expanded lazily (`expand.ExpandedOps`); the runtime builds every
   slot's program (node, split, stage) to find its own, and this keeps that from building every
-  op list as well.
+  op list as well (a worker's list read from its schedule, or a slot's forward ops).
   """
 
-  def __init__(self, ops: Mapping[Worker, tuple[Op, ...]], worker: Worker):
-    self._ops = ops
-    self._worker = worker
+  def __init__(self, make: Callable[[], Iterable[Op]]):
+    self._make = make
 
   @functools.cached_property
   def _list(self) -> tuple[Op, ...]:
-    return tuple(self._ops[self._worker])
+    return tuple(self._make())
 
   def __getitem__(self, i):  # int -> Op; slice -> tuple[Op, ...]
     return self._list[i]
@@ -222,7 +234,8 @@ def step_program(plan: Plan) -> StepProgram:
     sched = plan.schedule
     split = tuple(plan.partition)
     slots = {
-      w: SlotProgram(plan.nodes[w], split, w[1], _WorkerOps(sched.ops, w)) for w in sched.ops
+      w: SlotProgram(plan.nodes[w], split, w[1], _LazyOps(lambda w=w: sched.ops[w]))
+      for w in sched.ops
     }
     return StepProgram(sched.name, slots, _SlotRoute(sched.route))
   slots = {}
