@@ -7,6 +7,7 @@ stages, taps, schedules or collectives.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -16,6 +17,7 @@ from resilient_jax.config import RunConfig
 from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names, whole
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.recipe import (
+  eval_batch,
   make_data,
   make_model,
   reference_optimizer,
@@ -66,3 +68,27 @@ def train_reference(
     params, opt_state, loss = step(params, opt_state, *jax.device_put((x, y, seeds), device))
     losses.append(float(loss))
   return losses, {k: np.asarray(v) for k, v in params.items()}
+
+
+def eval_reference(cfg: RunConfig, params: Mapping[str, Any], model: Any = None) -> float:
+  """The held-out loss of flat parameters `params` (by global name) on one device: the mean
+  per-token loss over every held-out sample of an evaluation (`data.held_out`) in one batch,
+  the number the pipelined evaluation (`training/evaluation.py`) must match.
+
+  Args:
+    cfg: the run's config (with `train.eval_every` set).
+    params: every parameter, e.g. `Interpreter.all_params()` or `train_reference`'s.
+    model: a user's model (its structure only); None builds the config's model family.
+  """
+  model = make_model(cfg) if model is None else model
+  stage = whole(model)
+  bind = Binder(stage, variable_names(model))
+  per_token = loss_fn(model)
+  source, _ = make_data(cfg)
+  batches = [eval_batch(cfg, source, b, 1) for b in range(cfg.train.eval_batches)]
+  ids, x, y = (np.concatenate([b[i].reshape(-1, *b[i].shape[2:]) for b in batches])
+               for i in range(3))
+  # One device, committed, so the compiled program is the library's cached one.
+  mean_loss = OnEachDevice(lambda p, x, y, s: per_token(bind.apply(p, x, s), y).mean())
+  device = jax.local_devices()[0]
+  return float(mean_loss(*jax.device_put((dict(params), x, y, sample_seeds(0, ids)), device)))

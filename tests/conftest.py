@@ -24,15 +24,19 @@ runtime_setup.configure_jax(num_cpu_devices=8)
 
 @pytest.fixture(scope="session")
 def rerouted_run(tmp_path_factory):
-  """One small run through a failure, shared by the tests of its re-routing, timelines and
-  log lines: 2 x 2 grid, 4 steps, worker (1, 1) fails at the start of step 3."""
+  """One small run through a failure, shared by the tests of its re-routing, timelines, log
+  lines and evaluation: 2 x 2 grid, 4 steps, worker (1, 1) fails at the start of step 3, the
+  held-out loss evaluated after steps 2 and 4 (`params`: every parameter then)."""
   from resilient_jax.training.loop import Trainer
   from tests.helpers import tiny_config
 
-  cfg = tiny_config(mesh__dp=2, mesh__pp=2, faults__schedule="3:1.1", train__steps=4)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, faults__schedule="3:1.1", train__steps=4,
+                    train__eval_every=2)
   workdir = tmp_path_factory.mktemp("rerouted_run")
-  lines = []
+  lines, params = [], {}
   trainer = Trainer(cfg, workdir, log=lines.append)
+  trainer.add_hook(lambda info: params.update({info.step: info.run.interpreter.all_params()}),
+                   every=2)
   result = trainer.run()
   return types.SimpleNamespace(cfg=cfg, trainer=trainer, result=result, lines=lines,
-                               workdir=workdir)
+                               workdir=workdir, params=params)

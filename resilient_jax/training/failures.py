@@ -51,10 +51,11 @@ class Failures:
     back = {n for f, n in self.faults if f.step == step and f.rejoin}
     return back - self.run.coordinator.live
 
-  def op_hook(self, step: int) -> Callable[[int, Op], None] | None:
-    """What runs after each op of `step`: the failures injected into it (in one process), or
-    `launch.local`'s kill points (a job)."""
-    pending = [(f, n) for f, n in self.faults if f.step == step and f.after_op is not None]
+  def op_hook(self, step: int, evaluation: bool = False) -> Callable[[int, Op], None] | None:
+    """What runs after each op of `step` (with `evaluation`: of the evaluation after it): the
+    failures injected into it (in one process), or `launch.local`'s kill points (a job)."""
+    pending = [(f, n) for f, n in self.faults if f.step == step and f.after_op is not None
+               and f.evaluation == evaluation]
 
     def hook(node: int, op: Op) -> None:
       for f, n in pending:
@@ -87,13 +88,16 @@ class Failures:
     return events, max([k for k in known if k is not None], default=0.0)
 
   def fail(self, nodes: set[int], step: int, *, mid_step: bool,
-           detect_s: float | None = 0.0, detected_at: float | None = None) -> int | None:
+           detect_s: float | None = 0.0, detected_at: float | None = None,
+           evaluation: bool = False) -> int | None:
     """Hands the loss of `nodes` to the policy and applies its decision.
 
     Args:
       detect_s: from the fault to its detection, for `goodput.json` (in-process: 0, the
         injected failure is known at once; None: not known).
       detected_at: when it was detected (None: now).
+      evaluation: lost in the evaluation after committed `step` (with `mid_step`): no step is
+        re-run unless a checkpoint is restored.
 
     Returns:
       The step restored from when the policy restored a checkpoint (the caller redoes the
@@ -104,7 +108,7 @@ class Failures:
     run.membership.append({"kind": "fail", "nodes": lost, "step": step, "mid_step": mid_step})
     event = run.goodput.add("failure", step, lost, detect_s=detect_s, at=detected_at,
                             mid_step=mid_step)
-    event.steps_rerun = 1 if mid_step else 0  # the step in flight is attempted again
+    event.steps_rerun = int(mid_step and not evaluation)  # the step in flight is run again
     try:
       decision: Decision = run.coordinator.fail(nodes, step, mid_step=mid_step,
                                                 key=run.plan_key(step))
@@ -185,6 +189,14 @@ class Failures:
 
   def write_recovery(self) -> None:
     write_json_atomic(self.run.workdir / "recovery.json", self.run.recovery)
+
+
+class Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer.run`
+  """The policy restored the checkpoint of `step`: the loop goes on after it."""
+
+  def __init__(self, step: int):
+    super().__init__(f"restored step {step}")
+    self.step = step
 
 
 def kill_times(workdir: Path, relaunches: bool = False) -> dict[int, float]:

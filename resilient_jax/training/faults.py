@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from resilient_jax.config import ConfigError, RunConfig, check_rejoins
-from resilient_jax.schedule.core import Op, Worker
+from resilient_jax.schedule.core import F, Op, Worker
 
 PAUSE_ENV = "RESILIENT_JAX_PAUSE"
 PAUSE_FILE_ENV = "RESILIENT_JAX_PAUSE_FILE"
@@ -36,12 +36,15 @@ class FaultEvent:
 
   The failure is of the worker's node (device), so it keeps its meaning after the layout
   changed. If that node does not run `after_op` in that step (a replanned layout gave it other
-  work), it fails right after its all-reduce instead: still in the middle of the step."""
+  work), it fails right after its all-reduce instead: still in the middle of the step.
+  With `evaluation`, it fails right after `after_op` (an F) in the evaluation after `step`
+  instead (`train.eval_every`; none if its node runs no such op there)."""
 
   step: int
   worker: Worker
   after_op: Op | None = None
   rejoin: bool = False
+  evaluation: bool = False
 
 
 def pause_hook_from_env() -> Callable[[int, str], None] | None:
@@ -83,6 +86,9 @@ def check_fault_events(events: Sequence[FaultEvent], cfg: RunConfig) -> None:
   for f in events:
     if f.rejoin and f.after_op is not None:
       raise ConfigError(f"fault {f}: a rejoin happens at the start of a step, not after an op")
+    if f.evaluation and (f.after_op is None or f.after_op.kind != F):
+      raise ConfigError(f"fault {f}: a failure in an evaluation happens after one of its "
+                        "forward ops (after_op=Op(F, mb))")
     if f.rejoin and cfg.distributed.enabled:
       raise ConfigError(f"fault {f}: in-process rejoins need an in-process run (relaunch "
                         "processes in a job instead)")

@@ -9,7 +9,8 @@ row once the last step is done.
 
 Costs: each standard hook is O(1) per step on process 0 (one line appended to a file, one
 TensorBoard event, three key deletions in a job), except a profiled step's timeline drawing
-(O(ops of the step)), which only the drawn steps pay.
+(O(ops of the step)), which only the drawn steps pay, and the evaluation's forward passes
+(`evaluation.py`), every `train.eval_every` steps.
 """
 
 from __future__ import annotations
@@ -192,7 +193,9 @@ def step_line(info: StepInfo) -> None:
     f"grad_norm {r.grad_norm:.3g}  lr {row['lr']:.2e}  "
     f"samples/s {row['samples_per_s']:9.1f}  tokens/s {row['tokens_per_s']:9.0f}  "
     f"step_time {r.step_time_s:.3f}s  "
-    f"workers {row['live_workers']}  schedule {run.coordinator.plan_name}"
+    f"workers {row['live_workers']}  schedule {row['schedule']}"
+    + (f"  eval_loss {row['eval_loss']:.4f}  eval_ppl {row['eval_ppl']:.4g}"
+       if "eval_loss" in row else "")
     + ("  SKIPPED: non-finite gradients, no stage stepped" if r.skipped else "")
     + (f"  (+{r.built.seconds:.1f}s building {r.built.describe()})" if r.built.programs()
        else ""))
@@ -300,12 +303,17 @@ def kept_agreements(run: Run, metrics: list[dict]) -> None:
             f"(distributed.kv_keep_steps={run.cfg.distributed.kv_keep_steps})")
 
 
-def standard_hooks(run: Run, timelines: RunTimelines, metrics_file: MetricsFile) -> Hooks:
-  """The hooks every run has, in their order."""
+def standard_hooks(run: Run, timelines: RunTimelines, metrics_file: MetricsFile,
+                   evaluation: StepHook | None = None) -> Hooks:
+  """The hooks every run has, in their order; `evaluation` every `train.eval_every` steps (and
+  the last) when that is set, before the step's row is written anywhere, so that its
+  `eval_loss` goes with it."""
   hooks = Hooks()
   drawings, schedules = Timelines(timelines), Schedules()
   hooks.add(drawings)
   hooks.add(schedules)
+  if evaluation is not None and run.cfg.train.eval_every:
+    hooks.add(evaluation, run.cfg.train.eval_every)
   hooks.add(metrics_file)
   hooks.add(lambda info: info.run.board.step(info.row))
   hooks.add(forget_old_agreements)

@@ -11,8 +11,9 @@ Read `Trainer.run` top to bottom:
      died) commits nothing: the policy decides what runs next (`failures.py`): a new plan on
      the survivors, or a restore of the latest checkpoint, and the step is attempted again with
      the same samples;
-  3. a committed step goes to the hooks (`hooks.py`: metrics, TensorBoard, log line, timelines,
-     the policy's step times), then stops on non-finite steps or a preemption, then
+  3. a committed step goes to the hooks (`hooks.py`: the held-out evaluation when due, which
+     loses nodes and recovers as a step does, `evaluation.py`; metrics, TensorBoard, log line,
+     timelines, the policy's step times), then stops on non-finite steps or a preemption, then
      checkpoints when due (`checkpoints.py`).
 
 What is built before the first step is `run.py`'s; what differs between one process and a job
@@ -46,7 +47,8 @@ from resilient_jax.runtime.interpreter import Interpreter
 from resilient_jax.runtime.records import Built, StepResult, WorkerLost
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.checkpoints import Checkpoints
-from resilient_jax.training.failures import Failures
+from resilient_jax.training.evaluation import Evaluation
+from resilient_jax.training.failures import Failures, Restored
 from resilient_jax.training.faults import FaultEvent, check_fault_events
 from resilient_jax.training.hooks import (
   MetricsFile,
@@ -109,7 +111,8 @@ class Trainer:
     end = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     self.timelines = RunTimelines((f.step for f in events if not f.rejoin), end, cfg.train.steps)
     self.metrics_file = MetricsFile(run.workdir / "metrics.jsonl", run.chief)
-    self.hooks = standard_hooks(run, self.timelines, self.metrics_file)
+    self.hooks = standard_hooks(run, self.timelines, self.metrics_file,
+                                Evaluation(run, self.failures))
     self.learning_rate = recipe.learning_rate(cfg)
 
   # The run's parts, as tests, benchmarks and notebooks reach them.
@@ -157,14 +160,14 @@ class Trainer:
       while step <= end:
         try:
           result, step_info = self._commit(step, end, updates)
-        except _Restored as r:
+          metrics.append(step_info.row)
+          self.hooks.after_step(step_info)  # an evaluation among them may lose nodes too
+        except Restored as r:
           step = r.step + 1
           metrics = self.metrics_file.rewind([m for m in metrics if m["step"] < step])
           updates = _updates(metrics)
           continue
-        metrics.append(step_info.row)
         updates += not result.skipped
-        self.hooks.after_step(step_info)
         nonfinite.after(step, result.skipped)  # NonFiniteSteps after too many in a row
         if result.stop and step < end:
           self._stop_after(step)
@@ -206,7 +209,7 @@ class Trainer:
       The committed attempt and the step's sample ids per micro-batch.
 
     Raises:
-      _Restored: the policy restored a checkpoint; the caller goes on after its step.
+      Restored: the policy restored a checkpoint; the caller goes on after its step.
     """
     run = self.state
     back = self.failures.coming_back(step)
@@ -214,7 +217,7 @@ class Trainer:
       apply_rejoin(run, self.checkpoints, back, step)
     starting = self.failures.starting(step)
     if starting and (restored := self.failures.fail(starting, step, mid_step=False)) is not None:
-      raise _Restored(restored)
+      raise Restored(restored)
     pending = self.admissions.admit(step)  # relaunched processes come back between steps
     run.group.pause(step, "boundary")  # where `launch.local --relaunch` holds process 0
     hook = self.failures.op_hook(step)
@@ -228,7 +231,7 @@ class Trainer:
       restored = self.failures.fail(set(result.lost), step, mid_step=True, detect_s=detect_s,
                                     detected_at=result.detected_at)
       if restored is not None:
-        raise _Restored(restored)
+        raise Restored(restored)
       attempt += 1  # the same samples, on the policy's new plan
     self.failures.recovered(pending, step, self.admissions)
     result.attempts = attempt + 1
@@ -273,12 +276,6 @@ class Trainer:
     run.group.leave_together(f"stopped/{step}", run.coordinator.live)
     raise Preempted(f"stopped after step {step} on request ({why}), with a checkpoint of it; "
                     "run the same command to resume")
-
-
-class _Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer.run`
-  def __init__(self, step: int):
-    super().__init__(f"restored step {step}")
-    self.step = step
 
 
 def _updates(metrics: list[dict]) -> int:
