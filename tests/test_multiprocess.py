@@ -122,12 +122,12 @@ def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
     assert f"process {p} refuses connections: dead" in proc.stdout, tail(proc)
     assert f"no heartbeat from process {p}" not in proc.stdout, tail(proc)
     assert e["kill_to_detect_s"] > 0 and e["xla_compiles"] == 0, e
-  # Each failure was planned once, by process 0 (`policy/shared.py`); every other survivor
-  # built its plan from what process 0 published (p2 and p3 after the first, p3 after the
-  # second).
+  # Each failure was planned by every survivor, and process 0 published its decision's digest
+  # (`policy/shared.py`); every other survivor checked its plan against it (p2 and p3 after
+  # the first, p3 after the second).
   lines = proc.stdout.splitlines()
-  planned = [x[:4] for x in lines if "plan: decided here" in x]
-  followed = sorted(x[:4] for x in lines if "follows process 0's plan step/" in x)
+  planned = [x[:4] for x in lines if "its digest published" in x]
+  followed = sorted(x[:4] for x in lines if "checks its plan against process 0's digest" in x)
   assert planned == ["[p0]", "[p0]"] and followed == ["[p2]", "[p3]", "[p3]"], tail(proc)
   # Process 0's TensorBoard events: every step's loss, each failure and recovery as text.
   assert_losses_match(workdir, read_rows(workdir / "metrics.jsonl"))

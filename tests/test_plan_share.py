@@ -1,11 +1,12 @@
-"""One process plans, the others follow (`policy/shared.py`, `schedule/codec.py`).
+"""Every process plans, the planner publishes a digest (`policy/shared.py`, `schedule/codec.py`).
 
 A planner coordinator and a follower coordinator share an in-memory exchange (the key-value
-store's part): each failure and rejoin is decided once, by the planner, and the follower's plan,
-built from the published bytes, must equal the planner's op for op and route for route, with
-the same policy, restore, phases and log. The store's side (`runtime/plan_exchange.py`) runs on
-a stand-in for the coordination service's client; the multi-process job that does all of it
-through the real store is `tests/test_multiprocess.py::test_sigkill_matches_in_process_run`.
+store's part): each failure and rejoin is decided by both, the planner publishes its decision's
+digest, and the follower's plan, checked against it, must equal the planner's op for op and
+route for route, with the same policy, restore, phases and log. The store's side
+(`runtime/plan_exchange.py`) runs on a stand-in for the coordination service's client; the
+multi-process job that does all of it through the real store is
+`tests/test_multiprocess.py::test_sigkill_matches_in_process_run`.
 """
 
 import time
@@ -15,7 +16,6 @@ import pytest
 from resilient_jax.config import DistributedConfig
 from resilient_jax.exit_codes import EXIT_WAIT_TIMEOUT
 from resilient_jax.policy import NoDevicesLeft, RunCoordinator, StageLost
-from resilient_jax.policy import coordinator as coordinator_module
 from resilient_jax.runtime import cluster as cluster_module
 from resilient_jax.runtime.cluster import Cluster
 from resilient_jax.runtime.plan_exchange import KVPlanExchange, plan_key
@@ -117,34 +117,39 @@ def test_followers_build_the_planners_plan(name):
   assert [(p.schedule_name, p.live, p.predicted_ratio, p.failure_step, p.event)
           for p in follower.phases] == \
     [(p.schedule_name, p.live, p.predicted_ratio, p.failure_step, p.event) for p in planner.phases]
-  # The same log, but for the line saying who planned.
-  assert [x for x in planner_log if "plan: decided here" not in x] == \
-    [x for x in follower_log if "plan: followed" not in x]
-  assert sum("plan: decided here" in x for x in planner_log) == len(events)
+  # The same log, but for the line saying who published and who checked.
+  assert [x for x in planner_log if "plan: decided in" not in x] == \
+    [x for x in follower_log if "plan: decided in" not in x]
+  assert sum("its digest published" in x for x in planner_log) == len(events)
+  assert sum("the same as the planner's" in x for x in follower_log) == len(events)
   if name == "restart shrinks and grows":
     assert (mine.restore, follower.grid.dp) == (True, 2) and "growing the layout" in mine.reason
   if name == "auto switches":
     assert planner.policy == "bamboo"  # the switch itself crossed (auto's choice)
 
 
-def test_a_large_grid_crosses_as_its_footprint(monkeypatch):
-  """64 x 4 x 16 is planned on the touched pipelines and expanded: the published plan is the
-  footprint and the sub-grid's lists, and the follower never plans."""
+def test_a_large_grid_crosses_as_a_digest():
+  """64 x 4 x 16 is planned on the touched pipelines and expanded, by every process: what
+  crosses the store is the decision's digest, a few dozen bytes whatever the grid."""
   dp, pp, m = 64, 4, 16
   cfg = tiny_config(mesh__dp=dp, mesh__pp=pp, model__num_layers=pp, pipeline__microbatches=m,
                     pipeline__schedule="zb-h1", train__global_batch=dp * m,
                     resilience__policy="recycle")
   (planner, _), (follower, _) = pair = _pair(cfg, range(dp * pp))
-  planned = []
-  real = coordinator_module.RunCoordinator._replan
-  monkeypatch.setattr(coordinator_module.RunCoordinator, "_replan",
-                      lambda self, *a: (planned.append(self), real(self, *a))[1])
   mine, theirs = _apply(pair, ("fail", {40 * pp + 2, 50 * pp + 1}, 3), "k")
-  assert planned == [planner]
-  shared = codec.from_bytes(planner.exchange.store.data["k"])
-  assert "expanded" in shared["plan"]["grid"]["schedule"]
-  assert len(shared["plan"]["grid"]["schedule"]["expanded"]["pipelines"]) < dp // 2
+  published = planner.exchange.store.data["k"]
+  assert len(published) < 100 and set(codec.from_bytes(published)) == {"digest"}
   _same_plan(mine.plan, theirs.plan)
+
+
+def test_a_follower_whose_decision_differs_stops_with_one_line():
+  """A planner that planned otherwise (here: another policy) is a bug the digest catches."""
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, resilience__policy="recycle")
+  (planner, _), (follower, _) = _pair(cfg, range(4))
+  planner.active = planner.policies["naive"]
+  planner.fail({1}, 2, key="k")
+  with pytest.raises(RuntimeError, match="differs from the planner's"):
+    follower.fail({1}, 2, key="k")
 
 
 def test_a_lost_stage_ends_the_followers_too():
@@ -233,8 +238,8 @@ def test_the_store_carries_the_plan_once_per_follower():
   client.read_bytes = 0
   assert follower.read(key) == data
   assert client.read_bytes < 1.3 * len(data)  # read once (the wake-up key is tiny)
-  assert lines == [f"process 3: follows process 0's plan {key} ({len(data)} bytes, "
-                   f"waited {lines[0].rsplit('waited ', 1)[1]}"]
+  assert lines == [f"process 3: checks its plan against process 0's digest {key} "
+                   f"({len(data)} bytes, waited {lines[0].rsplit('waited ', 1)[1]}"]
   with pytest.raises(RuntimeError, match="publishing the plan"):
     planner.publish(key, data)  # written once
 
@@ -249,4 +254,4 @@ def test_a_slow_planner_ends_a_follower_with_the_wait_timeout_exit(monkeypatch):
     follower.read(plan_key(5, 9, 1))
   code, message = e.value.code
   assert code == EXIT_WAIT_TIMEOUT == 6
-  assert "waited more than 1s for process 0's plan step/5/plan/9/1" in message
+  assert "waited more than 1s for process 0's decision step/5/plan/9/1" in message

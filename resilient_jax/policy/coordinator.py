@@ -29,8 +29,9 @@ When the policy in force cannot go on (a stage lost every worker, a layer lost e
 two neighbouring Bamboo stages died) the decision is a restore onto a fresh layout of the
 survivors: Oobleck's templates on all of them, else `restart.restore_layout`. Planning inputs
 are deterministic (grid shape, failed set, FLOP-based costs), so any process would derive the
-same plan; in a multi-process job only process 0 does, and publishes the decision through the
-key-value store for the others to adopt (`exchange`, `policy/shared.py`).
+same plan: in a multi-process job every process does, and process 0 publishes its decision's
+digest through the key-value store for the others to check theirs against (`exchange`,
+`policy/shared.py`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from resilient_jax.schedule.core import Schedule, Worker
 from resilient_jax.schedule.cost import simulate
 from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.pipelines import PipelineSet
-from resilient_jax.schedule.plan import GridPlan, Plan
+from resilient_jax.schedule.plan import Plan
 
 """Grids with more compute ops than this skip `validate` on the recovery path, and their step
 time comes from the planner instead of a replay of every worker (tests and small grids validate
@@ -438,40 +439,60 @@ class RunCoordinator(PhaseLog):
   # ---------------------------------------------------------------- one planner per job
 
   def _decided(self, key: str | None, decide: Callable[[], Decision]) -> Decision:
-    """`decide()` here, or, in a multi-process job (`exchange` set and a `key`), on the planner
-    process only: it publishes what it decided under `key`, the others adopt that
-    (`policy/shared.py`). Either way the caller gets the same `Decision`."""
+    """`decide()` here; in a multi-process job (`exchange` set and a `key`) every process
+    decides alike (the planners are deterministic, and every process has seen the same agreed
+    events), the planner process publishes its decision's digest under `key`, and the others
+    check theirs against it (`policy/shared.py`). Either way the caller gets the same
+    `Decision`."""
     exchange = self.exchange
     if key is None or exchange is None:
       return decide()
     if not exchange.planner:
-      t0 = time.perf_counter()
-      raw = exchange.read(key)
-      decision = self._adopt(codec.from_bytes(raw), key)
-      self.log(f"  plan: followed the planner's decision {key} ({len(raw)} bytes; read and "
-               f"built in {time.perf_counter() - t0:.3f}s)")
-      return decision
-    lines: list[str] = []
-    log, phases = self.log, len(self.phases)
-    self.log = lambda line: (lines.append(line), log(line))[-1]
-    t0 = time.perf_counter()
+      return self._checked(key, decide)
+    t0, phases = time.perf_counter(), len(self.phases)
     try:
       decision = decide()
     except StageLost as e:
-      exchange.publish(key, codec.to_bytes({"lost_stage": [e.stage, e.step], "lines": lines}))
+      exchange.publish(key, codec.to_bytes({"lost_stage": [e.stage, e.step]}))
       raise
     except NoDevicesLeft as e:
-      exchange.publish(key, codec.to_bytes({"no_devices": str(e), "lines": lines}))
+      exchange.publish(key, codec.to_bytes({"no_devices": str(e)}))
       raise
     except Exception as e:  # a bug: the others stop too, rather than at their wait's bound
-      exchange.publish(key, codec.to_bytes({"planner_error": f"{type(e).__name__}: {e}",
-                                            "lines": lines}))
+      exchange.publish(key, codec.to_bytes({"planner_error": f"{type(e).__name__}: {e}"}))
       raise
-    finally:
-      self.log = log
-    planned = time.perf_counter() - t0
+    raw = codec.to_bytes({"digest": self._digest(decision, phases)})
+    exchange.publish(key, raw)
+    self.log(f"  plan: decided in {time.perf_counter() - t0:.3f}s, its digest published as "
+             f"{key} ({len(raw)} bytes)")
+    return decision
+
+  def _checked(self, key: str, decide: Callable[[], Decision]) -> Decision:
+    """A follower's decision: its own, checked against the digest the planner published."""
+    t0, phases = time.perf_counter(), len(self.phases)
+    try:
+      decision = decide()
+      mine = self._digest(decision, phases)
+    except (StageLost, NoDevicesLeft):
+      raise  # the planner reaches the same end (and publishes it)
+    raw = self.exchange.read(key)
+    shared = codec.from_bytes(raw)
+    if "planner_error" in shared:
+      raise RuntimeError(f"the planner process failed to decide {key}: "
+                         f"{shared['planner_error']}")
+    if shared.get("digest") != mine:
+      raise RuntimeError(f"this process's decision {key} differs from the planner's "
+                         f"({shared}): the planning is not deterministic (a bug)")
+    self.log(f"  plan: decided in {time.perf_counter() - t0:.3f}s, the same as the planner's "
+             f"(its digest, {len(raw)} bytes)")
+    return decision
+
+  def _digest(self, decision: Decision, phases: int) -> str:
+    """What a decision is, every process the same: its plan (as `schedule/codec.py` encodes
+    it), restore, reason, the policy in force, the layout, partition and failed workers, and the
+    phase it started (of `self.phases` past the first `phases`)."""
     new_phase = self.phases[-1] if len(self.phases) > phases else None
-    raw = codec.to_bytes({
+    return codec.digest({
       "plan": codec.encode_plan(decision.plan),
       "restore": decision.restore,
       "reason": decision.reason,
@@ -482,47 +503,4 @@ class RunCoordinator(PhaseLog):
       "phase": None if new_phase is None else [
         new_phase.schedule_name, new_phase.live, new_phase.predicted_ratio,
         new_phase.failure_step, new_phase.event],
-      "lines": lines,
     })
-    exchange.publish(key, raw)
-    self.log(f"  plan: decided here in {planned:.3f}s, published as {key} ({len(raw)} bytes)")
-    return decision
-
-  def _adopt(self, shared: dict, key: str) -> Decision:
-    """Makes the planner's published decision this coordinator's (see `_decided`).
-
-    Only what the runtime reads of a coordinator follows it (the plan and its policy, layout,
-    failed workers, phases, the log); the policies' own state stays as it was, since a
-    follower never plans again: the planner is the same process for the whole job.
-    """
-    for line in shared["lines"]:
-      self.log(line)
-    if "lost_stage" in shared:
-      raise StageLost(*shared["lost_stage"])
-    if "no_devices" in shared:
-      raise NoDevicesLeft(shared["no_devices"])
-    if "planner_error" in shared:
-      raise RuntimeError(f"the planner process failed to decide {key}: "
-                         f"{shared['planner_error']}")
-    dp, pp, nodes = shared["layout"]
-    nodes = codec.unruns(nodes)
-    if (dp, pp, nodes) != (self.grid.dp, self.grid.pp, self.grid_nodes):
-      self.grid = dataclasses.replace(self.grid, dp=dp, pp=pp)
-      self.grid_nodes = nodes
-      self._positions = None
-    self.partition = tuple(tuple(r) for r in shared["partition"])
-    self.dead = frozenset(tuple(w) for w in shared["dead"])
-    self.active = self.policies[shared["policy"]]
-    self.planned = None  # the planner's alone
-    plan = codec.decode_plan(shared["plan"])
-    if isinstance(plan, PipelineSet):
-      self._plan = plan
-    else:
-      if dict(plan.nodes) != self._node_of():
-        raise RuntimeError(f"the planner's decision {key} places workers on other nodes than "
-                           "this process's layout")
-      self._plan = GridPlan(plan.schedule, self.partition, self._node_of())
-    if shared["phase"] is not None:
-      name, live, ratio, step, event = shared["phase"]
-      self._new_phase(name, live, ratio, step, event=event)
-    return Decision(plan, shared["restore"], shared["reason"])

@@ -1,25 +1,25 @@
-"""One process plans, the others follow: how a multi-process job shares each decision.
+"""Every process plans, one publishes a digest: how a multi-process job agrees on each decision.
 
 Every process of a job holds a `RunCoordinator` and learns of each failure and rejoin through
-agreed decisions, so each could plan for itself; at 16k devices that is every process spending
-the planner's time and memory on the recovery path for the same answer. Instead the coordinator
-of one process, the *planner*, decides (the policy's choice, `auto`'s switch, the plan, a
-restore), and publishes the outcome under a key that names the event; the others read it and
-build their plan from it (`RunCoordinator._adopt`).
+agreed events (the same ones, in the same order, in every process), and the planners are
+deterministic pure Python on deterministic inputs (grid, failed set, FLOP-based costs), so each
+process derives the decision itself: the policy's choice, `auto`'s switch, the plan, a restore.
+Process 0, the *planner*, also publishes a SHA-256 of its decision (`schedule/codec.py`'s
+encoding of the plan, the policy, layout, failed workers and the phase it started) under a key
+that names the event, and every other process checks its own against it: a mismatch would be a
+bug (non-deterministic planning) and stops that process with one line rather than letting it
+run another plan.
 
-The planner is process 0, always, and never the first writer: a decision depends on the
-policies' state (`auto`'s candidate in force, Oobleck's instance, the plan caches), which only a
-process that planned every earlier event holds. Process 0 hosts the coordination service, so if
-it dies the job ends anyway (`EXIT_COORDINATOR_LOST`) and nobody needs to take over its state;
-a process relaunched into the job rebuilds that state by replaying the membership history with
-local planning (`admission.replay`), then follows like the others.
-
-What is published (`schedule/codec.py`): the decision's plan in the form the planner made it
-(the failure's footprint and the sub-grid's lists for a large re-routed grid), the policy in
-force, the layout and failed workers, the phase the decision started, and the planner's log
-lines about it (so every process's log says the same); a decision that ends the run is
-published as the error, which the others raise too. Keys name the event (step, attempt, and the
-number of membership events before it), so a follower can never read an earlier decision.
+What this costs, against process 0 shipping its plan (the design before): the key-value store
+serves ~100 bytes per follower per event instead of up to ~85 kB (at 16k devices, 8 per host:
+0.2 MB per failure in all instead of ~170 MB, through the service that also carries
+heartbeats); each process spends the planner's CPU time once per event (0.1-0.5 s at 16k
+devices, in parallel on every host, where a follower used to wait that long for process 0
+anyway) and holds the policies' state (`auto`'s candidate, Oobleck's instance, plan caches),
+which a process relaunched into the job rebuilds by replaying the membership history
+(`admission.replay`), as before. A decision that ends the run (a lost stage, no devices left)
+is reached by every process alike; a planner's error is published so that the others stop at
+once rather than at their wait's bound.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class PlanExchange(Protocol):
   planner: bool
 
   def publish(self, key: str, data: bytes) -> None:
-    """Writes `data` under `key` (written once)."""
+    """Writes `data` under `key` (written once): the planner's digest of its decision."""
     ...
 
   def read(self, key: str) -> bytes:

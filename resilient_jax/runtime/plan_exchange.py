@@ -1,18 +1,19 @@
-"""The key-value store side of `policy/shared.py`: process 0 publishes each decision, the
-others wait for it.
+"""The key-value store side of `policy/shared.py`: process 0 publishes each decision's digest,
+the others wait for it.
 
-The published bytes (compressed JSON, a few tens of kB at 16k devices) are stored as base85
-text, a quarter larger: every value in the store stays a string, which the store's string reads
-of a directory (`Cluster.kv_keys("step")`) need. `key` is under `step/{step}/plan/`: the step's
-directory, which process 0 deletes with the step's other agreements once every process is past
-it (`distributed.kv_keep_steps`).
+The published bytes (a compressed SHA-256 of the decision, ~100 bytes) are stored as base85
+text: every value in the store stays a string, which the store's string reads of a directory
+(`Cluster.kv_keys("step")`) need. `key` is under `step/{step}/plan/`: the step's directory,
+which process 0 deletes with the step's other agreements once every process is past it
+(`distributed.kv_keep_steps`).
 
-A follower's wait is `Cluster.poll`'s: woken the moment the plan is written (by a small `ready`
-key written after it), and bounded by `distributed.wait_timeout_s`, past which it exits with
-`EXIT_WAIT_TIMEOUT`; if process 0 dies instead, the coordinator watchdog ends the process with
-`EXIT_COORDINATOR_LOST` (the job restarts from its latest checkpoint, as for any loss of
-process 0). Every follower reads the plan once from the one coordination service: at 16k
-devices, 8 per process, that is 2047 reads of up to ~85 kB (about 170 MB) per failure.
+A follower's wait is `Cluster.poll`'s: woken the moment the digest is written (by a small
+`ready` key written after it), and bounded by `distributed.wait_timeout_s`, past which it exits
+with `EXIT_WAIT_TIMEOUT`; if process 0 dies instead, the coordinator watchdog ends the process
+with `EXIT_COORDINATOR_LOST` (the job restarts from its latest checkpoint, as for any loss of
+process 0). Every follower reads it once from the one coordination service: at 16k devices, 8
+per process, 2047 reads of ~100 bytes per failure (the plan itself, up to ~85 kB, used to be
+read instead: ~170 MB).
 """
 
 from __future__ import annotations
@@ -66,11 +67,11 @@ class KVPlanExchange:
         raise RuntimeError(f"reading the plan {key} failed: {e}") from None
 
     t0 = time.perf_counter()
-    # Woken by the tiny `ready` key: a blocking read returns the value it waited for, and the
-    # plan's tens of kB would then cross twice (from one coordination service to every process).
-    data = cl.poll(f"process {PLANNER}'s plan {key}", check, wake_key=f"{key}/ready")
+    # Woken by the tiny `ready` key: a blocking read returns the value it waited for, which
+    # would then cross twice (from one coordination service to every process).
+    data = cl.poll(f"process {PLANNER}'s decision {key}", check, wake_key=f"{key}/ready")
     # Through the cluster's log, which every process prints (the training log is process 0's):
-    # the line that shows this process followed rather than planned.
-    cl.log(f"process {cl.process_id}: follows process {PLANNER}'s plan {key} ({len(data)} "
-           f"bytes, waited {time.perf_counter() - t0:.3f}s)")
+    # the line that shows this process checked its own plan against the planner's.
+    cl.log(f"process {cl.process_id}: checks its plan against process {PLANNER}'s digest "
+           f"{key} ({len(data)} bytes, waited {time.perf_counter() - t0:.3f}s)")
     return data

@@ -1,9 +1,10 @@
-"""Plans as compact plain data (JSON-able), for one process to plan and the others to read.
+"""Plans as compact plain data (JSON-able): what a decision's digest is taken over, and what a
+process could read of another's plan.
 
-In a multi-process job one process plans each failure and publishes the plan through the
-coordination service's key-value store (`policy/shared.py`); the others build their `GridPlan`
-or `PipelineSet` from what it wrote. What crosses must stay small at 16k devices, so a plan is
-written in the form the planner made it in, not as every worker's op list:
+In a multi-process job every process plans each failure and process 0 publishes only a digest
+of its decision (`digest`, `policy/shared.py`), which the others check theirs against. The
+encoding keeps a plan in the form the planner made it in, not as every worker's op list, so
+encoding it (for the digest) stays cheap at 16k devices:
 
 * a re-routed plan of a large grid (`expand.expand`): the failure's `Footprint` (the touched
   pipelines and their routes) and the sub-grid's op lists, which `expand` turns back into the
@@ -22,6 +23,7 @@ route (tests/test_plan_share.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from collections.abc import Mapping, Sequence
@@ -194,3 +196,10 @@ def to_bytes(data: Mapping[str, Any]) -> bytes:
 def from_bytes(raw: bytes) -> Any:
   """The inverse of `to_bytes`."""
   return json.loads(zlib.decompress(raw))
+
+
+def digest(data: Mapping[str, Any]) -> str:
+  """The SHA-256 of JSON-able `data` (keys sorted): equal on two processes exactly when the
+  data are."""
+  text = json.dumps(data, separators=(",", ":"), sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()
