@@ -107,6 +107,8 @@ def test_followers_build_the_planners_plan(name):
   for i, event in enumerate(events):
     mine, theirs = _apply(pair, event, f"step/{event[2]}/plan/{i}/{i}")
     _same_plan(mine.plan, theirs.plan)
+    # The digest is taken over the encoding, which loses nothing: it decodes to the plan.
+    _same_plan(codec.decode_plan(codec.encode_plan(mine.plan)), mine.plan)
     _same_plan(planner.plan, follower.plan)
     assert (mine.restore, mine.reason) == (theirs.restore, theirs.reason)
     assert follower.policy == planner.policy

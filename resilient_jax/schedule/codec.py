@@ -18,7 +18,8 @@ An op list is one string (`"F0 F1 B0 W0 AR OPT"`), a route only where it leaves 
 pipeline, and a list of node ids as runs of consecutive ids. Decoding builds each distinct op
 once (`Op` validates its fields), so reading a plan costs about as much as parsing its text.
 Everything here is pure data; `decode_plan(encode_plan(p))` equals `p` op for op and route for
-route (tests/test_plan_share.py).
+route (tests/test_plan_share.py), which is what makes a digest of the encoding a digest of the
+plan: the runtime itself no longer decodes (no process reads another's plan).
 """
 
 from __future__ import annotations
