@@ -771,6 +771,9 @@ def test_a_process_that_never_arrives_ends_the_wait_with_one_line(tmp_path):
   waited for; exit 6."""
   proc, port = _alone_in_a_job(tmp_path, 0)
   assert proc.returncode == 6, proc.stderr[-2000:]
+  # Before it waits it says what for, and for how long at most (a progress line: stdout).
+  assert f"process 0: joining the job at 127.0.0.1:{port} (2 processes), waiting at most 2s " \
+    "(distributed.wait_timeout_s)" in proc.stdout, proc.stdout[-2000:]
   assert proc.stderr.strip().splitlines()[-1] == (
     f"process 0: the job at 127.0.0.1:{port} did not form within 2s "
     "(distributed.wait_timeout_s): did all 2 processes start, with this coordinator address?; "

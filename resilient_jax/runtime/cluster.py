@@ -140,6 +140,11 @@ class Cluster:
       f"{who}: the job at {cfg.coordinator or 'the detected coordinator'} did not form within "
       f"{wait_s}s (distributed.wait_timeout_s): did all {cfg.num_processes or 'its'} processes "
       "start, with this coordinator address?"))
+    # Said before, not during: JAX's join holds the GIL until it returns, so no thread of this
+    # process can report while it waits (a reporter thread printed nothing).
+    log(f"{who}: joining the job at {cfg.coordinator or 'the detected coordinator'} "
+        f"({cfg.num_processes or 'all its'} processes), waiting at most {wait_s}s "
+        "(distributed.wait_timeout_s)")
     jax.distributed.initialize(**kwargs)
     from jax._src import distributed
 
