@@ -79,22 +79,28 @@ def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = No
   app.run(main, argv, flags_parser=_parse_app_flags)
 
 
-_CONFIG_ARG = re.compile(r"^(--?config=)(configs/[^:]+)(:.*)?$")
+_CONFIG_ARG = re.compile(r"^(--?config=)([^:]+)(:.*)?$")
 
 
 def packaged_configs(argv: list[str]) -> list[str]:
-  """`argv` with `--config=configs/NAME.py[:VARIANT]` pointing at the configs shipped with
-  the package when no such file is here: the README's commands then run from any directory
-  (a file of that name in the working directory comes first)."""
+  """`argv` with `--config=configs/NAME.py[:VARIANT]`, or the bare `--config=NAME[:VARIANT]`,
+  pointing at the configs shipped with the package (`configs/NAME.py`, else
+  `configs/sim/NAME.py`) when no such file is here: the README's commands then run from any
+  directory (a file of that name in the working directory comes first)."""
   import configs
 
   shipped = os.path.dirname(os.path.dirname(os.path.abspath(configs.__file__)))
   out = []
   for arg in argv:
     m = _CONFIG_ARG.match(arg)
-    if m and not os.path.exists(m.group(2)) and os.path.isfile(os.path.join(shipped,
-                                                                            m.group(2))):
-      arg = f"{m.group(1)}{os.path.join(shipped, m.group(2))}{m.group(3) or ''}"
+    if m and not os.path.exists(m.group(2)):
+      name = m.group(2)
+      bare = "/" not in name and not name.endswith(".py")
+      candidates = [f"configs/{name}.py", f"configs/sim/{name}.py"] if bare else (
+        [name] if name.startswith("configs/") else [])
+      found = [c for c in candidates if os.path.isfile(os.path.join(shipped, c))]
+      if found:
+        arg = f"{m.group(1)}{os.path.join(shipped, found[0])}{m.group(3) or ''}"
     out.append(arg)
   return out
 

@@ -3,6 +3,7 @@ events and a `jax.profiler` trace (the README's main job: tests/test_readme.py; 
 tests/test_bad_inputs.py)."""
 
 import json
+import os
 
 from tests.helpers import run_launcher
 from tests.test_tensorboard import annotated_ops, assert_losses_match, trace_file
@@ -105,3 +106,24 @@ def test_launch_local_exits_0_for_a_completed_job_whatever_it_survived():
   assert job_exit_code({0: 9, 1: 9}, set()) == 9  # preempted
   assert job_exit_code({0: -9, 1: 5}, set()) == 128 + 9  # process 0 crashed: as a shell says
   assert job_exit_code({0: -9, 1: 5, 2: -15}, {0}) == 5  # its --kill of process 0: the others' 5
+
+
+def test_a_shipped_config_is_found_by_its_name_from_any_directory(tmp_path, monkeypatch):
+  """`--config=gpt_tiny[:VARIANT]`, `--config=configs/gpt_tiny.py` and a simulator config's
+  bare name all reach the shipped files from a directory that has none; a file of that name
+  here comes first, and an unknown name is left for the one-line error."""
+  from launch import cli
+  from tests.helpers import ROOT
+
+  monkeypatch.chdir(tmp_path)
+  got = cli.packaged_configs(["prog", "--config=gpt_tiny:runlocal",
+                              "--config=configs/llama_tiny.py", "--config=gpt3_6_7b",
+                              "--config=nothing_here", "--other=gpt_tiny"])
+  shipped = os.path.realpath(ROOT)
+  assert [os.path.realpath(a.split("=", 1)[1].split(":")[0]) if a.startswith("--config=")
+          and "nothing" not in a else a for a in got[1:]] == [
+    f"{shipped}/configs/gpt_tiny.py", f"{shipped}/configs/llama_tiny.py",
+    f"{shipped}/configs/sim/gpt3_6_7b.py", "--config=nothing_here", "--other=gpt_tiny"]
+  assert got[1].endswith(":runlocal")
+  (tmp_path / "gpt_tiny").write_text("")  # here first
+  assert cli.packaged_configs(["prog", "--config=gpt_tiny"]) == ["prog", "--config=gpt_tiny"]
