@@ -317,6 +317,24 @@ def test_frozen_processes_then_preemption(tmp_path):
   assert [r["live_workers"] for r in resumed] == [4, 4, 4, 3, 4]
 
 
+def test_process_0_frozen_past_the_heartbeat_ends_every_process_with_exit_5(tmp_path):
+  """Process 0 hosts the coordination service. Frozen in step 2 past the heartbeat timeout,
+  the others' runtime gives up on it and they leave with 5 (requeue); let go, it must not train
+  on alone (it did in one run of four, while the requeued job would train the same workdir): it
+  knows it went without a heartbeat for longer than the timeout and leaves with 5 too, one line,
+  whichever it notices first (the runtime's abort, or its peers gone). No checkpoint past the
+  freeze is committed."""
+  workdir = tmp_path / "multi"
+  proc = run_local(workdir, "--stop=2:0:F1@7", processes=2,
+                   extra=["--config.distributed.heartbeat_timeout_s=3",
+                          "--config.checkpoint.every_steps=1"])
+  assert proc.returncode == 5, tail(proc)
+  assert "exit codes: p0=5, p1=5" in proc.stdout, tail(proc)
+  assert "[p0] process 0 (the coordination service) stalled for " in proc.stdout, tail(proc)
+  saved = workdir / "checkpoints"
+  assert all(int(p.name) < 2 for p in saved.iterdir()) if saved.exists() else True, tail(proc)
+
+
 @pytest.mark.parametrize("policy", ["oobleck"])
 def test_every_policy_survives_a_sigkill(tmp_path, policy):
   """The same interpreter and loop run every policy across processes: Oobleck copies the layers

@@ -70,7 +70,6 @@ from resilient_jax.observe.logs import info
 from resilient_jax.runtime.joining import (
   await_coordinator,
   bind_address,
-  default_on_abort,
   exit_on_abort,
 )
 from resilient_jax.runtime.liveness import (
@@ -154,8 +153,15 @@ class Cluster:
     self.num_processes = jax.process_count()
     self.device = jax.local_devices()[0]
     self._timeout_ms = cfg.wait_timeout_s * 1000
-    if self.process_id == 0:  # it hosts the service: an abort here is a bug, shown as one
-      default_on_abort()
+    self._last_beat = time.monotonic()
+    self.stalled_s = 0.0
+    """The longest this process went without a heartbeat past the timeout (0: never): it was
+    frozen (SIGSTOP, a hung host) long enough for the others to give up on it."""
+    if self.process_id == 0:
+      # It hosts the service. Its clients abort once it stalls past the heartbeat timeout and
+      # exit 5; so does it then, whichever it notices first (the runtime's abort, or the others
+      # gone), never training on alone. Any other abort here is a bug, shown as one.
+      exit_on_abort(EXIT_COORDINATOR_LOST, self._why_stalled, only_if=self._stalled)
     else:
       exit_on_abort(EXIT_COORDINATOR_LOST, "the distributed runtime aborted this process (the "
                      "coordination service on process 0 is gone)")
@@ -276,6 +282,8 @@ class Cluster:
     me = self.process_id
     while True:
       n += 1
+      self._stalled()  # before the beat: the gap since the last one
+      self._last_beat = time.monotonic()
       try:
         self.client.key_value_set(f"hb/{me}", str(n), allow_overwrite=True)
         # A directory read: empty while nobody is declared, where a key read would raise.
@@ -286,6 +294,21 @@ class Cluster:
       except Exception:  # a lost coordination service is the watchdog's business
         pass
       time.sleep(self._heartbeat_interval_s)
+
+  def _stalled(self) -> bool:
+    """Whether this process has gone without a heartbeat for longer than the timeout (now, or
+    at some point before: it sticks)."""
+    gap = time.monotonic() - self._last_beat
+    if gap > self.cfg.heartbeat_timeout_s:
+      self.stalled_s = max(self.stalled_s, gap)
+    return self.stalled_s > 0
+
+  def _why_stalled(self) -> str:
+    return (f"process {self.process_id} (the coordination service) stalled for "
+            f"{self.stalled_s:.0f}s, longer than distributed.heartbeat_timeout_s="
+            f"{self.cfg.heartbeat_timeout_s}s: the other processes gave up on it and left "
+            f"(exit {EXIT_COORDINATOR_LOST}); it does not train on alone: requeue the job, which "
+            "resumes from its last checkpoint")
 
   def _address(self, process: int) -> str:
     if process not in self._addresses:
@@ -350,6 +373,9 @@ class Cluster:
     reads once it runs again (`_beat`); under its generation, so that a successor admitted
     later is not meant."""
     lost = set(lost)
+    if self.process_id == 0 and lost and self._stalled():
+      end_process(EXIT_COORDINATOR_LOST, f"{self._why_stalled()}; exiting with code "
+                  f"{EXIT_COORDINATOR_LOST}")
     if self.process_id in lost:
       end_process(EXIT_DECLARED_DEAD, f"process {self.process_id}: the other processes declared "
                f"this one dead ({what}) and went on without it; exiting with code "

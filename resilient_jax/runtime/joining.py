@@ -7,7 +7,9 @@ address before JAX's own join, and that join (`initialization_timeout`).
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from resilient_jax.exit_codes import EXIT_WAIT_TIMEOUT, end_process
@@ -16,8 +18,11 @@ from resilient_jax.runtime.liveness import probe_address
 _ABORT_HANDLER: Any = None
 
 
-def exit_on_abort(code: int, why: str) -> None:
-  """Turns SIGABRT into exit `code`, with one line saying `why`.
+def exit_on_abort(code: int, why: str | Callable[[], str],
+                  only_if: Callable[[], bool] | None = None) -> None:
+  """Turns SIGABRT into exit `code`, with one line saying `why` (or what it returns then);
+  with `only_if`, only when that holds at the abort (else the abort goes on: a bug shown as
+  one).
 
   The distributed client's own error handler aborts the process from a C++ thread: when the
   coordination service goes away (often before the cluster's watchdog notices), and when
@@ -32,7 +37,11 @@ def exit_on_abort(code: int, why: str) -> None:
   handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
 
   def on_abort(signum: int) -> None:
-    end_process(code, f"{why}; exiting with code {code}")
+    if only_if is not None and not only_if():
+      default_on_abort()
+      os.abort()
+    text = why() if callable(why) else why
+    end_process(code, f"{text}; exiting with code {code}")
 
   _ABORT_HANDLER = handler_type(on_abort)
   libc = ctypes.CDLL(None)
