@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from resilient_jax.checks import is_number
 from resilient_jax.schedule.core import (
@@ -462,13 +463,20 @@ def replay(
     ScheduleError: when a duration is missing, or as `simulate`.
   """
 
-  def duration(worker: Worker, op: Op) -> float:
-    try:
-      return durations[(worker, op)]
-    except KeyError:
-      raise ScheduleError(f"no measured duration for {op} on worker {worker}") from None
+  return simulate(schedule, measured(durations, "worker"), comm=comm)
 
-  return simulate(schedule, duration, comm=comm)
+
+def measured(durations: Mapping[tuple[Any, Op], float], where: str) -> DurationFn:
+  """A duration function reading `durations` by `(worker or slot, op)`; a missing one raises
+  `ScheduleError` naming it (`where`: "worker" or "slot")."""
+
+  def duration(at: Any, op: Op) -> float:
+    try:
+      return durations[(at, op)]
+    except KeyError:
+      raise ScheduleError(f"no measured duration for {op} on {where} {at}") from None
+
+  return duration
 
 
 def lower_bound(

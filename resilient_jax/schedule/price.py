@@ -28,7 +28,7 @@ import heapq
 from collections.abc import Callable, Mapping
 
 from resilient_jax.schedule.core import AR, Op
-from resilient_jax.schedule.cost import Span, Timeline
+from resilient_jax.schedule.cost import Span, Timeline, measured
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.plan import Slot, StepProgram
 
@@ -135,11 +135,4 @@ def replay_program(sp: StepProgram, duration: SlotDuration, *, comm: float = 0.0
 def replay_measured(sp: StepProgram, durations: Mapping[tuple[Slot, Op], float], *,
                     comm: float = 0.0) -> Timeline:
   """`replay_program` with the time each op was measured to take on its slot."""
-
-  def duration(slot: Slot, op: Op) -> float:
-    try:
-      return durations[(slot, op)]
-    except KeyError:
-      raise ScheduleError(f"no measured duration for {op} on slot {slot}") from None
-
-  return replay_program(sp, duration, comm=comm)
+  return replay_program(sp, measured(durations, "slot"), comm=comm)
