@@ -1,9 +1,9 @@
 """Simulate resilient training at cluster scale: `python -m launch.simulate --config=... --out=DIR`.
 
 Prints a table (relative throughput against concurrent failures per policy, then each policy
-through a failure trace) and writes results.json, sim_trace.png, sim_failures.png and TensorBoard
-events (tb/) to --out; progress lines are absl log lines (`--log_dir`, `--verbosity`, see
-`--helpfull`).
+through a failure trace, then each policy's ETTR with its losses) and writes results.json,
+sim_trace.png, sim_failures.png, sim_goodput.png and TensorBoard events (tb/) to --out;
+progress lines are absl log lines (`--log_dir`, `--verbosity`, see `--helpfull`).
 Exit codes: 0 done, 2 bad configuration, flags or input files (one line on stderr).
 """
 
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
   except OSError as e:
     cli.fail(f"--out={_OUT.value}: {e.strerror or e}")
   print(format_table(results))
-  for name in ("results.json", "sim_trace.png", "sim_failures.png", "tb/"):
+  for name in ("results.json", "sim_trace.png", "sim_failures.png", "sim_goodput.png", "tb/"):
     print(f"  {_OUT.value.rstrip('/')}/{name}")
   log = cli.log_file()
   if log:

@@ -6,9 +6,11 @@ planner gives the step time of that failure state, and recoveries cost pauses an
 At thousands of devices the planners run on a reduced grid with the same per-survivor load
 (`reduce.py`), cached by failure pattern.
 
-Entry points: `run_simulation` (what `python -m launch.simulate` runs), `sweep`, `run_trace`,
-and `predict_relative_throughput` (a measured per-stage profile and a failed set in, the
-predicted relative throughput out).
+Entry points: `run_simulation` (what `python -m launch.simulate` runs), `sweep`, `run_trace`
+(each policy's throughput and goodput, `goodput.py`, through a trace from `poisson_trace`,
+`mix_trace` over a published mix of `mixes.py`, or a CSV file), and
+`predict_relative_throughput` (a measured per-stage profile and a failed set in, the predicted
+relative throughput out).
 """
 
 from resilient_jax.policy import (
@@ -41,22 +43,31 @@ from resilient_jax.sim.engine import (
   sweep,
   sweep_failed_set,
 )
+from resilient_jax.sim.goodput import LOSSES, Breakdown, Recoveries, young_daly_interval
 from resilient_jax.sim.layout import PLACEMENTS, Layout
+from resilient_jax.sim.mixes import MIXES
 from resilient_jax.sim.run import build_costs, build_trace, format_table, run_simulation
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
 from resilient_jax.sim.traces import (
+  Cause,
   Event,
   FailureTracker,
+  Stragglers,
   Trace,
   TraceError,
+  mix_trace,
   poisson_trace,
   read_csv_trace,
   write_csv_trace,
 )
 
 __all__ = [
+  "LOSSES",
+  "MIXES",
   "PLACEMENTS",
   "POLICY_NAMES",
+  "Breakdown",
+  "Cause",
   "CostModel",
   "DeviceSpec",
   "Event",
@@ -69,11 +80,13 @@ __all__ = [
   "Policy",
   "PolicyTrace",
   "PolicyUnavailableError",
+  "Recoveries",
   "Recovery",
   "RecoveryParams",
   "Row",
   "SimConfig",
   "SimConfigError",
+  "Stragglers",
   "Trace",
   "TraceError",
   "TraceResult",
@@ -87,6 +100,7 @@ __all__ = [
   "from_config_dict",
   "load_profile",
   "max_load",
+  "mix_trace",
   "p2p_seconds",
   "poisson_trace",
   "predict_relative_throughput",
@@ -100,4 +114,5 @@ __all__ = [
   "sweep_failed_set",
   "usable_policies",
   "write_csv_trace",
+  "young_daly_interval",
 ]

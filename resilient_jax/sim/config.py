@@ -17,8 +17,11 @@ from resilient_jax.config import POLICIES as POLICY_NAMES
 from resilient_jax.policy.base import RecoveryParams
 from resilient_jax.schedule.generators import GENERATORS
 from resilient_jax.sim.engine import SWEEP_PLACEMENTS
+from resilient_jax.sim.goodput import young_daly_interval
 from resilient_jax.sim.layout import PLACEMENTS, Layout
+from resilient_jax.sim.mixes import MIXES
 from resilient_jax.sim.specs import DeviceSpec, ModelSpec, NetworkSpec
+from resilient_jax.sim.traces import Stragglers, TraceError
 
 __all__ = [
   "SimConfig",
@@ -45,8 +48,14 @@ class TraceConfig:
     device_mtbf_s: per-device mean time between failures (`inf`: never).
     node_mtbf_s: per-node mean time between whole-node failures (`inf`: never).
     repair_s: time until failed hardware rejoins (`inf`: never).
-    seed: random seed of the Poisson trace.
+    seed: random seed of the generated trace.
     csv: a trace file to read instead (empty: generate).
+    mix: a published failure mix of `mixes.MIXES` ("": the Poisson trace of devices and nodes);
+      with a mix, `device_mtbf_s` is the job's devices times its mean time between
+      interruptions, and `repair_s` the hardware causes' time until a spare takes over.
+    transient_repair_s: a mix's transient causes' time until the process is back.
+    nodes_per_switch: nodes a switch cause of a mix takes down.
+    stragglers: slow-device episodes of a mix (None: none).
   """
 
   duration_s: float
@@ -55,6 +64,15 @@ class TraceConfig:
   repair_s: float
   seed: int
   csv: str
+  mix: str = ""
+  transient_repair_s: float = 600.0
+  nodes_per_switch: int = 1
+  stragglers: Stragglers | None = None
+
+  def job_mtbf_s(self, devices: int, nodes: int) -> float:
+    """The job's mean time between failures, as a user would estimate it from the rates."""
+    rate = devices / self.device_mtbf_s + (0.0 if self.mix else nodes / self.node_mtbf_s)
+    return 1 / rate if rate else math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +103,11 @@ class SimConfig:
     layout: grid, batch and placement.
     recompute: activation recomputation in the backward.
     profile: path of a measured per-stage profile that replaces the spec cost model ("": none).
-    recovery: recovery times.
+    recovery: recovery times; its checkpoint interval is the configured one, or the Young/Daly
+      optimum for the trace's failure rate and `checkpoint_write_s` when configured as 0.
+    checkpoint_write_s: the time one checkpoint save blocks training.
+    regroup_steps: fault-free steps added to `recovery.regroup_s` once the step time is known
+      (the runtime's `resilience.regroup_steps`: new groups and compiles after a replan).
     trace: the failure trace.
     sweep: the failure-count sweep.
     policies: policies to run; None: every available one.
@@ -105,6 +127,8 @@ class SimConfig:
   policies: tuple[str, ...] | None
   bin_s: float
   exact_ops: int
+  checkpoint_write_s: float = 0.0
+  regroup_steps: float = 0.0
 
 
 def _section(cd: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -231,16 +255,52 @@ def _recompute(cd: Mapping[str, Any]) -> bool:
   return recompute
 
 
-def _recovery(cd: Mapping[str, Any]) -> RecoveryParams:
-  return RecoveryParams(
-    **{
-      k: _num(cd, "recovery", k, allow_zero=k != "checkpoint_interval_s")
-      for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
-    }
-  )
+def _optional(cd: Mapping[str, Any], section: str, key: str, default: Any, **kw: Any) -> Any:
+  """`section.key` checked as `_num` does, or `default` when the config does not set it."""
+  return _num(cd, section, key, **kw) if key in _section(cd, section) else default
+
+
+def _recovery(cd: Mapping[str, Any]) -> tuple[dict[str, float], float, float]:
+  """`recovery.*`: the `RecoveryParams` keys (a checkpoint interval of 0: Young/Daly's, set
+  once the trace is known), the checkpoint write time and the regroup's steps."""
+  keys = {k: _num(cd, "recovery", k, allow_zero=True)
+          for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")}
+  write = _optional(cd, "recovery", "checkpoint_write_s", 0.0, allow_zero=True)
+  steps = _optional(cd, "recovery", "regroup_steps", 0.0, allow_zero=True)
+  return keys, write, steps
+
+
+def _checkpoint_interval(keys: dict[str, float], write_s: float, trace: TraceConfig,
+                         layout: Layout) -> RecoveryParams:
+  """The recovery times with the checkpoint interval a user would choose: the configured one,
+  or (0) the Young/Daly optimum for the job's failure rate and the write time."""
+  if keys["checkpoint_interval_s"] == 0:
+    if trace.csv:
+      raise SimConfigError("recovery.checkpoint_interval_s=0 (Young/Daly) needs a generated "
+                           "trace's failure rate, not trace.csv")
+    interval = young_daly_interval(trace.job_mtbf_s(layout.devices, layout.nodes), write_s)
+    if not math.isfinite(interval):
+      raise SimConfigError("recovery.checkpoint_interval_s=0 (Young/Daly) needs "
+                           "recovery.checkpoint_write_s > 0 and a failure rate")
+    keys = {**keys, "checkpoint_interval_s": interval}
+  return RecoveryParams(**keys)
 
 
 def _trace(cd: Mapping[str, Any]) -> TraceConfig:
+  """`trace.*`; the failure-mix keys (`mix`, `transient_repair_hours`, `nodes_per_switch`,
+  `straggler_mtbs_hours`, `straggler_speed`, `straggler_hours`) are optional."""
+  sec = _section(cd, "trace")
+  mix = sec.get("mix", "")
+  if mix not in ("", *MIXES):
+    raise SimConfigError(f"trace.mix={mix!r} is not one of {', '.join(MIXES)} (or \"\")")
+  stragglers = None
+  mtbs = _optional(cd, "trace", "straggler_mtbs_hours", 0.0, allow_zero=True)
+  if mtbs:
+    try:
+      stragglers = Stragglers(mtbs * _HOUR, _optional(cd, "trace", "straggler_speed", 0.5),
+                              _optional(cd, "trace", "straggler_hours", 1.0) * _HOUR)
+    except TraceError as e:
+      raise SimConfigError(f"trace.{str(e).removeprefix('stragglers.')}") from None
   return TraceConfig(
     duration_s=_num(cd, "trace", "hours") * _HOUR,
     device_mtbf_s=_hours(cd, "device_mtbf_hours"),
@@ -248,6 +308,10 @@ def _trace(cd: Mapping[str, Any]) -> TraceConfig:
     repair_s=_hours(cd, "repair_hours"),
     seed=_num(cd, "trace", "seed", integer=True, allow_zero=True),
     csv=_str(cd, "trace", "csv"),
+    mix=mix,
+    transient_repair_s=_optional(cd, "trace", "transient_repair_hours", 1 / 6) * _HOUR,
+    nodes_per_switch=_optional(cd, "trace", "nodes_per_switch", 1, integer=True),
+    stragglers=stragglers,
   )
 
 
@@ -305,8 +369,9 @@ def from_config_dict(cd: Mapping[str, Any]) -> SimConfig:
     network = _network(cd)
     layout = _layout(cd, model)
     recompute = _recompute(cd)
-    recovery = _recovery(cd)
+    recovery, write_s, regroup_steps = _recovery(cd)
     trace = _trace(cd)
+    recovery = _checkpoint_interval(recovery, write_s, trace, layout)
     sweep = _sweep(cd, layout)
     policies = _policies(cd)
     return SimConfig(
@@ -322,6 +387,8 @@ def from_config_dict(cd: Mapping[str, Any]) -> SimConfig:
       policies=policies,
       bin_s=_num(cd, "sim", "bin_minutes") * 60.0,
       exact_ops=_num(cd, "sim", "exact_ops", integer=True, allow_zero=True),
+      checkpoint_write_s=write_s,
+      regroup_steps=regroup_steps,
     )
   except SimConfigError:
     raise

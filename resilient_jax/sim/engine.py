@@ -31,12 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from resilient_jax.policy.base import Grid, Policy, Transition
+from resilient_jax.policy.base import Grid, Policy, Recovery, Transition
 from resilient_jax.policy.registry import build_policies
 from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.routing import relative_throughput_bound
 from resilient_jax.sim.cost_model import CostModel, load_profile
+from resilient_jax.sim.goodput import Breakdown, Recoveries, Slowdown, pause_parts
 from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.traces import FailureTracker, Trace
 
@@ -196,7 +197,10 @@ class PolicyTrace:
     paused_s: seconds spent in recovery pauses.
     lost_s: seconds of training lost to rollbacks.
     stopped_s: seconds with no runnable grid (waiting for repairs).
-    segments: `(start, end, samples/s, counted)` training intervals.
+    segments: `[start, end, samples/s, counted, policy step time, stragglers' factor]` training
+      intervals (samples/s net of checkpoint stalls and stragglers).
+    breakdown: where the wall time went (`goodput.Breakdown`: ETTR and its losses).
+    recoveries: how its recoveries from failures went.
   """
 
   name: str
@@ -206,6 +210,8 @@ class PolicyTrace:
   lost_s: float = 0.0
   stopped_s: float = 0.0
   segments: list[list] = dataclasses.field(default_factory=list)
+  breakdown: Breakdown = dataclasses.field(default_factory=Breakdown)
+  recoveries: Recoveries = dataclasses.field(default_factory=Recoveries)
 
   def binned(self, duration_s: float, bin_s: float) -> tuple[np.ndarray, np.ndarray]:
     """`(bin start times, mean counted samples/s per bin)`."""
@@ -213,7 +219,7 @@ class PolicyTrace:
     edges = np.arange(n + 1) * bin_s
     edges[-1] = duration_s
     acc = np.zeros(n)
-    for t0, t1, rate, counted in self.segments:
+    for t0, t1, rate, counted, *_ in self.segments:
       if not counted or rate == 0 or t1 <= t0:
         continue
       i0, i1 = int(t0 // bin_s), min(n - 1, int(math.ceil(t1 / bin_s)) - 1)
@@ -233,98 +239,148 @@ class TraceResult:
     states: `(time, failed workers)` after each event that changed the failed set, starting
       with `(0, {})`.
     policies: per policy, its run.
+    ideal_step_s: the fault-free step time every policy's ETTR is measured against: the
+      fastest any of the policies runs.
+    checkpoint_interval_s: wall time between checkpoints.
+    checkpoint_write_s: the time one save blocks training.
   """
 
   trace: Trace
   states: list[tuple[float, frozenset[Worker]]]
   policies: dict[str, PolicyTrace]
+  ideal_step_s: float = 0.0
+  checkpoint_interval_s: float = math.inf
+  checkpoint_write_s: float = 0.0
 
 
 def failure_states(layout: Layout, trace: Trace) -> list[tuple[float, frozenset[Worker]]]:
-  """The failed-worker set after each event that changes it, from `(0, {})`."""
+  """The failed-worker set after each time whose events change it, from `(0, {})` (the nodes
+  of one switch failing at one instant are one state change)."""
+  return [(t, failed) for t, failed, _ in _timeline(layout, trace, slow=False)]
+
+
+def _timeline(
+  layout: Layout, trace: Trace, *, slow: bool = True
+) -> list[tuple[float, frozenset[Worker], frozenset[tuple[Worker, float]]]]:
+  """`(time, failed workers, slow workers and their speeds)` after each time whose events
+  change either (only the failed set when not `slow`), from `(0, {}, {})`."""
   tracker = FailureTracker(layout)
-  states = [(0.0, frozenset())]
-  for event in trace.events:
-    failed = tracker.apply(event)
-    if failed != states[-1][1]:
-      states.append((event.time_s, failed))
+  states = [(0.0, frozenset(), frozenset())]
+  events = trace.events
+  for i, event in enumerate(events):
+    tracker.apply(event)
+    if i + 1 < len(events) and events[i + 1].time_s == event.time_s:
+      continue  # one instant's events land together
+    state = (event.time_s, tracker.failed, tracker.slow if slow else frozenset())
+    if state[1:] != states[-1][1:]:
+      states.append(state)
   return states
 
 
-def _run_policy(
-  policy: Policy,
-  grid: Grid,
-  costs: CostModel,
-  states: list[tuple[float, frozenset[Worker]]],
-  duration_s: float,
-  samples_per_step: int,
-  checkpoint_interval_s: float,
-) -> PolicyTrace:
-  out = PolicyTrace(policy.name)
-  horizon_s = duration_s / max(len(states) - 1, 1)
-  reset = getattr(policy, "reset", None)
-  if reset is not None:  # a policy that chooses by what it expects until the next event
-    reset(horizon_s)
-  step = policy.step_time(grid, frozenset(), costs)
-  out.fault_free_throughput = samples_per_step / step
-  failed = frozenset()  # what the policy runs without: the trace's failed set and idle workers
-  down = frozenset()  # the trace's failed set
-  resume = 0.0  # training (re)starts here after a pause
-  ckpt_base = 0.0  # the state at this time is safe; checkpoints follow every interval
+class _Replay:
+  """One policy through a timeline: training between events, a recovery at each change of the
+  failed set, the goodput accounting of both."""
 
-  def train(t0: float, t1: float, step_time: float) -> None:
+  def __init__(self, policy: Policy, grid: Grid, costs: CostModel, duration_s: float,
+               samples_per_step: int, interval_s: float, write_s: float, slowdown: Slowdown,
+               ideal_step: float):
+    self.policy, self.grid, self.costs = policy, grid, costs
+    self.duration_s = duration_s
+    self.batch = samples_per_step
+    self.interval_s = interval_s
+    # Saves block `write_s` out of every interval of wall time.
+    self.stall = min(write_s / interval_s, 1.0) if math.isfinite(interval_s) else 0.0
+    self.slowdown = slowdown
+    self.ideal_step = ideal_step
+    self.params = getattr(policy, "params", None)
+    self.out = PolicyTrace(policy.name)
+
+  def train(self, t0: float, t1: float, step: float, factor: float) -> None:
     if t1 <= t0:
       return
-    if not math.isfinite(step_time):
-      out.stopped_s += t1 - t0
-      out.segments.append([t0, t1, 0.0, True])
+    if not math.isfinite(step):
+      self.out.stopped_s += t1 - t0
+      self.out.segments.append([t0, t1, 0.0, True, step, factor])
       return
-    out.segments.append([t0, t1, samples_per_step / step_time, True])
+    rate = self.batch / (step * factor) * (1 - self.stall)
+    self.out.segments.append([t0, t1, rate, True, step, factor])
 
-  def roll_back(to: float) -> None:
+  def roll_back(self, to: float) -> None:
     kept = []
-    for seg in out.segments:
-      t0, t1, rate, counted = seg
+    for seg in self.out.segments:
+      t0, t1, rate, counted, step, factor = seg
       if counted and rate > 0 and t1 > to:
         if t0 < to:
-          kept.append([t0, to, rate, True])
+          kept.append([t0, to, rate, True, step, factor])
           t0 = to
-        out.lost_s += t1 - t0
-        kept.append([t0, t1, rate, False])
+        self.out.lost_s += t1 - t0
+        kept.append([t0, t1, rate, False, step, factor])
       else:
         kept.append(seg)
-    out.segments = kept
+    self.out.segments = kept
 
-  prev = 0.0
-  for t, after in [*states[1:], (duration_s, None)]:
-    t = min(t, duration_s)
-    train(max(resume, prev), t, step)
-    prev = t
-    if after is None:
-      break
+  def recover(self, t: float, failed: frozenset[Worker], down: frozenset[Worker],
+              after: frozenset[Worker], step: float, horizon_s: float
+              ) -> tuple[Recovery, frozenset[Worker], bool]:
+    """The recovery from the change of the trace's failed set from `down` to `after`: `(its
+    cost, the failed set the policy runs without, whether it was taken)`."""
+    move = Transition(self.grid, failed, after, self.costs, step)
     if after < down:
       # A rejoin: the runtime coordinator's rule (`policy/rejoin.py`) on every worker back
       # (those idle since an earlier declined rejoin too); declined, they stay idle and the
       # policy goes on without them until the next event.
-      choice = rejoin_choice(policy, Transition(grid, failed, after, costs, step), horizon_s)
-      rec, down = choice.recovery, after
-      if not choice.take:
-        continue
-    else:
-      rec = policy.recovery(Transition(grid, failed, after, costs, step))
-      down = after
-    if rec.rollback:
-      since = max(t - ckpt_base, 0.0)
-      roll_back(ckpt_base + math.floor(since / checkpoint_interval_s) * checkpoint_interval_s)
-    end_pause = max(resume, t + rec.pause_s)
-    out.paused_s += max(0.0, min(end_pause, duration_s) - max(resume, t))
-    resume = end_pause
-    if rec.restart or rec.rollback:
-      ckpt_base = resume  # the restored (or just saved) state is the new checkpoint
-    failed = after
-    step = policy.step_time(grid, failed, costs)
-  out.samples = sum(r * (t1 - t0) for t0, t1, r, counted in out.segments if counted)
-  return out
+      choice = rejoin_choice(self.policy, move, horizon_s)
+      return choice.recovery, (after if choice.take else failed), choice.take
+    return self.policy.recovery(move), after, True
+
+  def run(self, timeline: list[tuple[float, frozenset[Worker], frozenset]]) -> PolicyTrace:
+    out, grid, costs = self.out, self.grid, self.costs
+    changes = sum(a[1] != b[1] for a, b in zip(timeline, timeline[1:], strict=False))
+    horizon_s = self.duration_s / max(changes, 1)
+    reset = getattr(self.policy, "reset", None)
+    if reset is not None:  # a policy that chooses by what it expects until the next event
+      reset(horizon_s)
+    step = self.policy.step_time(grid, frozenset(), costs)
+    out.fault_free_throughput = self.batch / step
+    failed = down = frozenset()  # what the policy runs without; the trace's failed set
+    slow, factor = frozenset(), 1.0
+    resume = ckpt_base = prev = 0.0  # training (re)starts at resume; a checkpoint at ckpt_base
+    pauses = []
+    for t, after, slow_after in [*timeline[1:], (self.duration_s, None, None)]:
+      t = min(t, self.duration_s)
+      self.train(max(resume, prev), t, step, factor)
+      prev = t
+      if after is None:
+        break
+      if slow_after != slow:
+        slow = slow_after
+      if after != down:
+        rec, failed, taken = self.recover(t, failed, down, after, step, horizon_s)
+        move = Transition(grid, down, after, costs, step)
+        down = after
+        if taken:
+          out.recoveries.count(self.policy, move, rec, recovering=t < resume)
+          if rec.rollback:
+            since = max(t - ckpt_base, 0.0)
+            self.roll_back(ckpt_base + math.floor(since / self.interval_s) * self.interval_s
+                           if math.isfinite(self.interval_s) else ckpt_base)
+          end_pause = max(resume, t + rec.pause_s)
+          counted = max(0.0, min(end_pause, self.duration_s) - max(resume, t))
+          out.paused_s += counted
+          pauses.append((pause_parts(rec, move, self.params.detect_s if self.params else 0.0),
+                         counted))
+          resume = end_pause
+          if rec.restart or rec.rollback:
+            ckpt_base = resume  # the restored (or just saved) state is the new checkpoint
+          step = self.policy.step_time(grid, failed, costs)
+      factor = self.slowdown.factor(slow, down)
+    out.samples = sum(r * (t1 - t0) for t0, t1, r, counted, *_ in out.segments if counted)
+    for t0, t1, _, counted, seg_step, seg_factor in out.segments:
+      out.breakdown.add_training(t1 - t0, counted, self.ideal_step, seg_step, seg_factor,
+                                 self.stall)
+    for parts, counted in pauses:
+      out.breakdown.add_pause(parts, counted)
+    return out
 
 
 def run_trace(
@@ -334,6 +390,7 @@ def run_trace(
   trace: Trace,
   *,
   checkpoint_interval_s: float,
+  checkpoint_write_s: float = 0.0,
 ) -> TraceResult:
   """Runs every policy through `trace`.
 
@@ -343,9 +400,10 @@ def run_trace(
     policies: the policies.
     trace: the events.
     checkpoint_interval_s: wall time between checkpoints, for rollbacks.
+    checkpoint_write_s: the time one save blocks training (checkpoint stalls).
 
   Returns:
-    The result, with each policy's training segments.
+    The result, with each policy's training segments and goodput breakdown.
   """
   if (trace.nodes, trace.devices_per_node) != (layout.nodes, layout.devices_per_node):
     raise ValueError(
@@ -353,14 +411,20 @@ def run_trace(
       f"{layout.nodes} of {layout.devices_per_node}"
     )
   grid = Grid(layout.dp, layout.pp, layout.microbatches, layout.schedule, layout.memory_cap)
-  states = failure_states(layout, trace)
+  timeline = _timeline(layout, trace)
+  slowdown = Slowdown(grid, costs)
+  # Goodput is measured against the fastest fault-free step any of them runs (the base
+  # schedule's, or Oobleck's templates' where they are faster), one scale for every policy.
+  ideal = min([slowdown.ideal_step, *(p.step_time(grid, frozenset(), costs)
+                                      for p in policies.values())])
   runs = {
-    name: _run_policy(
-      p, grid, costs, states, trace.duration_s, layout.global_batch, checkpoint_interval_s
-    )
+    name: _Replay(p, grid, costs, trace.duration_s, layout.global_batch, checkpoint_interval_s,
+                  checkpoint_write_s, slowdown, ideal).run(timeline)
     for name, p in policies.items()
   }
-  return TraceResult(trace, states, runs)
+  states = [(0.0, frozenset())]
+  states += [(t, f) for (t, f, _), (_, g, _) in zip(timeline[1:], timeline, strict=False) if f != g]
+  return TraceResult(trace, states, runs, ideal, checkpoint_interval_s, checkpoint_write_s)
 
 
 def predict_relative_throughput(

@@ -3,11 +3,12 @@ from a saved file without simulating again)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_sweep", "plot_trace"]
+__all__ = ["plot_goodput", "plot_sweep", "plot_trace"]
 
 # One colour per policy, stable across plots and runs.
 COLORS = {
@@ -32,6 +33,19 @@ STYLES = {
   "auto": {"lw": 1.5, "ls": (0, (1, 1)), "marker": "x", "ms": 7},
 }
 _DEFAULT_STYLE = {"lw": 1.6, "ls": "-", "marker": "o", "ms": 4}
+
+# The goodput bars: committed training, then each loss of `goodput.LOSSES`.
+_LOSS_COLORS = {
+  "committed": "#4c9a2a",
+  "detection": "#ff7f0e",
+  "replanning": "#17becf",
+  "restarts": "#d62728",
+  "rerun": "#9467bd",
+  "slowed": "#8c564b",
+  "stragglers": "#e377c2",
+  "checkpoint": "#7f7f7f",
+  "waiting": "#bcbd22",
+}
 
 
 def _style(name: str, order: int) -> dict[str, Any]:
@@ -135,6 +149,39 @@ def plot_trace(results: Mapping[str, Any], path: str | Path) -> None:
   ax2.set_xlabel("hours")
   ax2.set_ylim(bottom=0)
   ax2.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def plot_goodput(results: Mapping[str, Any], path: str | Path) -> None:
+  """Where each policy's wall time went through the trace: one bar per policy, its committed
+  training (the ETTR) and its losses stacked to 100%."""
+  from resilient_jax.sim.goodput import LOSSES
+
+  plt = _pyplot()
+  g = results["goodput"]["policies"]
+  names = list(g)
+  fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+  left = [0.0] * len(names)
+  parts = [("committed", [100 * g[n]["ettr"] for n in names])]
+  parts += [(k, [100 * g[n]["losses_share"][k] for n in names]) for k in LOSSES]
+  for label, widths in parts:
+    if not any(widths):
+      continue
+    ax.barh(names, widths, left=left, color=_LOSS_COLORS[label], label=label, edgecolor="white",
+            linewidth=0.5)
+    left = [a + b for a, b in zip(left, widths, strict=True)]
+  # The losses are a few percent: start the axis just below the lowest ETTR.
+  low = max(0.0, 5 * math.floor(min(100 * g[n]["ettr"] for n in names) / 5) - 5)
+  for y, n in enumerate(names):
+    ax.text(low + 0.5, y, f"ETTR {g[n]['ettr']:.3f}", va="center", ha="left", color="white",
+            fontsize=9, fontweight="bold")
+  ax.set_xlim(low, 100)
+  ax.invert_yaxis()
+  ax.set_xlabel("% of wall time")
+  ax.set_title(f"{results['config']['title']}\n{results['trace']['summary']}", fontsize=9)
+  ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5, fontsize=8, frameon=False)
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)

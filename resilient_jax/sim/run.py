@@ -1,4 +1,4 @@
-"""One simulation end to end: cost model, sweep, trace, results.json, table and plots.
+"""One simulation end to end: cost model, sweep, trace, goodput, results.json, table and plots.
 
 `launch/simulate.py` is a thin wrapper around `run_simulation`; tests and notebooks call it
 directly with a `SimConfig`.
@@ -6,6 +6,7 @@ directly with a `SimConfig`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -15,12 +16,19 @@ from typing import Any
 
 from resilient_jax.observe.logs import info
 from resilient_jax.observe.progress import reporting
-from resilient_jax.policy.base import Grid, PolicyUnavailableError, usable_policies
+from resilient_jax.policy.base import (
+  Grid,
+  PolicyUnavailableError,
+  RecoveryParams,
+  usable_policies,
+)
 from resilient_jax.policy.registry import build_policies
 from resilient_jax.sim.config import SimConfig
 from resilient_jax.sim.cost_model import CostModel, load_profile
 from resilient_jax.sim.engine import TraceResult, run_trace, sweep
-from resilient_jax.sim.traces import Trace, poisson_trace, read_csv_trace
+from resilient_jax.sim.goodput import Slowdown, format_goodput, goodput_json
+from resilient_jax.sim.mixes import MIXES
+from resilient_jax.sim.traces import Trace, mix_trace, poisson_trace, read_csv_trace
 
 __all__ = ["build_costs", "build_trace", "format_table", "run_simulation"]
 
@@ -35,11 +43,23 @@ def build_costs(cfg: SimConfig) -> CostModel:
 
 
 def build_trace(cfg: SimConfig) -> Trace:
-  """The failure trace: read from `trace.csv`, or a seeded Poisson trace."""
+  """The failure trace: read from `trace.csv`, drawn from a published mix (`trace.mix`), or a
+  seeded Poisson trace."""
   lay, tc = cfg.layout, cfg.trace
   if tc.csv:
     return read_csv_trace(
       tc.csv, nodes=lay.nodes, devices_per_node=lay.devices_per_node, duration_s=tc.duration_s
+    )
+  if tc.mix:
+    return mix_trace(
+      nodes=lay.nodes,
+      devices_per_node=lay.devices_per_node,
+      duration_s=tc.duration_s,
+      device_mtbf_s=tc.device_mtbf_s,
+      causes=MIXES[tc.mix](tc.repair_s, tc.transient_repair_s),
+      nodes_per_switch=tc.nodes_per_switch,
+      stragglers=tc.stragglers,
+      seed=tc.seed,
     )
   return poisson_trace(
     nodes=lay.nodes,
@@ -103,12 +123,13 @@ def run_simulation(
 
   Args:
     cfg: the configuration.
-    out_dir: where results.json, sim_trace.png, sim_failures.png and TensorBoard events (`tb/`)
-      go; None: nowhere.
+    out_dir: where results.json, sim_trace.png, sim_failures.png, sim_goodput.png and
+      TensorBoard events (`tb/`, the goodput in `tb/goodput`) go; None: nowhere.
     log: progress lines.
 
   Returns:
-    The results.json content: `config`, `rows`, `trace`, `unavailable`, `timing`.
+    The results.json content: `config`, `rows`, `trace`, `goodput` (each policy's ETTR and
+    losses), `unavailable`, `timing`.
 
   Raises:
     ValueError: for a bad profile or trace file (one-line message).
@@ -117,8 +138,9 @@ def run_simulation(
   t_start = time.perf_counter()
   lay = cfg.layout
   costs = build_costs(cfg)
-  policies = build_policies(cfg.policies, params=cfg.recovery, exact_ops=cfg.exact_ops)
   grid = Grid(lay.dp, lay.pp, lay.microbatches, lay.schedule, lay.memory_cap)
+  params = recovery_params(cfg, grid, costs)
+  policies = build_policies(cfg.policies, params=params, exact_ops=cfg.exact_ops)
   policies, unavailable = usable_policies(policies, grid, costs)
   if unavailable and cfg.policies is not None:
     # Asked for by name: a one-line error rather than a table without it.
@@ -143,14 +165,16 @@ def run_simulation(
   with reporting(log, lambda t: f"  replaying the failure trace ({len(trace.events)} events) "
                  f"under every policy: {t:.0f}s so far"):
     result = run_trace(
-      lay, costs, policies, trace, checkpoint_interval_s=cfg.recovery.checkpoint_interval_s
+      lay, costs, policies, trace, checkpoint_interval_s=params.checkpoint_interval_s,
+      checkpoint_write_s=cfg.checkpoint_write_s,
     )
   t_total = time.perf_counter() - t_start
   results = {
-    "config": _config_json(cfg, costs),
+    "config": _config_json(cfg, costs, params),
     "op_costs_s": _op_costs_json(cfg, costs),
     "rows": [r.to_json() for r in rows],
     "trace": _trace_json(cfg, result),
+    "goodput": goodput_json(result),
     "unavailable": unavailable,
     "timing": {
       "sweep_s": t_sweep,
@@ -164,7 +188,19 @@ def run_simulation(
   return results
 
 
-def _config_json(cfg: SimConfig, costs: CostModel) -> dict[str, Any]:
+def recovery_params(cfg: SimConfig, grid: Grid, costs: CostModel) -> RecoveryParams:
+  """The recovery times the policies price with: the config's, with `regroup_steps` fault-free
+  steps added to the regroup (the runtime's `resilience.regroup_steps`, priced at this cost
+  model's step time)."""
+  if not cfg.regroup_steps:
+    return cfg.recovery
+  step = Slowdown(grid, costs).ideal_step
+  return dataclasses.replace(
+    cfg.recovery, regroup_s=cfg.recovery.regroup_s + cfg.regroup_steps * step
+  )
+
+
+def _config_json(cfg: SimConfig, costs: CostModel, params: RecoveryParams) -> dict[str, Any]:
   """results.json's `config`: what was simulated, for the table, the plots and a reader."""
   lay = cfg.layout
   return {
@@ -184,8 +220,11 @@ def _config_json(cfg: SimConfig, costs: CostModel) -> dict[str, Any]:
     "cost_source": costs.source,
     "sweep_placement": cfg.sweep.placement,
     "recovery": {
-      k: getattr(cfg.recovery, k)
-      for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
+      **{
+        k: getattr(params, k)
+        for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")
+      },
+      "checkpoint_write_s": cfg.checkpoint_write_s,
     },
   }
 
@@ -212,9 +251,24 @@ def _write_results(results: dict[str, Any], out: Path, log: Callable[[str], None
 
   plots.plot_trace(results, out / "sim_trace.png")
   plots.plot_sweep(results, out / "sim_failures.png")
+  plots.plot_goodput(results, out / "sim_goodput.png")
   from resilient_jax.observe import tensorboard
 
   tensorboard.write_simulation(out / "tb", results, log=log)
+  _write_goodput_board(out / "tb" / "goodput", results, log)
+
+
+def _write_goodput_board(logdir: Path, results: dict[str, Any], log: Callable[[str], None]
+                         ) -> None:
+  """TensorBoard scalars `goodput/<policy>/ettr` and `.../<loss>_share` (one step, 0), in a
+  run of their own (`tb/goodput`) beside the sweep's and the trace's."""
+  from resilient_jax.observe.tensorboard import Board
+
+  board = Board(logdir, start_step=0, log=log)
+  for name, g in results["goodput"]["policies"].items():
+    values = {"ettr": g["ettr"], **{f"{k}_share": v for k, v in g["losses_share"].items()}}
+    board.scalars(0, f"goodput/{name}/", values)
+  board.close()
 
 
 def _finite(obj: Any) -> Any:
@@ -263,6 +317,7 @@ def format_table(results: dict[str, Any]) -> str:
     )
   for name, why in results["unavailable"].items():
     lines.append(f"{name:>8} not available: {why}")
+  lines += format_goodput(results)
   t = results["timing"]
   lines.append(f"simulated in {t['total_s']:.1f} s ({t['plans']} plans)")
   return "\n".join(lines)
