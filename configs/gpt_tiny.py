@@ -57,7 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     decay_embeddings=True,
     clip_global_norm=0.0,
   )
-  c.faults = dict(schedule="", nonfinite="")
+  c.faults = dict(schedule="", nonfinite="", corrupt="")
   c.resilience = dict(
     policy="recycle",
     memory_cap=0,
@@ -67,6 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     restart_steps=20.0,
     regroup_steps=1.0,
     restore_on_stage_loss=True,
+    check_replicas_every=0,
   )
   c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="")
   c.profile = dict(trace_steps="")  # e.g. "3,4": jax.profiler traces of steps 3 and 4

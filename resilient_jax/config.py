@@ -190,7 +190,7 @@ class Fault:
     return f"{self.step}:{'+' if self.rejoin else ''}{self.dp}.{self.stage}"
 
 
-def parse_faults(spec: str) -> tuple[Fault, ...]:
+def parse_faults(spec: str, key: str = "faults.schedule") -> tuple[Fault, ...]:
   """Parses `STEP:DP.STAGE` failures and `STEP:+DP.STAGE` rejoins, comma-separated, e.g.
   `3:1.1,6:+1.1` (worker (1, 1) fails at the start of step 3 and comes back at step 6).
 
@@ -201,7 +201,7 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
   for part in filter(None, (p.strip() for p in spec.split(","))):
     m = _FAULT_RE.match(part)
     if not m:
-      raise ConfigError(f"faults.schedule entry {part!r} is neither STEP:DP.STAGE (a failure, "
+      raise ConfigError(f"{key} entry {part!r} is neither STEP:DP.STAGE (a failure, "
                         "e.g. 2:1.1) nor STEP:+DP.STAGE (a rejoin, e.g. 5:+1.1)")
     step, plus, dp, stage = m.groups()
     faults.append(Fault(int(step), int(dp), int(stage), rejoin=bool(plus)))
@@ -243,6 +243,9 @@ class FaultsConfig:
   nonfinite: tuple[tuple[int, int], ...] = ()
   """`STEP:STAGE,...`: that stage's gradients turn NaN at that step on every replica, in-process
   or in a job, to rehearse a diverging step (skipped, see `train.max_nonfinite_steps`)."""
+  corrupt: tuple[Fault, ...] = ()
+  """`STEP:DP.STAGE,...`: one bit of that worker's parameters flips after that step commits (in
+  the process that holds it): silent data corruption, for `resilience.check_replicas_every`."""
 
 
 IF_BUSY = ("wait", "defer")
@@ -301,11 +304,15 @@ class ResilienceConfig:
   restore_on_stage_loss: bool = True
   """When every worker of a stage has failed: restore the latest checkpoint onto the surviving
   devices (True), or exit with code 3 naming the stage so a cluster scheduler can act (False)."""
+  check_replicas_every: int = 0
+  """Every this many steps, compare a digest of every data-parallel replica's parameters with
+  its stage's others (they are bitwise equal after each step): a replica that differs from the
+  majority is dropped like a failed worker (silent data corruption); 0: never."""
 
   def __post_init__(self):
     if self.policy not in POLICIES:
       raise ConfigError(f"resilience.policy={self.policy!r} is not one of {', '.join(POLICIES)}")
-    keys = ("memory_cap", "tolerate", "min_pipeline_nodes")
+    keys = ("memory_cap", "tolerate", "min_pipeline_nodes", "check_replicas_every")
     require_ints("resilience.", {k: getattr(self, k) for k in keys}, 0, ConfigError)
     keys = ("restart_steps", "regroup_steps")
     require_numbers("resilience.", {k: getattr(self, k) for k in keys}, error=ConfigError)
@@ -405,12 +412,11 @@ class RunConfig:
     for step in self.profile.trace_steps:
       if step > train.steps:
         raise ConfigError(f"profile.trace_steps entry {step} is outside steps 1..{train.steps}")
-    for f in self.faults.schedule:
-      if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
-        raise ConfigError(
-          f"faults.schedule entry {f} is outside steps 1..{train.steps} "
-          f"or the {mesh.dp}x{mesh.pp} grid"
-        )
+    for key, faults in (("schedule", self.faults.schedule), ("corrupt", self.faults.corrupt)):
+      for f in faults:
+        if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
+          raise ConfigError(f"faults.{key} entry {f} is outside steps 1..{train.steps} "
+                            f"or the {mesh.dp}x{mesh.pp} grid")
     check_rejoins((f.step, (f.dp, f.stage), f.rejoin) for f in self.faults.schedule)
 
   @property
@@ -466,6 +472,11 @@ def _pipeline(raw: dict) -> dict:
 def _faults(raw: dict) -> dict:
   spec = raw.get("schedule", "")
   raw["schedule"] = parse_faults(spec) if isinstance(spec, str) else tuple(spec)
+  spec = raw.get("corrupt", "")
+  raw["corrupt"] = parse_faults(spec, "faults.corrupt") if isinstance(spec, str) else tuple(spec)
+  if any(f.rejoin for f in raw["corrupt"]):
+    raise ConfigError("faults.corrupt entries are STEP:DP.STAGE (a bit flips in that worker's "
+                      "parameters after that step), not rejoins")
   spec = raw.get("nonfinite", "")
   if isinstance(spec, str):
     pairs = []

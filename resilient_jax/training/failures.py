@@ -46,6 +46,12 @@ class Failures:
     return {n for f, n in self.faults if f.step == step and f.after_op is None
             and not f.rejoin and n in live}
 
+  def drop(self, step: int, nodes: set[int]) -> None:
+    """Fails `nodes` at the start of `step` like an injected failure (a replica found corrupt:
+    `integrity.py`); every process of a job calls it alike, from an agreed verdict."""
+    pp = self.run.cfg.mesh.pp
+    self.faults += [(FaultEvent(step, divmod(n, pp)), n) for n in sorted(nodes)]
+
   def coming_back(self, step: int) -> set[int]:
     """Failed nodes whose rejoin is injected at the start of `step`."""
     back = {n for f, n in self.faults if f.step == step and f.rejoin}

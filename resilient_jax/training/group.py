@@ -90,6 +90,12 @@ class Solo:
     """Process 0's decision under `key`: here, `decide()`."""
     return decide()
 
+  def gather(self, key: str, value: Any, processes: Sequence[int]) -> dict[int, Any] | None:
+    """Every one of `processes`' `value` under `key`, on process 0 (None elsewhere): here,
+    this process's."""
+    del key, processes
+    return {0: value}
+
   def gather_state(self, step: int, interpreter: Interpreter) -> Any:
     """Every stage's state, for process 0's checkpoint of `step`."""
     return interpreter.export_state()
@@ -184,6 +190,17 @@ class Job(Solo):
     if what is not None:
       return self.cluster.await_key(key, 0, what)
     return self.cluster.kv_get(key)
+
+  def gather(self, key: str, value: Any, processes: Sequence[int]) -> dict[int, Any] | None:
+    """Each process writes `value` under `key/PID`; process 0 waits (bounded) for every one of
+    `processes` and returns what they wrote (a process proven dead first is left out). Keys
+    belong under the step's directory (`step/STEP/...`), which `forget` deletes."""
+    cl = self.cluster
+    cl.kv_set(f"{key}/{cl.process_id}", value)
+    if not self.chief:
+      return None
+    got = {p: cl.await_key(f"{key}/{p}", p, f"process {p}'s {key}") for p in processes}
+    return {p: v for p, v in got.items() if v is not None}
 
   def gather_state(self, step: int, interpreter: Interpreter) -> Any:
     """Each stage's state goes to process 0 from its lowest holder; process 0 writes the

@@ -58,6 +58,7 @@ from resilient_jax.training.hooks import (
   metrics_row,
   standard_hooks,
 )
+from resilient_jax.training.integrity import replica_check
 from resilient_jax.training.rejoin import apply_rejoin
 from resilient_jax.training.relaunch import admissions_for
 from resilient_jax.training.run import Logger, start_run
@@ -112,7 +113,7 @@ class Trainer:
     self.timelines = RunTimelines((f.step for f in events if not f.rejoin), end, cfg.train.steps)
     self.metrics_file = MetricsFile(run.workdir / "metrics.jsonl", run.chief)
     self.hooks = standard_hooks(run, self.timelines, self.metrics_file,
-                                Evaluation(run, self.failures))
+                                Evaluation(run, self.failures), replica_check(cfg, self.failures))
     self.learning_rate = recipe.learning_rate(cfg)
 
   # The run's parts, as tests, benchmarks and notebooks reach them.
