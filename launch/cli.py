@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import os
 import re
 import sys
@@ -62,6 +63,63 @@ def fail(message: str, code: int = EXIT_BAD_CONFIG) -> NoReturn:
   sys.exit(code)
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b")
+
+
+class ClosedLoopTracebacks(io.TextIOBase):
+  """`sys.stderr` without the tracebacks that end in `RuntimeError: Event loop is closed`.
+
+  When a checkpoint write fails mid-save (a full disk), orbax closes its asyncio loop while
+  tensorstore's writes still complete, and each completion's callback prints that traceback
+  from a C++ thread (a dozen or more beside the run's one-line error). They say nothing the
+  error does not. Lines pass through at once, except a traceback's, which is held until its
+  last line shows what it is; `dropped` counts those left out. The launcher installs it (a
+  process-wide setting the library itself never makes).
+  """
+
+  _END = "RuntimeError: Event loop is closed"
+
+  def __init__(self, stream: Any):
+    super().__init__()
+    self.stream = stream
+    self.dropped = 0
+    self._held: list[str] = []
+    self._partial = ""
+
+  def write(self, text: str) -> int:
+    self._partial += text
+    *lines, self._partial = self._partial.split("\n")
+    for line in lines:
+      self._line(line + "\n")
+    if not self._held and self._partial and not self._partial.startswith("Traceback"):
+      self.stream.write(self._partial)  # a prompt without its newline yet
+      self._partial = ""
+    return len(text)
+
+  def _line(self, line: str) -> None:
+    if not self._held and not line.startswith("Traceback (most recent call last):"):
+      self.stream.write(line)
+      return
+    if line[:1] in (" ", "\t") or line.startswith("Traceback"):
+      self._held.append(line)
+    elif _EXCEPTION_LINE.match(line):  # the traceback's last line
+      held, self._held = [*self._held, line], []
+      if line.rstrip("\n") == self._END:
+        self.dropped += 1
+      else:
+        self.stream.write("".join(held))
+    else:  # another thread's line, printed in the middle of the traceback
+      self.stream.write(line)
+
+  def flush(self) -> None:
+    self.stream.write("".join(self._held) + self._partial)
+    self._held, self._partial = [], ""
+    self.stream.flush()
+
+  def fileno(self) -> int:
+    return self.stream.fileno()
+
+
 def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> None:
   """Runs `main` under `absl.app.run`, with this module's flag parsing.
 
@@ -75,6 +133,8 @@ def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = No
   """
   argv = packaged_configs(list(sys.argv if argv is None else argv))
   sys.argv = argv  # config_flags reads the --config.KEY overrides from sys.argv
+  if not isinstance(sys.stderr, ClosedLoopTracebacks):
+    sys.stderr = ClosedLoopTracebacks(sys.stderr)
   _describe_program(sys.modules.get(main.__module__), argv[0])
   app.run(main, argv, flags_parser=_parse_app_flags)
 

@@ -127,3 +127,27 @@ def test_a_shipped_config_is_found_by_its_name_from_any_directory(tmp_path, monk
   assert got[1].endswith(":runlocal")
   (tmp_path / "gpt_tiny").write_text("")  # here first
   assert cli.packaged_configs(["prog", "--config=gpt_tiny"]) == ["prog", "--config=gpt_tiny"]
+
+
+def test_closed_loop_tracebacks_are_left_out_of_stderr_and_nothing_else():
+  """A checkpoint write that fails mid-save (a full disk) made tensorstore's callbacks print a
+  dozen `Event loop is closed` tracebacks beside the one-line error; the launchers' stderr
+  leaves those out and passes every other line, other tracebacks included."""
+  import io
+
+  from launch.cli import ClosedLoopTracebacks
+
+  closed = ('Traceback (most recent call last):\n  File "base_events.py", line 806, in '
+            "call_soon_threadsafe\n    self._check_closed()\nRuntimeError: Event loop is closed\n")
+  other = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: real\n'
+  out = io.StringIO()
+  err = ClosedLoopTracebacks(out)
+  # Another thread's line in the middle of one (as the error line came, on a full disk).
+  interleaved = closed.replace("    self._check", "error: saving failed\n    self._check")
+  for chunk in ["warning: ", "a line\n", closed, closed[:30], closed[30:], other, interleaved,
+                "error: a background checkpoint save failed: RESOURCE_EXHAUSTED\n"]:
+    err.write(chunk)
+  err.flush()
+  assert out.getvalue() == ("warning: a line\n" + other + "error: saving failed\n"
+                            + "error: a background checkpoint save failed: RESOURCE_EXHAUSTED\n")
+  assert err.dropped == 3
