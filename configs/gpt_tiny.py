@@ -70,7 +70,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     check_replicas_every=0,
   )
   c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="")
-  c.profile = dict(trace_steps="")  # e.g. "3,4": jax.profiler traces of steps 3 and 4
+  c.profile = dict(trace_steps="", peak_tflops=0.0)  # trace_steps e.g. "3,4": jax.profiler traces
   # Multi-process runs (launch/local.py, launch/slurm, launch/tpu, launch/gke) set enabled=true.
   c.distributed = dict(
     enabled=False,

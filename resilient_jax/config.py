@@ -367,11 +367,15 @@ class DistributedConfig:
 class ProfileConfig:
   trace_steps: tuple[int, ...] = ()
   """Steps to record a `jax.profiler` trace of, each into `WORKDIR/profile/stepN/`."""
+  peak_tflops: float = 0.0
+  """One device's peak TFLOP/s, for the MFU in the log and metrics; 0: the device kind's dense
+  bf16 peak when known (`observe/utilization.py`), else no MFU."""
 
   def __post_init__(self):
     for step in self.trace_steps:
       if not is_int(step):
         raise ConfigError(f"profile.trace_steps entry {step!r} is not a step number (e.g. 3,4)")
+    require_numbers("profile.", {"peak_tflops": self.peak_tflops}, error=ConfigError)
 
 
 @dataclasses.dataclass(frozen=True)

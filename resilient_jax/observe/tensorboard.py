@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 SCALARS = ("loss", "samples_per_s", "tokens_per_s", "step_time_s", "live_workers", "grad_norm",
-           "lr", "compile_s")
+           "lr", "compile_s", "mfu")
 """Metrics columns written as `train/<column>` scalars when a row has them."""
 FLAGS = ("skipped", "clipped")
 """Metrics columns present only when true: written as 0 or 1 every step."""

@@ -26,6 +26,7 @@ from resilient_jax import data as data_lib
 from resilient_jax.exit_codes import EXIT_NONFINITE
 from resilient_jax.files import read_jsonl, write_text_atomic
 from resilient_jax.observe.profiling import RunTimelines, write_step_timeline
+from resilient_jax.observe.utilization import mfu
 from resilient_jax.runtime.records import StepResult
 from resilient_jax.schedule.cost import Timeline
 from resilient_jax.training.run import Run
@@ -60,6 +61,9 @@ def metrics_row(run: Run, step: int, result: StepResult, ids: np.ndarray, lr: fl
     "compile_s": round(result.built.seconds, 3), "schedule": run.coordinator.plan_name,
     "grad_norm": result.grad_norm, "lr": lr,
   }
+  utilization = mfu(run.cfg, row["tokens_per_s"], run.device_kind)
+  if utilization is not None:
+    row["mfu"] = round(utilization, 4)
   row.update({k: True for k in ("skipped", "clipped") if getattr(result, k)})
   row.update(run.group.row(result))
   return row
@@ -192,7 +196,8 @@ def step_line(info: StepInfo) -> None:
     f"step {info.step:4d}/{run.cfg.train.steps}  loss {r.loss:.4f}  "
     f"grad_norm {r.grad_norm:.3g}  lr {row['lr']:.2e}  "
     f"samples/s {row['samples_per_s']:9.1f}  tokens/s {row['tokens_per_s']:9.0f}  "
-    f"step_time {r.step_time_s:.3f}s  "
+    + (f"mfu {row['mfu']:.1%}  " if "mfu" in row else "")
+    + f"step_time {r.step_time_s:.3f}s  "
     f"workers {row['live_workers']}  schedule {row['schedule']}"
     + (f"  eval_loss {row['eval_loss']:.4f}  eval_ppl {row['eval_ppl']:.4g}"
        if "eval_loss" in row else "")

@@ -107,6 +107,11 @@ class Run:
     return self.group.chief
 
   @property
+  def device_kind(self) -> str:
+    """This process's devices' kind (`jax.Device.device_kind`: the MFU's peak)."""
+    return jax.local_devices()[0].device_kind
+
+  @property
   def ckpt_dir(self) -> Path:
     return self.workdir / "checkpoints"
 
