@@ -186,15 +186,25 @@ def test_a_pipeline_that_returns_to_a_process(tmp_path):
   each process has a worker waiting for the other's activations or gradients while its other
   worker's ops are queued. That deadlocked (every process exited 6) when a device's queue could
   hold a computation waiting on a transfer from the other process (`runtime/inbox.py`). Every
-  step trains the fault-free samples to the single-device losses."""
+  step trains the fault-free samples to the single-device losses.
+
+  It is also the suite's Oobleck job (layers a survivor lacks copied from the other process)
+  and its deferred saves: a save due while the previous one is written waits for the first
+  free step (`checkpoint.if_busy=defer`: process 0 decides, the holders follow). The other
+  policies' jobs: recycle's SIGKILLs in `test_sigkill_matches_in_process_run`, Bamboo's in
+  `test_a_relaunched_process_rejoins[bamboo]`, restart's restore inside the job in
+  `test_losing_a_whole_stage_restores_inside_the_job`; `auto` picks among these (its switches
+  are carried out in-process: `test_policies.py`)."""
   workdir = tmp_path / "multi"
   proc = subprocess.run(
     [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=2", "--",
      *_train_args(workdir), "--config.faults.schedule=2:1.1",
-     "--config.resilience.policy=oobleck", "--config.distributed.wait_timeout_s=60"],
+     "--config.resilience.policy=oobleck", "--config.distributed.wait_timeout_s=60",
+     "--config.checkpoint.every_steps=1", "--config.checkpoint.if_busy=defer"],
     cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, tail(proc)
   assert "exit codes: p0=0, p1=0" in proc.stdout, tail(proc)
+  assert (workdir / "checkpoints" / str(STEPS)).is_dir(), tail(proc)  # the last is never put off
   # The re-templated pipeline's stages, in order, on nodes of process 0, 1, 0 (pipeline
   # placement, 2 workers per process: nodes 0 and 1 are process 0's).
   after = (workdir / "schedule.txt").read_text().strip().split("\n\n")[1]
@@ -333,29 +343,6 @@ def test_process_0_frozen_past_the_heartbeat_ends_every_process_with_exit_5(tmp_
   assert "[p0] process 0 (the coordination service) stalled for " in proc.stdout, tail(proc)
   saved = workdir / "checkpoints"
   assert all(int(p.name) < 2 for p in saved.iterdir()) if saved.exists() else True, tail(proc)
-
-
-@pytest.mark.parametrize("policy", ["oobleck"])
-def test_every_policy_survives_a_sigkill(tmp_path, policy):
-  """The same interpreter and loop run every policy across processes: Oobleck copies the layers
-  a survivor lacks from another process. The other policies' SIGKILLs are in other jobs, to keep
-  the suite's CPU down: Bamboo's predecessor taking over from the replica it pulled after every
-  step, in `test_a_relaunched_process_rejoins[bamboo]` (then the process comes back); recycle
-  in `test_sigkill_matches_in_process_run`; `restart`'s restore of the checkpoint onto the
-  survivors inside the job, what every policy does when a whole stage is lost, in
-  `test_losing_a_whole_stage_restores_inside_the_job`; `auto` picks among these (its switches
-  are carried out in-process: `test_policies.py`)."""
-  workdir = tmp_path / "multi"
-  # A save due while the previous one is written is deferred (`if_busy=defer`): process 0
-  # decides, and the holders follow.
-  extra = [f"--config.resilience.policy={policy}", "--config.checkpoint.every_steps=1",
-           "--config.checkpoint.if_busy=defer"]
-  proc = run_local(workdir, "--kill=3:2", extra=extra)
-  assert proc.returncode == 0, tail(proc)
-  assert "exit codes: p0=0, p1=0, p2=killed, p3=0" in proc.stdout, tail(proc)
-  multi = read_rows(workdir / "metrics.jsonl")
-  assert_same_run(multi, fault_free(), workers=False)
-  assert multi[-1]["live_workers"] < 4
 
 
 def test_tied_head_and_a_nan_step_across_processes(tmp_path):
