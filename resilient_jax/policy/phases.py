@@ -13,6 +13,9 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 
+from resilient_jax.schedule.core import Schedule
+from resilient_jax.schedule.cost import OpCosts, simulate
+
 
 @dataclasses.dataclass
 class Phase:
@@ -33,6 +36,8 @@ class Phase:
   replayed: tuple[int, float] | None = None
   """`(step, seconds)`: a profiled step of this stretch (not its first, which compiles),
   replayed from its measured op times."""
+  measured: tuple[Schedule, OpCosts] | None = None
+  """That step's schedule and its per-stage mean op times (a grid plan's only)."""
 
 
 class PhaseLog:
@@ -59,7 +64,8 @@ class PhaseLog:
             "devices sharing this host's cores")
 
   def record_step_time(
-    self, step: int, seconds: float, *, profiled: bool = False, replayed_s: float | None = None
+    self, step: int, seconds: float, *, profiled: bool = False, replayed_s: float | None = None,
+    measured: tuple[Schedule, OpCosts] | None = None,
   ) -> None:
     """Records a completed step. Only warm steps count for comparisons: not profiled, and not
     the first step of a schedule (it compiles the new stage groups' all-reduces).
@@ -69,13 +75,14 @@ class PhaseLog:
       seconds: its wall-clock time.
       profiled: it ran in profile mode (each op waited for), so its wall time is not a step's.
       replayed_s: for a profiled step, its schedule replayed from the measured op times.
+      measured: for a profiled step of a grid plan, its schedule and per-stage mean op times.
     """
     phase = self.phases[-1]
     if phase.first_step is None:
       phase.first_step = step
     elif profiled:
       if replayed_s is not None and phase.replayed is None:
-        phase.replayed = (step, replayed_s)
+        phase.replayed, phase.measured = (step, replayed_s), measured
         if self.simulated_devices and phase.report_pending:
           phase.report_pending = False
           self._report_replayed(phase)
@@ -106,11 +113,24 @@ class PhaseLog:
       )
       return
     b_step, b = before.replayed
+    predicted = phase.predicted_ratio / before.predicted_ratio
+    if before.measured is not None and phase.measured is not None:
+      # One step's op times on shared cores vary more from step to step than a schedule
+      # changes a step: both schedules are replayed with the same (earlier) op times, so the
+      # ratio is the schedules'; the other step's own replay is given beside it.
+      (b_sched, costs), (a_sched, _) = before.measured, phase.measured
+      same_b, same_a = simulate(b_sched, costs).makespan, simulate(a_sched, costs).makespan
+      self.log(
+        f"step time x{same_a / same_b:.2f} after {self._failure(phase)}: both schedules "
+        f"replayed with the op times measured at step {b_step} ({same_b * 1e3:.1f} ms, "
+        f"{same_a * 1e3:.1f} ms; with step {step}'s own op times x{after / b:.2f}, which "
+        f"single steps' timings on shared cores make noisy); cost model predicts "
+        f"x{predicted:.2f}; {self._shared_cores()}")
+      return
     self.log(
       f"step time x{after / b:.2f} after {self._failure(phase)}, replayed from measured op "
       f"times ({b * 1e3:.1f} ms at step {b_step}, {after * 1e3:.1f} ms at step {step}; cost "
-      f"model predicts x{phase.predicted_ratio / before.predicted_ratio:.2f}; "
-      f"{self._shared_cores()})"
+      f"model predicts x{predicted:.2f}; {self._shared_cores()})"
     )
 
   def _report_wall(self, phase: Phase, seconds: float) -> None:

@@ -25,10 +25,11 @@ import numpy as np
 from resilient_jax import data as data_lib
 from resilient_jax.exit_codes import EXIT_NONFINITE
 from resilient_jax.files import read_jsonl, write_text_atomic
-from resilient_jax.observe.profiling import RunTimelines, write_step_timeline
+from resilient_jax.observe.profiling import RunTimelines, costs_from_records, write_step_timeline
 from resilient_jax.observe.utilization import mfu
 from resilient_jax.runtime.records import StepResult
 from resilient_jax.schedule.cost import Timeline
+from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.run import Run
 
 
@@ -209,9 +210,13 @@ def step_line(info: StepInfo) -> None:
 def step_times(info: StepInfo) -> None:
   """The step's time to the policy's report of a failure (after the step's line: a failure's
   report names this step)."""
-  info.run.coordinator.record_step_time(
-    info.step, info.result.step_time_s, profiled=bool(info.result.records),
-    replayed_s=info.replayed.makespan if info.replayed else None)
+  coord, records = info.run.coordinator, info.result.records
+  measured = None
+  if info.replayed is not None and isinstance(coord.plan, GridPlan):
+    measured = (coord.plan.schedule, costs_from_records(records, coord.grid.pp))
+  coord.record_step_time(
+    info.step, info.result.step_time_s, profiled=bool(records),
+    replayed_s=info.replayed.makespan if info.replayed else None, measured=measured)
 
 
 def forget_old_agreements(info: StepInfo) -> None:
