@@ -107,7 +107,9 @@ class ReplicaCheck:
     mine = {f"{d}.{s}": int(v) for (d, s), v in zip(local, values, strict=True)}
     processes = sorted({p for p in (run.group.process_of(prog.node)
                                     for prog in sp.slots.values()) if p is not None}) or [0]
-    gathered = run.group.gather(f"step/{step}/replicas", mine, processes)
+    # Under the attempt too: a step run again after a restore must not read the first run's.
+    key = f"step/{step}/replicas/{run.attempts}"
+    gathered = run.group.gather(key, mine, processes)
 
     def verdict() -> list:
       digests = {tuple(map(int, k.split("."))): v for got in gathered.values()
@@ -115,7 +117,7 @@ class ReplicaCheck:
       groups = [members for stages in sp.holders.values() for members in stages.values()]
       return [[list(slot), majority] for slot, majority in odd_replicas(digests, groups)]
 
-    odd = run.group.agree(f"step/{step}/replicas/verdict", verdict)
+    odd = run.group.agree(f"{key}/verdict", verdict)
     info.row["replicas_checked"] = True
     if not odd:
       return
