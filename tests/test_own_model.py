@@ -202,9 +202,24 @@ class NoBlocks(nnx.Module):
     self.head = nnx.Linear(D, VOCAB, rngs=nnx.Rngs(0))
 
 
+class OwnNames(nnx.Module):
+  """The parts under the names published models give them."""
+
+  def __init__(self):
+    rngs = nnx.Rngs(0)
+    self.wte = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.layers = nnx.List([Block(rngs) for _ in range(2)])
+    self.lm_head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+
 def test_check_stageable_names_each_problem():
   with pytest.raises(NotStageableError, match="no `blocks`"):
     check_stageable(NoBlocks())
+  # A missing part is found among the model's own attributes, and the fix says how.
+  with pytest.raises(NotStageableError) as err:
+    check_stageable(OwnNames())
+  for part, own in (("embed", "wte"), ("blocks", "layers"), ("head", "lm_head")):
+    assert f"set `self.{part} = self.{own}` in __init__" in str(err.value), str(err.value)
   with pytest.raises(NotStageableError, match="not a flax.nnx.Module"):
     check_stageable(object())
   reused = Net(num_blocks=2)

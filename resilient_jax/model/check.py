@@ -42,7 +42,8 @@ def _problems(model: Any, num_stages: int | None, seq_len: int | None, batch: in
   out = []
   for part in ("embed", "blocks", "head"):
     if getattr(model, part, None) is None:
-      out.append(f"it has no `{part}` (a model needs `embed`, a list `blocks` and `head`)")
+      out.append(f"it has no `{part}` (a model needs `embed`, a list `blocks` and `head`)"
+                 + _suggest(model, part))
   if out:
     return out
   blocks = model.blocks
@@ -95,6 +96,30 @@ def _problems(model: Any, num_stages: int | None, seq_len: int | None, batch: in
   if out or seq_len is None:
     return out
   return _trial(model, seq_len, batch)
+
+
+def _suggest(model: Any, part: str) -> str:
+  """How to supply a missing part from what the model has, by its own attribute names: an
+  `nnx.Embed` for `embed`, a list of modules for `blocks`, a `nnx.Linear` (or a module named
+  like a head) for `head`; "" when nothing fits."""
+  found = []
+  for name, value in sorted(vars(model).items()):
+    if name.startswith("_") or name in ("embed", "blocks", "head"):
+      continue
+    if part == "embed" and isinstance(value, nnx.Embed):
+      found.append(f"`{name}` (an nnx.Embed)")
+    elif part == "blocks" and isinstance(value, (nnx.List, list, tuple)) and value and all(
+        isinstance(b, nnx.Module) for b in value):
+      found.append(f"`{name}` (a list of {len(value)} {type(value[0]).__name__})")
+    elif part == "head" and (isinstance(value, nnx.Linear) or (
+        isinstance(value, nnx.Module) and any(k in name.lower()
+                                              for k in ("head", "unembed", "output", "logits")))):
+      found.append(f"`{name}` (a {type(value).__name__})")
+  if not found:
+    return ""
+  names = " or ".join(found)
+  return (f"; {names} looks like it: set `self.{part} = self.{found[0].split('`')[1]}` in "
+          "__init__ (the same module under a second name, nothing copied)")
 
 
 def _trial(model: Any, seq_len: int, batch: int) -> list[str]:
