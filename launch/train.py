@@ -92,7 +92,8 @@ def _train(cfg: RunConfig, workdir: str, started: float, attach: Callable[[Any],
   from resilient_jax.training.preemption import steady_gc
 
   try:
-    trainer = Trainer(cfg, workdir, cluster=cluster)  # progress: absl logging at INFO
+    # Progress: absl logging at INFO; the goodput's wall time counts from the process's start.
+    trainer = Trainer(cfg, workdir, cluster=cluster, started=started)
     attach(trainer)
     with steady_gc():
       result = trainer.run()

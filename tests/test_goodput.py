@@ -153,3 +153,16 @@ def test_auto_matches_the_best_single_policy(tiny):
   assert ettr["auto"] >= max(v for n, v in ettr.items() if n != "auto") - 1e-9
   assert g["best_single"]["ettr"] == max(v for n, v in ettr.items() if n != "auto")
   assert np.isfinite(g["over_restart"]["recycle"]["points"])
+
+
+def test_the_runtime_goodput_counts_the_start_up_in_its_wall_time():
+  """`goodput.json` of a run: the wall time from the process's start (the launcher's), and the
+  start-up in it (imports, joining, building), named apart."""
+  from resilient_jax.observe.goodput import GoodputLog
+
+  log = GoodputLog()
+  log.started = log.ready - 12.0  # the process started 12 s before the run was built
+  report = log.report([{"step": 1, "step_time_s": 3.0, "samples_per_s": 1.0}],
+                      now=log.ready + 8.0)["run"]
+  assert report["startup_s"] == 12.0 and report["wall_s"] == 20.0
+  assert report["effective_fraction"] == 0.15

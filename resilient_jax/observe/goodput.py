@@ -56,7 +56,9 @@ class GoodputLog:
   """Collects the events of a run and writes `goodput.json` (see the module docstring)."""
 
   def __init__(self) -> None:
-    self.started = time.time()
+    self.started = self.ready = time.time()
+    """When the process started (`Trainer(started=...)`; else when the run was built), and when
+    the run was built: `wall_s` counts from the first, `startup_s` is the gap."""
     self.events: list[Event] = []
 
   def add(self, kind: str, step: int, nodes: list[int], *, detect_s: float | None = None,
@@ -104,6 +106,7 @@ class GoodputLog:
         "rejoins": sum(e.kind == "rejoin" for e in self.events),
         "steps_rerun": sum(e.steps_rerun for e in self.events),
         "wall_s": round(wall, 3),
+        "startup_s": round(self.ready - self.started, 3),
         "effective_training_s": round(effective, 3),
         "effective_fraction": round(effective / wall, 4),
       },

@@ -303,7 +303,7 @@ def summary(run: Run, metrics: list[dict]) -> None:
     g = run.goodput.write(run.workdir / "goodput.json", metrics)["run"]
     run.log(f"goodput: effective training time {g['effective_fraction']:.1%} of the wall time "
             f"({g['failures']} failure(s), {g['rejoins']} rejoin(s), {g['steps_rerun']} step(s) "
-            f"re-run): {run.workdir / 'goodput.json'}")
+            f"re-run; {g['startup_s']:.1f}s of it starting up): {run.workdir / 'goodput.json'}")
 
 
 def kept_agreements(run: Run, metrics: list[dict]) -> None:

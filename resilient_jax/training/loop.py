@@ -91,15 +91,19 @@ class Trainer:
     cluster: the joined `jax.distributed` job (`runtime.cluster.Cluster`); None runs every
       slot in this process.
     model: a user's model (see `run_config`); None builds the config's model family.
+    started: `time.time()` when the process started (the launcher's), so that the goodput's
+      wall time counts the start-up (imports, joining, building); None: from the run's build.
   """
 
   def __init__(self, cfg: RunConfig, workdir: str | os.PathLike, *,
                devices: list[jax.Device] | None = None, log: Logger = info,
-               faults: Sequence[FaultEvent] = (), cluster: Any = None, model: Any = None):
+               faults: Sequence[FaultEvent] = (), cluster: Any = None, model: Any = None,
+               started: float | None = None):
     check_fault_events(faults, cfg)
     self.cfg = cfg
     self.state = start_run(cfg, workdir, devices=devices, log=log, cluster=cluster, model=model)
     run = self.state
+    run.goodput.started = started or run.goodput.started  # the goodput's wall time from there
     self.checkpoints = Checkpoints(run)
     events = [FaultEvent(f.step, (f.dp, f.stage), rejoin=f.rejoin)
               for f in cfg.faults.schedule] + list(faults)
