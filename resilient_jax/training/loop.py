@@ -12,7 +12,8 @@ Read `Trainer.run` top to bottom:
      the survivors, or a restore of the latest checkpoint, and the step is attempted again with
      the same samples;
   3. a committed step goes to the hooks (`hooks.py`: the held-out evaluation when due, which
-     loses nodes and recovers as a step does, `evaluation.py`; metrics, TensorBoard, log line,
+     loses nodes and recovers as a step does, `evaluation.py`; the replicas' digests when due,
+     a corrupt one dropped at the next step, `integrity.py`; metrics, TensorBoard, log line,
      timelines, the policy's step times), then stops on non-finite steps or a preemption, then
      checkpoints when due (`checkpoints.py`).
 
