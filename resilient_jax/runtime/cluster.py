@@ -155,8 +155,9 @@ class Cluster:
     self._timeout_ms = cfg.wait_timeout_s * 1000
     self._last_beat = time.monotonic()
     self.stalled_s = 0.0
-    """The longest this process went without a heartbeat past the timeout (0: never): it was
+    """How long this process last went without a heartbeat past the timeout (0: never): it was
     frozen (SIGSTOP, a hung host) long enough for the others to give up on it."""
+    self._stall_seen = -math.inf  # when that stall was noticed
     if self.process_id == 0:
       # It hosts the service. Its clients abort once it stalls past the heartbeat timeout and
       # exit 5; so does it then, whichever it notices first (the runtime's abort, or the others
@@ -296,12 +297,15 @@ class Cluster:
       time.sleep(self._heartbeat_interval_s)
 
   def _stalled(self) -> bool:
-    """Whether this process has gone without a heartbeat for longer than the timeout (now, or
-    at some point before: it sticks)."""
-    gap = time.monotonic() - self._last_beat
-    if gap > self.cfg.heartbeat_timeout_s:
-      self.stalled_s = max(self.stalled_s, gap)
-    return self.stalled_s > 0
+    """Whether this process has gone without a heartbeat for longer than the timeout, now or
+    within the last three timeouts (what the others do about it happens within that: their
+    runtime aborts, and the loss reaches this process at its next wait). An older stall (a long
+    pause of this process's Python that the others never saw) says nothing of a later loss."""
+    now = time.monotonic()
+    gap, timeout = now - self._last_beat, self.cfg.heartbeat_timeout_s
+    if gap > timeout:
+      self.stalled_s, self._stall_seen = gap, now
+    return now - self._stall_seen < 3 * timeout
 
   def _why_stalled(self) -> str:
     return (f"process {self.process_id} (the coordination service) stalled for "
