@@ -81,6 +81,8 @@ class PlannerPolicy(InPlacePolicy):
     self.keep_sources = keep_sources
     self._cache: dict[Hashable, float] = {}
     self._plans: dict[Hashable, Schedule] = {}
+    self._timed: dict[Hashable, float] = {}
+    """The planner's own makespan of a plan in `_plans` (it times what it plans), by key."""
     self._footprints: dict[Hashable, tuple[Schedule | None, float]] = {}
     self.plans = 0
 
@@ -127,13 +129,15 @@ class PlannerPolicy(InPlacePolicy):
     key = (grid, state, costs)
     if key not in self._plans:
       self.plans += 1
-      self._plans[key] = adaptive.plan(
+      self._plans[key], makespan = adaptive.plan_timed(
         self.planner,
         FailureState(dp, grid.pp, grid.m, planned_failed),
         op,
         memory_cap=grid.memory_cap,
         base=grid.base,
       )
+      if makespan is not None:
+        self._timed[key] = makespan
     return self._plans[key], op
 
   def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> Schedule | None:
@@ -204,7 +208,9 @@ class PlannerPolicy(InPlacePolicy):
     key = (grid, self._state(grid, failed, reduce), costs)
     if key not in self._cache:
       sched, op = self.schedule(grid, failed, costs, reduce=reduce)
-      self._cache[key] = simulate(sched, op).makespan
+      # The planner timed its plan as `simulate` would (same costs): not replayed again.
+      timed = self._timed.get(key)
+      self._cache[key] = timed if timed is not None else simulate(sched, op).makespan
     return self._cache[key]
 
   def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:

@@ -113,7 +113,15 @@ def _check_cap(memory_cap: int | None) -> None:
 def plan_adaptive(
   state: FailureState, costs: OpCosts, *, memory_cap: int | None = None, base: str = "zb-h1"
 ) -> Schedule:
-  """ReCycle's adaptive schedule for the survivors of `state.failed`.
+  """`plan_adaptive_timed`'s schedule."""
+  return plan_adaptive_timed(state, costs, memory_cap=memory_cap, base=base)[0]
+
+
+def plan_adaptive_timed(
+  state: FailureState, costs: OpCosts, *, memory_cap: int | None = None, base: str = "zb-h1"
+) -> tuple[Schedule, float]:
+  """ReCycle's adaptive schedule for the survivors of `state.failed`, and its makespan under
+  `costs` (what `simulate` gives: the planner times every candidate that way).
 
   Routes come from `reroute`. Every backward is split into B and W, and each worker's ops are
   placed by event-driven list scheduling over `costs`: an idle worker starts a ready B first (it
@@ -134,7 +142,7 @@ def plan_adaptive(
       candidate when nothing failed).
 
   Returns:
-    A valid schedule named "adaptive", within the cap.
+    A valid schedule named "adaptive", within the cap, and its makespan.
 
   Raises:
     StageLostError: when every worker of a stage has failed.
@@ -147,9 +155,9 @@ def plan_adaptive(
   costs.check_stages(pp)
   route = reroute(dp, pp, m, dead)
   cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base)
-  schedule, _ = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base)
+  schedule, makespan = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base)
   validate(schedule, memory_cap=cap)
-  return schedule
+  return schedule, makespan
 
 
 @_collector_paused()
@@ -313,7 +321,20 @@ def plan(
   memory_cap: int | None = None,
   base: str | None = None,
 ) -> Schedule:
-  """The schedule `policy` runs on the survivors of `state.failed`.
+  """`plan_timed`'s schedule."""
+  return plan_timed(policy, state, costs, memory_cap=memory_cap, base=base)[0]
+
+
+def plan_timed(
+  policy: str,
+  state: FailureState,
+  costs: OpCosts,
+  *,
+  memory_cap: int | None = None,
+  base: str | None = None,
+) -> tuple[Schedule, float | None]:
+  """The schedule `policy` runs on the survivors of `state.failed`, and its makespan under
+  `costs` where the planner timed it ("adaptive" on failures; else None: `simulate` it).
 
   Args:
     policy: "adaptive" (`plan_adaptive`) or "naive" (`plan_naive`).
@@ -324,7 +345,7 @@ def plan(
     base: the fault-free generator; None means "zb-h1" for "adaptive" and "1f1b" for "naive".
 
   Returns:
-    The schedule.
+    The schedule, and its makespan or None.
 
   Raises:
     StageLostError: when every worker of a stage has failed.
@@ -337,7 +358,7 @@ def plan(
     base = "zb-h1" if policy == "adaptive" else "1f1b"
   _check_base(base)
   if not state.failed:
-    return generate(base, state.dp, state.pp, state.m)
+    return generate(base, state.dp, state.pp, state.m), None
   if policy == "adaptive":
-    return plan_adaptive(state, costs, memory_cap=memory_cap, base=base)
-  return plan_naive(state, base=base)
+    return plan_adaptive_timed(state, costs, memory_cap=memory_cap, base=base)
+  return plan_naive(state, base=base), None
