@@ -57,7 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     decay_embeddings=True,
     clip_global_norm=0.0,
   )
-  c.faults = dict(schedule="", nonfinite="", corrupt="")
+  c.faults = dict(schedule="", nonfinite="", corrupt="", slow="")
   c.resilience = dict(
     policy="recycle",
     memory_cap=0,
@@ -68,6 +68,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     regroup_steps=1.0,
     restore_on_stage_loss=True,
     check_replicas_every=0,
+    straggler_every=0,  # e.g. 1: time every op to find slow workers (training/stragglers.py)
+    straggler_threshold=1.5,
+    straggler_steps=3,
   )
   c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="")
   c.profile = dict(trace_steps="", peak_tflops=0.0)  # trace_steps e.g. "3,4": jax.profiler traces

@@ -9,6 +9,7 @@ launcher prints that one line and exits with code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -234,6 +235,40 @@ def check_rejoins(events: Iterable[tuple[int, tuple[int, int], bool]]) -> None:
     del down[worker]
 
 
+_SLOW_RE = re.compile(r"^(\d+):(\d+)\.(\d+):([0-9]*\.?[0-9]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slowdown:
+  """From 1-based `step` on, every op of worker `(dp, stage)`'s device takes `factor` times as
+  long (`faults.slow`; a later entry for the same worker replaces it, factor 1 ends it)."""
+
+  step: int
+  dp: int
+  stage: int
+  factor: float
+
+  def __str__(self) -> str:
+    return f"{self.step}:{self.dp}.{self.stage}:{self.factor:g}"
+
+
+def parse_slowdowns(spec: str, key: str = "faults.slow") -> tuple[Slowdown, ...]:
+  """Parses `STEP:DP.STAGE:FACTOR`, comma-separated, e.g. `3:1.0:2,8:1.0:1` (worker (1, 0)
+  runs at half speed from step 3, at full speed again from step 8).
+
+  Raises:
+    ConfigError: a malformed entry or a factor below 1.
+  """
+  out = []
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    m = _SLOW_RE.match(part)
+    if not m or float(m.group(4)) < 1:
+      raise ConfigError(f"{key} entry {part!r} is not STEP:DP.STAGE:FACTOR with FACTOR >= 1 "
+                        "(e.g. 3:1.0:2: worker (1, 0)'s ops take twice as long from step 3)")
+    out.append(Slowdown(int(m.group(1)), int(m.group(2)), int(m.group(3)), float(m.group(4))))
+  return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class FaultsConfig:
   schedule: tuple[Fault, ...] = ()
@@ -246,6 +281,9 @@ class FaultsConfig:
   corrupt: tuple[Fault, ...] = ()
   """`STEP:DP.STAGE,...`: one bit of that worker's parameters flips after that step commits (in
   the process that holds it): silent data corruption, for `resilience.check_replicas_every`."""
+  slow: tuple[Slowdown, ...] = ()
+  """`STEP:DP.STAGE:FACTOR,...`: from that step on, that worker's ops take FACTOR times as long
+  (1 ends it): a straggler, for `resilience.straggler_every` (`training/stragglers.py`)."""
 
 
 IF_BUSY = ("wait", "defer")
@@ -266,6 +304,12 @@ class CheckpointConfig:
   """Start from the parameters of this checkpoint (universal, or a plain orbax NNX state of the
   same model); seed, data, optimizer and steps are this run's. A workdir holding checkpoints
   resumes from them instead."""
+  local_dir: str = ""
+  """Where each process of a job writes its stages' state of the last committed step when
+  process 0 (the coordination service) is lost, for the relaunch to resume from
+  (`checkpoint/local.py`); default `WORKDIR/local`. On a cluster, node-local disk writes fastest;
+  a relaunched process can resume from it only where it can read the copies of its stages there
+  (else the relaunch resumes from the shared checkpoint, and says so)."""
 
   def __post_init__(self):
     require_ints("checkpoint.", {"every_steps": self.every_steps, "keep": self.keep}, 0,
@@ -274,6 +318,8 @@ class CheckpointConfig:
       raise ConfigError(f"checkpoint.if_busy={self.if_busy!r} is not one of {', '.join(IF_BUSY)}")
     if not isinstance(self.init_from, str):
       raise ConfigError(f"checkpoint.init_from must be a path, got {self.init_from!r}")
+    if not isinstance(self.local_dir, str):
+      raise ConfigError(f"checkpoint.local_dir must be a path, got {self.local_dir!r}")
 
 
 POLICIES = ("recycle", "naive", "oobleck", "bamboo", "restart", "auto")
@@ -308,12 +354,26 @@ class ResilienceConfig:
   """Every this many steps, compare a digest of every data-parallel replica's parameters with
   its stage's others (they are bitwise equal after each step): a replica that differs from the
   majority is dropped like a failed worker (silent data corruption); 0: never."""
+  straggler_every: int = 0
+  """Every this many steps, time each op (the step waits for each) to find stragglers: a worker
+  whose op times stay above `straggler_threshold` times its stage peers' for `straggler_steps`
+  measured steps gets a share of micro-batches in proportion to its speed (recycle, naive);
+  0: never (timing every op serialises the devices' work)."""
+  straggler_threshold: float = 1.5
+  """How many times slower than its stage peers' median a worker's ops must be to count."""
+  straggler_steps: int = 3
+  """Measured steps in a row a worker must be slow (or back to normal) before the plan changes."""
 
   def __post_init__(self):
     if self.policy not in POLICIES:
       raise ConfigError(f"resilience.policy={self.policy!r} is not one of {', '.join(POLICIES)}")
-    keys = ("memory_cap", "tolerate", "min_pipeline_nodes", "check_replicas_every")
+    keys = ("memory_cap", "tolerate", "min_pipeline_nodes", "check_replicas_every",
+            "straggler_every")
     require_ints("resilience.", {k: getattr(self, k) for k in keys}, 0, ConfigError)
+    require_ints("resilience.", {"straggler_steps": self.straggler_steps}, 1, ConfigError)
+    t = self.straggler_threshold
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1 < t < math.inf:
+      raise ConfigError(f"resilience.straggler_threshold must be a number > 1, got {t!r}")
     keys = ("restart_steps", "regroup_steps")
     require_numbers("resilience.", {k: getattr(self, k) for k in keys}, error=ConfigError)
     require_numbers("resilience.", {"mean_steps_between_failures":
@@ -422,6 +482,10 @@ class RunConfig:
           raise ConfigError(f"faults.{key} entry {f} is outside steps 1..{train.steps} "
                             f"or the {mesh.dp}x{mesh.pp} grid")
     check_rejoins((f.step, (f.dp, f.stage), f.rejoin) for f in self.faults.schedule)
+    for f in self.faults.slow:
+      if not (1 <= f.step <= train.steps and f.dp < mesh.dp and f.stage < mesh.pp):
+        raise ConfigError(f"faults.slow entry {f} is outside steps 1..{train.steps} "
+                          f"or the {mesh.dp}x{mesh.pp} grid")
 
   @property
   def microbatch_size(self) -> int:
@@ -481,6 +545,8 @@ def _faults(raw: dict) -> dict:
   if any(f.rejoin for f in raw["corrupt"]):
     raise ConfigError("faults.corrupt entries are STEP:DP.STAGE (a bit flips in that worker's "
                       "parameters after that step), not rejoins")
+  spec = raw.get("slow", "")
+  raw["slow"] = parse_slowdowns(spec) if isinstance(spec, str) else tuple(spec)
   spec = raw.get("nonfinite", "")
   if isinstance(spec, str):
     pairs = []
