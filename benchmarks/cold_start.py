@@ -1,12 +1,14 @@
 """Cold start: time to the first finished step, and XLA compilations, library against plain JAX.
 
-  python benchmarks/cold_start.py [--repeats=3] [--grids=1x1,2x1,1x2,2x2,4x2] [--warm]
+  python benchmarks/cold_start.py [--repeats=3] [--grids=1x1,2x1,1x2,2x2,4x2] [--warm] [--jax_cache]
 
 Each measurement is a fresh Python process with an empty compilation cache (JAX's and the
 library's `programs/` folder), simulated CPU devices, the tiny GPT config. With `--warm`, a
 second process then runs the same variant on the cache the first one filled: the library on its
 `programs/` folder, the plain variants on JAX's persistent compilation cache (with its
-thresholds at zero, so every program is kept): a second identical run's start. It times from
+thresholds at zero, so every program is kept): a second identical run's start. With
+`--jax_cache`, the library runs with JAX's persistent cache on as well (as a user who sets
+`jax_compilation_cache_dir` has it), beside its own folder. It times from
 building the step (model, programs, state) to the first step's updated parameters being ready,
 and counts XLA compilations (`compiled.BuildCounter.xla`: every backend compile while it
 counts). The variants of `benchmarks/overhead.py` run the same work:
@@ -37,9 +39,11 @@ _CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, {root!r})
 from resilient_jax.runtime import setup as runtime_setup
-runtime_setup.configure_jax(num_cpu_devices=8, cache_dir={cache!r})
+runtime_setup.configure_jax(num_cpu_devices=max(8, {dp} * {pp}), cache_dir={cache!r})
 import jax
-if {variant!r} != "library":  # plain JAX at its best: its own persistent cache, every program
+# plain JAX at its best: its own persistent cache, every program kept (the library too with
+# --jax_cache, as a user who sets jax_compilation_cache_dir runs it)
+if {variant!r} != "library" or {jax_cache!r}:
   jax.config.update("jax_compilation_cache_dir", os.path.join({cache!r}, "jax"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -61,10 +65,11 @@ print(json.dumps(dict(seconds=time.perf_counter() - t0, xla=counts.xla,
 """
 
 
-def measure(dp: int, pp: int, variant: str, warm: bool) -> dict:
+def measure(dp: int, pp: int, variant: str, warm: bool, jax_cache: bool = False) -> dict:
   """The cold start of `variant` (and with `warm`, the second start on its cache)."""
   with tempfile.TemporaryDirectory(prefix="cold_") as cache:
-    code = _CHILD.format(root=ROOT, cache=cache, dp=dp, pp=pp, variant=variant)
+    code = _CHILD.format(root=ROOT, cache=cache, dp=dp, pp=pp, variant=variant,
+                         jax_cache=jax_cache)
     result = {}
     for run in ("cold", "warm") if warm else ("cold",):
       out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--grids", default="1x1,2x1,1x2,2x2,4x2")
   p.add_argument("--warm", action="store_true", help="also time a second start on the cache")
+  p.add_argument("--jax_cache", action="store_true",
+                 help="the library with JAX's persistent compilation cache on too")
   args = p.parse_args(argv)
   grids = [tuple(int(x) for x in g.split("x")) for g in args.grids.split(",")]
   cases = []
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
   runs: dict[tuple, list[dict]] = {c: [] for c in cases}
   for r in range(args.repeats):
     for c in cases[r % len(cases):] + cases[:r % len(cases)]:
-      runs[c].append(measure(*c, warm=args.warm))
+      runs[c].append(measure(*c, warm=args.warm, jax_cache=args.jax_cache))
   print(f"load average at end: {os.getloadavg()[0]:.2f}")
   for run in ("cold", "warm") if args.warm else ("cold",):
     print(f"\n{run} start (a fresh process{' on the cache the cold one filled' * (run == 'warm')})")

@@ -171,3 +171,60 @@ def test_a_layout_that_equals_only_itself_does_not_split_the_key():
   treedef = jax.tree.structure([0, 0])
   assert _signature(treedef, [leaf(), leaf()], multi=False) == _signature(
     treedef, [leaf(), leaf()], multi=False)
+
+
+@pytest.fixture
+def jax_cache(tmp_path, monkeypatch):
+  """JAX's own persistent compilation cache on, every program kept (as a user who sets
+  `jax_compilation_cache_dir` has it), the library's folder off: `use(name)` points JAX at a
+  fresh folder (a new process's view of it); all off again after."""
+  from jax.experimental.compilation_cache import compilation_cache as jax_cc
+
+  monkeypatch.setattr(compiled, "_cache_dir", None)
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  saved = {n: getattr(jax.config, n) for n in names}
+
+  def use(name):
+    jax_cc.reset_cache()  # JAX decides once per process whether its cache is used
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / name))
+
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  try:
+    yield use
+  finally:
+    for n, v in saved.items():
+      jax.config.update(n, v)
+    jax_cc.reset_cache()
+
+
+def test_with_jax_cache_on_compiles_stay_flat_in_dp(jax_cache):
+  """With JAX's persistent cache on, a program is compiled once whatever the number of devices
+  (data-parallel replicas) it runs on, and loaded on the others. And where JAX's cache serves
+  the first device (its executable would re-serialize without its kernels: "Function ... not
+  found" on the others), the second device compiles it and every later one loads that: the
+  same results, no broken copies."""
+
+  devices = jax.devices()
+  w, x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8), np.eye(8, dtype=np.float32)
+  want = np.tanh(x @ w) * 3.0
+
+  def run(dp, folder):
+    def step(w, x):  # a new function: as in a new process, JAX's in-memory caches miss
+      return {"y": jnp.tanh(x @ w) * 3.0}
+
+    jax_cache(folder)
+    with BuildCounter().counting() as counts:
+      program = OnEachDevice(step)
+      for d in devices[:dp]:
+        out = program(jax.device_put(w, d), jax.device_put(x, d))["y"]
+        assert out.devices() == {d}
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
+    return counts.compiled, counts.loaded, counts.xla
+
+  assert run(2, "dp2") == (1, 1, 1)
+  assert run(4, "dp4") == (1, 3, 1)  # as many compiles as at dp=2
+  # JAX's folder of the dp=4 run holds the first device's program: read there, compiled on the
+  # second (a compile of XLA's own, not a cache read), loaded on the other two.
+  assert run(4, "dp4") == (2, 2, 2)

@@ -23,10 +23,18 @@ A kept file is native code behind a pickle, and the folder may be shared: every 
 written by anyone without the key) is compiled again, never read further.
 
 Platform fact (jax 0.10, CPU): an executable that JAX read back from its own persistent
-compilation cache serializes without its kernels, and the copy fails at run time ("Function ...
-not found"). JAX's cache cannot be bypassed for one compile (whether it is used is decided once
-per process), so where it is on, `OnEachDevice` does not serialize at all and compiles per
-device like `jax.jit`; the library's launchers leave it off and use this cache instead.
+compilation cache (`jax_compilation_cache_dir`, which users of other JAX libraries set)
+serializes without its kernels, and the copy fails at run time ("Function ... not found").
+JAX's cache cannot be bypassed for one compile (whether it is used is decided once per
+process), but it says which compiles it served (`jax.monitoring`'s cache events, in the
+compiling thread): only an executable XLA has just compiled is serialized and loaded elsewhere.
+One that JAX's cache served runs on its own device, and the next device compiles the program
+again; on CPU JAX's key holds the device assignment, so that compile is XLA's own and its
+executable serves every later device. So with JAX's cache on, compiles stay flat in dp too:
+one per program from an empty JAX cache, one read of it plus one compile from a JAX cache
+that holds the first device's entry, none once this library's own folder holds the program
+(it is read first). Where JAX says nothing of a compile it was asked to cache (another JAX
+version's events), the program is compiled per device like `jax.jit`: slower, never wrong.
 
 If loading fails (a backend or JAX version without executable serialization), that device gets
 an executable compiled for it: slower to start, never wrong.
@@ -88,6 +96,30 @@ _Blob = tuple[bytes, Any, Any, tuple[int, ...]]
 """Serialized executable, in_tree, out_tree, ids of the devices it was compiled for."""
 
 
+_JAX_CACHE_ASKED = "/jax/compilation_cache/compile_requests_use_cache"  # `jax._src.compiler`'s
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def _note_jax_cache(event: str, **_: Any) -> None:
+  seen = getattr(_local, "jax_cache_events", None)
+  if seen is not None and event in (_JAX_CACHE_ASKED, _JAX_CACHE_HIT):
+    seen.add(event)
+
+
+def _compile(lowered: jax.stages.Lowered, options: dict[str, Any]
+             ) -> tuple[jax.stages.Compiled, bool]:
+  """`lowered` compiled, and whether its executable is XLA's own output, which serializes
+  whole (False: JAX's persistent cache served it, or may have and did not say)."""
+  if not _jax_cache_on():
+    return lowered.compile(options or None), True
+  _local.jax_cache_events = seen = set()
+  try:
+    program = lowered.compile(options or None)
+  finally:
+    _local.jax_cache_events = None
+  return program, _JAX_CACHE_ASKED in seen and _JAX_CACHE_HIT not in seen
+
+
 @dataclasses.dataclass
 class BuildCounter:
   """What one owner (a training run, a benchmark) saw built while it counted (`counting`):
@@ -147,6 +179,7 @@ def _count_xla(event: str, duration_s: float, **_: Any) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_xla)
+jax.monitoring.register_event_listener(_note_jax_cache)
 
 
 class OnEachDevice:
@@ -210,13 +243,6 @@ class OnEachDevice:
     program = None
     if sig not in self._blobs:
       lowered = self._jit.lower(*args)
-      if _jax_cache_on():  # its executables may not re-serialize whole: compile per device
-        self._blobs[sig] = None
-        program = lowered.compile(self._options or None)
-        _count("compiled")
-        self.built += 1
-        self._programs[(device, sig)] = program
-        return program
       path = _disk_path(lowered, self._options, sig[2] if len(sig) > 2 else ())
       kept, here = None, None
       if path is not None:  # one compile per cache folder, whoever else needs it now
@@ -236,21 +262,26 @@ class OnEachDevice:
     else:
       blob = self._blobs[sig]
       program = None if blob is None else _load(blob, device)
-      if program is None:
-        program = self._jit.lower(*args).compile(self._options or None)
-        _count("compiled")
-        self.built += 1
-      else:
+      if program is not None:
         _count("loaded")
+      else:  # not loadable here; or JAX's cache served the first device: its own compile now
+        lowered = self._jit.lower(*args)
+        path = None if blob is not None else _disk_path(
+          lowered, self._options, sig[2] if len(sig) > 2 else ())
+        program, blob = self._compile_and_keep(lowered, path, device)
+        if self._blobs[sig] is None:
+          self._blobs[sig] = blob
+        self.built += 1
     self._programs[(device, sig)] = program
     return program
 
   def _compile_and_keep(self, lowered: jax.stages.Lowered, path: str | None,
                         device: Placement) -> tuple[Any, _Blob | None]:
-    """Compiles `lowered` (for `device`), keeps it at `path`; the program and its blob."""
-    program = lowered.compile(self._options or None)
+    """Compiles `lowered` (for `device`), keeps it at `path`; the program and its blob (None
+    where it cannot serve another device: see the module's platform fact)."""
+    program, whole = _compile(lowered, self._options)
     _count("compiled")
-    return program, _serialize(program, path, device)
+    return program, (_serialize(program, path, device) if whole else None)
 
 
 def default_device() -> jax.Device:
