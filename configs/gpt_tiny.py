@@ -26,6 +26,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     tied_head=False,
     dtype="float32",  # compute dtype; bfloat16 for mixed precision
     param_dtype="float32",
+    remat="none",  # per block: none, full, or a jax.checkpoint_policies name (dots_saveable)
   )
   # tp: devices per worker (tensor parallelism in a stage); placement: multi-process jobs (README)
   c.mesh = dict(dp=2, pp=2, tp=1, placement="pipeline")

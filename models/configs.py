@@ -34,11 +34,15 @@ class GPTConfig(ModelConfig):
   """Compute dtype (`bfloat16`: mixed precision; parameters, gradients, their accumulation
   and the data-parallel reduction stay float32)."""
   param_dtype: str = "float32"
+  remat: str = "none"
+  """Per-block rematerialisation: `none`, `full`, or a `jax.checkpoint_policies` name
+  (`resilient_jax.model.config.REMAT`)."""
 
   def __post_init__(self):
     self.check_positive("vocab_size", "seq_len", "num_layers", "num_heads", "d_model",
                         "mlp_ratio")
     self.check_precision()
+    self.check_remat()
     if self.d_model % self.num_heads:
       raise ValueError(
         f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}"
@@ -77,8 +81,11 @@ class LlamaConfig(ModelConfig):
   dtype: str = "float32"
   """Compute dtype, as for GPT (`bfloat16`: parameters and gradients stay float32)."""
   param_dtype: str = "float32"
+  remat: str = "none"
+  """Per-block rematerialisation, as for GPT."""
 
   def __post_init__(self):
+    self.check_remat()
     self.check_positive("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
                         "d_model", "mlp_ratio")
     if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:

@@ -38,7 +38,7 @@ def train_reference(
   """
   model = make_model(cfg) if model is None else model
   names = variable_names(model)
-  stage = whole(model)
+  stage = whole(model, cfg.model.remat)
   bind = Binder(stage, names)
   params = dict(flat_params(stage, names))
   per_token = loss_fn(model)
@@ -81,7 +81,7 @@ def eval_reference(cfg: RunConfig, params: Mapping[str, Any], model: Any = None)
     model: a user's model (its structure only); None builds the config's model family.
   """
   model = make_model(cfg) if model is None else model
-  stage = whole(model)
+  stage = whole(model, cfg.model.remat)
   bind = Binder(stage, variable_names(model))
   per_token = loss_fn(model)
   source, _ = make_data(cfg)

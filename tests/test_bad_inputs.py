@@ -135,6 +135,8 @@ CASES = [
         needles="pipeline.partition"),
   train("dp-zero", *TRAIN, "--config.mesh.dp=0", needles="mesh.dp"),
   train("model-unknown", *TRAIN, "--config.model.name=bert", needles="model.name"),
+  train("remat-unknown", *TRAIN, "--config.model.remat=dots", needles=(
+    "model.remat='dots'", "none, full, dots_saveable")),
   train("policy-unknown", *TRAIN, "--config.resilience.policy=pray",
         needles="resilience.policy"),
   train("bamboo-one-stage", *TRAIN, "--config.mesh.pp=1", "--config.resilience.policy=bamboo",

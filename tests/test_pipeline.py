@@ -1,5 +1,6 @@
 """The pipelined trainer against a single-device run of the same model and data."""
 
+import dataclasses
 import json
 import threading
 
@@ -10,7 +11,12 @@ import pytest
 
 from resilient_jax import data as data_lib
 from resilient_jax.programs.compiled import BuildCounter, OnEachDevice
-from resilient_jax.programs.stages import clear_shared_programs, model_signature
+from resilient_jax.programs.stages import (
+  build_stage_programs,
+  clear_shared_programs,
+  model_signature,
+)
+from resilient_jax.recipe import make_model, make_optimizer, optimizer_key
 from resilient_jax.training.api import train
 from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_close, assert_matches_reference, quick_only, tiny_config
@@ -47,6 +53,50 @@ def test_uneven_partition_matches(tmp_path):
   assert [list(p.info.layers) for p in trainer.programs] == [[0, 1, 2], [3]]
   result = trainer.run()
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
+
+
+def test_rematerialised_blocks_match_keep_less_and_add_no_third_forward(tmp_path):
+  """`model.remat=full` at pp=2 under zb-h1 (B and W apart): the losses and parameters of one
+  device without remat; F keeps fewer bytes per micro-batch; the backward recomputes each
+  block's forward once, in B (W runs the matmuls it runs without remat); the fused backward
+  equals B then W."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, pipeline__schedule="zb-h1", model__remat="full")
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  result = trainer.run()
+  plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"))
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), plain)
+  # The same stages without remat: traced only (in the suite, shared with a run of this shape).
+  none = build_stage_programs(
+    make_model(plain), cfg.partition, 4, cfg.model.seq_len, make_optimizer(plain),
+    cfg.step_batch, optimizer_key=optimizer_key(plain))
+
+  def dots(prog, side):
+    return sum(prog.split.jaxpr.eqns[i].primitive.name == "dot_general"
+               for i in getattr(prog.split, side))
+
+  recomputed = []
+  for full, base in zip(trainer.programs, none, strict=True):
+    assert full.activation_bytes < base.activation_bytes / 4, (full.activation_bytes,
+                                                              base.activation_bytes)
+    if not full.info.first:  # the first stage has no B: its W is its whole backward
+      assert dots(full, "_w_eqns") == dots(base, "_w_eqns")
+    recomputed.append(sum(dots(full, s) - dots(base, s) for s in ("_b_eqns", "_w_eqns")))
+  # Each stage (two blocks each) recomputes its blocks' forward matmuls once, the head none.
+  assert recomputed[0] == recomputed[1] > 0, recomputed
+  # The fused backward of the last stage against its B then W, on one micro-batch.
+  last = trainer.programs[1]
+  params = result.interpreter.stage_params(1)
+  device = next(iter(params.values())).devices().pop()
+  x = jax.device_put(jnp.ones((4, cfg.model.seq_len, cfg.model.d_model)), device)
+  t = jax.device_put(jnp.ones((4, cfg.model.seq_len), jnp.int32), device)
+  _, res, saved = last.forward(params, x, t)
+  g = jax.device_put(jnp.float32(1.0), device)
+  dx, handover = last.backward_input(res, g)
+  split = last.backward_weight(params, saved, handover, last.zero_grads(params, device))
+  fused_dx, fused = last.backward_fused(res, saved, params, g, last.zero_grads(params, device))
+  assert_close(fused_dx, dx)
+  for name, value in split.items():
+    assert_close(fused[name], value, err_msg=name)
 
 
 @pytest.mark.parametrize("partition,schedule", quick_only(

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resilient_jax.model.config import REMAT
 from resilient_jax.model.split import split_backward
 from tests.helpers import assert_close
 
@@ -65,3 +66,32 @@ def test_b_and_w_equal_the_backward_and_norm_gradients_are_not_deferred():
   w_dots = [split.jaxpr.eqns[i] for i in split._w_eqns
             if split.jaxpr.eqns[i].primitive.name == "dot_general"]
   assert len(b_dots) == 1 and len(w_dots) == 1  # dx in B, dW in W
+
+
+def test_a_rematerialised_layer_recomputes_its_forward_in_b_once():
+  """`jax.checkpoint` (`model.remat`) leaves one `remat` equation holding the recompute and the
+  backward: the split inlines it, so B recomputes the forward once and W keeps only its own
+  weight-gradient matmul (no third forward), with the same gradients and fewer residuals."""
+  kx, kk, kg = jax.random.split(jax.random.key(1), 3)
+  params = {"scale": jnp.ones(D), "bias": jnp.zeros(D), "kernel": jax.random.normal(kk, (D, H)),
+            "b": jnp.zeros(H)}
+  x = jax.random.normal(kx, (T, D))
+  plain, plain_res, out, names = _split(_layer, params, x)
+  split, res, _, _ = _split(jax.checkpoint(_layer), params, x)
+  g = jax.random.normal(kg, out.shape)
+  dx, handover = split.backward_input([res[i] for i in split.b_residuals], [g])
+  grads = split.backward_weight([res[i] for i in split.w_residuals], handover)
+  want_p, want_x = jax.vjp(_layer, params, x)[1](g)
+  assert_close(dx[0], want_x)
+  for name, got in zip(names, grads, strict=True):
+    assert_close(got, want_p[name], err_msg=name)
+
+  def dots(s, side):
+    return sum(s.jaxpr.eqns[i].primitive.name == "dot_general" for i in getattr(s, side))
+
+  assert (dots(plain, "_b_eqns"), dots(plain, "_w_eqns")) == (1, 1)
+  assert (dots(split, "_b_eqns"), dots(split, "_w_eqns")) == (2, 1)  # + the recompute, in B
+  nbytes = lambda leaves: sum(v.nbytes for v in leaves)  # noqa: E731
+  assert nbytes(res) < nbytes(plain_res) / 2
+  # `model.remat` names policies JAX has (listed apart, so a config check imports no JAX).
+  assert all(hasattr(jax.checkpoint_policies, n) for n in REMAT if n not in ("none", "full"))

@@ -18,6 +18,12 @@ from resilient_jax.checks import require_ints
 DTYPES = ("float32", "bfloat16", "float16")
 """Compute dtypes a model family's `model.dtype` may name."""
 
+REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
+         "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims")
+"""What `model.remat` may name: `none`, `full` (`jax.checkpoint`: a block's forward keeps only
+its inputs), or a `jax.checkpoint_policies` policy that takes no arguments (what else the
+forward keeps). Listed here, not read from JAX, so that checking a config imports no JAX."""
+
 FAMILIES = {"gpt": "models.configs:GPTConfig", "llama": "models.configs:LlamaConfig"}
 """Model families selectable with `model.name`, as `module:class` (imported when chosen): a
 config class whose module imports no JAX, its `build` importing the model."""
@@ -44,6 +50,8 @@ class ModelConfig:
   vocab_size: int
   seq_len: int
   num_layers: int
+  remat: str
+  """How each block is rematerialised (`REMAT`; `staging.run_block`)."""
 
   def costs(self) -> ModelCosts:
     raise NotImplementedError
@@ -57,6 +65,11 @@ class ModelConfig:
 
   def check_positive(self, *keys: str) -> None:
     require_ints("model.", {k: getattr(self, k) for k in keys})
+
+  def check_remat(self) -> None:
+    """For every family: `model.remat` is one of `REMAT` (`staging.run_block` applies it)."""
+    if self.remat not in REMAT:
+      raise ValueError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT)}")
 
   def check_precision(self) -> None:
     """For families with `dtype` (compute) and `param_dtype` (stored parameters) keys."""
@@ -104,6 +117,11 @@ class CustomModelConfig(ModelConfig):
   head_params: int = 0
   hidden: int = 1
   fingerprint: str = ""
+  remat: str = "none"
+  """The config's `model.remat`: a user's model is rematerialised like a family's."""
+
+  def __post_init__(self):
+    self.check_remat()
 
   def costs(self) -> ModelCosts:
     return ModelCosts(self.block_flops, self.head_flops, self.embed_params, self.block_params,

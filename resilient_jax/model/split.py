@@ -13,7 +13,13 @@ equations are partitioned:
 
 This works for any layer JAX can differentiate: stock `nnx` layers, user layers, custom VJPs
 (an equation with a nested jaxpr, like `jit`, is inlined first; other higher-order equations such
-as `scan` stay whole, on whichever side needs them first). The fused backward is B and W in one
+as `scan` stay whole, on whichever side needs them first). A rematerialised block
+(`jax.checkpoint`, `model.remat`) leaves one `remat` equation in the backward holding both the
+recomputed forward and the block's backward: it is inlined too, so B runs the recompute once,
+as part of its equations, and hands W what W reads of it (the recomputed activations a weight
+gradient multiplies) instead of W recomputing the forward a third time. Its barrier against
+common-subexpression elimination has nothing to guard here: F, B and W are separate programs,
+so the recompute cannot be merged back into a forward. The fused backward is B and W in one
 program, so all three compute exactly the same values as `jax.vjp`.
 """
 
@@ -28,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-_INLINE = ("jit", "pjit", "closed_call", "core_call")
+_INLINE = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
+"""Equations whose nested jaxpr is evaluated inline (`remat2` is `jax.checkpoint`'s)."""
 
 
 def _read(env: dict, v: Any) -> Any:
@@ -54,6 +61,8 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts: Sequence[Any], *args: Any) -> list[
   env.update(zip(jaxpr.invars, args, strict=True))
   for eqn in jaxpr.eqns:
     inner = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINE else None
+    if isinstance(inner, jcore.Jaxpr):  # `remat2` holds an open jaxpr (no constants)
+      inner = jcore.ClosedJaxpr(inner, ())
     if isinstance(inner, jcore.ClosedJaxpr):
       outs = _inline_eval(inner.jaxpr, inner.consts, *[_read(env, v) for v in eqn.invars])
       for v, o in zip(eqn.outvars, outs, strict=True):

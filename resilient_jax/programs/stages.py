@@ -98,6 +98,7 @@ class StagePrograms:
       gives the step's mean loss.
     names: global variable names of `model` (`model.variable_names`), computed once per model.
     tp: devices of a worker's sub-mesh (tensor parallelism inside the stage).
+    remat: how each block is rematerialised (`model.remat`, `staging.run_block`).
   """
 
   def __init__(
@@ -110,11 +111,13 @@ class StagePrograms:
     global_batch: int,
     names: dict[int, str] | None = None,
     tp: int = 1,
+    remat: str = "none",
   ):
     self.info = info
     self.tp = tp
+    self.remat = remat
     self.optimizer = optimizer
-    module = cut(model, info.layers, first=info.first, last=info.last)
+    module = cut(model, info.layers, first=info.first, last=info.last, remat=remat)
     names = variable_names(model) if names is None else names
     self._binder = Binder(module, names)
     self._init_parameters(module, names)
@@ -206,6 +209,16 @@ class StagePrograms:
 
     forward_program = OnEachDevice(_scoped("F", stage_forward))
     out_def = jax.tree.structure(out_tree)
+    n_params = len(self.param_names)
+    held = {src for src in sources[n_out:]
+            if src is not None and (src[0] == "kept" or src[1] >= n_params)}
+    avals = {("kept", j): closed.out_avals[k] for j, k in enumerate(kept)}
+    avals.update({("input", i): a for i, a in enumerate(closed.in_avals)})
+    self.activation_bytes: int = sum(
+      int(np.prod(avals[src].shape)) * avals[src].dtype.itemsize for src in held)
+    """Bytes a micro-batch's forward leaves alive until its backward: the residuals B and W
+    read, the stage input among them, not the parameters (whole arrays, however a sub-mesh
+    splits them). What `model.remat` shrinks and what the planner's in-flight cap weighs."""
 
     def forward(params, x, targets, seeds=None):
       inputs = jax.tree.leaves((params, x, targets if info.last else None,
@@ -291,7 +304,8 @@ class StagePrograms:
     """These programs, starting from `model`'s parameter values (a model of the same
     `model_signature`): the compiled programs are shared, only the initial values differ."""
     other = copy.copy(self)
-    module = cut(model, self.info.layers, first=self.info.first, last=self.info.last)
+    module = cut(model, self.info.layers, first=self.info.first, last=self.info.last,
+                 remat=self.remat)
     other._initial = {n: np.asarray(v) for n, v in flat_params(module, names).items()}
     return other
 
@@ -411,9 +425,11 @@ def build_stage_programs(
   global_batch: int,
   tp: int = 1,
   optimizer_key: Hashable | None = None,
+  remat: str = "none",
 ) -> list[StagePrograms]:
   """Programs for every stage, chaining each stage's output shape into the next one's input;
-  `tp`: devices of each worker's sub-mesh.
+  `tp`: devices of each worker's sub-mesh; `remat`: each block's rematerialisation
+  (`model.remat`).
 
   With `optimizer_key` (a hashable description of everything `optimizer` computes with, e.g.
   `recipe.optimizer_key`), the programs are shared by every caller of this process that asks
@@ -426,7 +442,7 @@ def build_stage_programs(
   key = None
   if optimizer_key is not None:
     key = (model_signature(model), tuple((r.start, r.stop) for r in partition), microbatch_size,
-           seq_len, global_batch, tp, optimizer_key)
+           seq_len, global_batch, tp, optimizer_key, remat)
     try:
       hash(key)
     except TypeError:  # a static attribute of the model that cannot be hashed: not shared
@@ -443,7 +459,7 @@ def build_stage_programs(
   programs = []
   for s, layers in enumerate(partition):
     info = StageInfo(index=s, num_stages=len(partition), layers=layers)
-    prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names, tp)
+    prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names, tp, remat)
     programs.append(prog)
     spec = prog.output_spec
   if key is not None:

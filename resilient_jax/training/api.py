@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from resilient_jax.config import RunConfig, from_config_dict
+from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.training.loop import Trainer, TrainResult
 
 
@@ -25,12 +25,16 @@ def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunC
   from resilient_jax.model.check import check_stageable, describe
 
   if isinstance(config, RunConfig):
-    seq_len, pp = config.model.seq_len, config.mesh.pp
+    seq_len, pp, remat = config.model.seq_len, config.mesh.pp, config.model.remat
   else:
-    seq_len = dict(config.get("model", {}) or {}).get("seq_len", 32)
+    section = dict(config.get("model", {}) or {})
+    seq_len, remat = section.get("seq_len", 32), section.get("remat", "none")
     pp = dict(config.get("mesh", {}) or {}).get("pp", 1)
   check_stageable(model, num_stages=pp, seq_len=seq_len)
-  described = describe(model, seq_len)
+  try:
+    described = dataclasses.replace(describe(model, seq_len), remat=remat)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if isinstance(config, RunConfig):
     return dataclasses.replace(config, model=described)
   return from_config_dict(config, model=described)

@@ -62,7 +62,8 @@ class Programs:
       cfg = self.cfg
       self._built[key] = build_stage_programs(
         self.model, [range(lo, hi) for lo, hi in split], self.microbatch_size, cfg.model.seq_len,
-        make_optimizer(cfg), cfg.step_batch, tp=cfg.mesh.tp, optimizer_key=optimizer_key(cfg))
+        make_optimizer(cfg), cfg.step_batch, tp=cfg.mesh.tp, optimizer_key=optimizer_key(cfg),
+        remat=cfg.model.remat)
     return self._built[key]
 
   @property
