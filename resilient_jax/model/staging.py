@@ -18,11 +18,6 @@ Randomness (`nnx.Dropout` and any layer drawing from an `nnx.Rngs` stream): samp
 so a micro-batch draws the same masks whichever worker runs it, whatever the layout, and the
 single-device reference draws them too.
 
-Rematerialisation (`model.remat`): each block of a stage runs through `run_block`, which with
-`full` or a `jax.checkpoint_policies` name wraps it in `jax.checkpoint`, so the forward keeps
-only the block's input (plus what the policy saves) and the backward recomputes the rest; the
-B/W split inlines the recompute into B (`model.split`).
-
 Parameters are named by their path in the whole model (`blocks.3.mlp.fc.kernel`; a shared
 weight by its first path), whatever the pipeline layout: these names key stage parameters,
 optimizer states and checkpoints.
@@ -30,7 +25,7 @@ optimizer states and checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -63,54 +58,35 @@ def loss_fn(model: Any):
   return getattr(model, "loss", None) or token_cross_entropy
 
 
-def run_block(block: Any, *args: Any, remat: str = "none") -> Any:
-  """`block(*args)`, rematerialised as `remat` says (`model.remat`, checked by
-  `model.config.check_remat`).
-
-  `none`: as is; the forward keeps every activation the backward reads. `full`: under
-  `jax.checkpoint`, the forward keeps only the block's inputs and the backward recomputes the
-  block once. A `jax.checkpoint_policies` name (`dots_saveable`, ...): the forward also keeps
-  what the policy saves. Lifted with `nnx.remat`, so a block drawing random numbers updates its
-  RNG counts as it would unwrapped, and the recompute draws the same masks.
-  """
-  if remat == "none":
-    return block(*args)
-  policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
-  return nnx.remat(lambda module, *a: module(*a), policy=policy)(block, *args)
-
-
 class Stage(nnx.Module):
   """A contiguous slice of a stageable model; the whole model is the stage that is both first
-  and last. It holds the model's own submodules (no copies), and runs each block as `remat`
-  says (`run_block`)."""
+  and last. It holds the model's own submodules (no copies)."""
 
   def __init__(self, embed: nnx.Module | None, blocks: Sequence[nnx.Module],
-               head: nnx.Module | None, remat: str = "none"):
+               head: nnx.Module | None):
     self.embed = embed
     self.blocks = nnx.List(list(blocks))
     self.head = head
-    self.remat = remat
 
   def __call__(self, x: Array) -> Array:
     if self.embed is not None:
       x = self.embed(x)
     for block in self.blocks:
-      x = run_block(block, x, remat=self.remat)
+      x = block(x)
     if self.head is not None:
       x = self.head(x)
     return x
 
 
-def cut(model: Any, layers: range, *, first: bool, last: bool, remat: str = "none") -> Stage:
-  """The stage of `model` that runs `blocks[layers]` (with `embed` if first, `head` if last),
-  each block rematerialised as `remat` says (`run_block`)."""
+def cut(model: Any, layers: range, *, first: bool, last: bool) -> Stage:
+  """The stage of `model` that runs `blocks[layers]` (with `embed` if first, `head` if last)."""
   return Stage(model.embed if first else None, [model.blocks[i] for i in layers],
-               model.head if last else None, remat)
+               model.head if last else None)
 
 
-def whole(model: Any, remat: str = "none") -> Stage:
+def whole(model: Any) -> Stage:
   """The whole model as one stage (what a single device runs)."""
-  return cut(model, range(len(model.blocks)), first=True, last=True, remat=remat)
+  return cut(model, range(len(model.blocks)), first=True, last=True)
 
 
 def path_name(path: Path) -> str:
@@ -161,11 +137,40 @@ class Binder:
         self.rng_counts.append(name)
     self.treedef = jax.tree.structure(state)
     self.param_names = tuple(n for n, is_param, _ in self.leaves if is_param)
+    self._param_specs = {name: jax.ShapeDtypeStruct(node[...].shape, node[...].dtype)
+                         for path, node in by_path.items()
+                         if isinstance(node, nnx.Param) for name in (names[id(node)],)}
+
+  def abstract_params(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shape and dtype of every parameter, by global name."""
+    return dict(self._param_specs)
 
   @property
   def uses_rng(self) -> bool:
     """Whether the module draws random numbers (then `apply` needs seeds)."""
     return bool(self.rng_keys)
+
+  def run(self, params: dict[str, Array], fn: Callable[..., Any], inputs: tuple,
+          seeds: Array | None = None) -> Any:
+    """`fn(module, *inputs)` with the module bound to `params` (a parameter missing from them
+    is zeros: a stage passes only what it reads). With RNG streams, `seeds` `[batch, 2]` int32
+    holds each sample's `(step, sample id)` and every input's leading axis is the batch: sample
+    `i` runs alone, every stream's key folded with its seed and its count reset, so its draws
+    do not depend on its batch-mates (nor on the layout: `forward.StageForward`)."""
+    if not self.uses_rng:
+      return fn(self(params), *inputs)
+    if seeds is None:
+      raise ValueError("this model draws random numbers (e.g. dropout): pass per-sample seeds")
+    initial = {n: v for n, _, v in self.leaves}
+
+    def one(xs: tuple, seed: Array) -> Any:
+      others = {n: jax.random.fold_in(jax.random.fold_in(initial[n], seed[0]), seed[1])
+                for n in self.rng_keys}
+      others.update({n: jnp.zeros_like(initial[n]) for n in self.rng_counts})
+      out = fn(self(params, others), *jax.tree.map(lambda a: a[None], xs))
+      return jax.tree.map(lambda a: a[0], out)
+
+    return jax.vmap(one)(inputs, seeds)
 
   def apply(self, params: dict[str, Array], x: Array, seeds: Array | None = None) -> Array:
     """The module on `x` with `params`. With RNG streams, `seeds` `[batch, 2]` int32 holds
@@ -188,5 +193,7 @@ class Binder:
   def __call__(self, params: dict[str, Array], others: dict[str, Array] | None = None
                ) -> nnx.Module:
     others = others or {}
-    values = [params[n] if is_param else others.get(n, v) for n, is_param, v in self.leaves]
+    specs = self._param_specs
+    values = [(params[n] if n in params else jnp.zeros(specs[n].shape, specs[n].dtype))
+              if is_param else others.get(n, v) for n, is_param, v in self.leaves]
     return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, values))
