@@ -18,6 +18,11 @@ Randomness (`nnx.Dropout` and any layer drawing from an `nnx.Rngs` stream): samp
 so a micro-batch draws the same masks whichever worker runs it, whatever the layout, and the
 single-device reference draws them too.
 
+Rematerialisation (`model.remat`): each block of a stage runs through `run_block`, which with
+`full` or a `jax.checkpoint_policies` name wraps it in `jax.checkpoint`, so the forward keeps
+only the block's input (plus what the policy saves) and the backward recomputes the rest; the
+B/W split inlines the recompute into B (`model.split`).
+
 Parameters are named by their path in the whole model (`blocks.3.mlp.fc.kernel`; a shared
 weight by its first path), whatever the pipeline layout: these names key stage parameters,
 optimizer states and checkpoints.
@@ -58,35 +63,54 @@ def loss_fn(model: Any):
   return getattr(model, "loss", None) or token_cross_entropy
 
 
+def run_block(block: Any, *args: Any, remat: str = "none") -> Any:
+  """`block(*args)`, rematerialised as `remat` says (`model.remat`, checked by
+  `model.config.check_remat`).
+
+  `none`: as is; the forward keeps every activation the backward reads. `full`: under
+  `jax.checkpoint`, the forward keeps only the block's inputs and the backward recomputes the
+  block once. A `jax.checkpoint_policies` name (`dots_saveable`, ...): the forward also keeps
+  what the policy saves. Lifted with `nnx.remat`, so a block drawing random numbers updates its
+  RNG counts as it would unwrapped, and the recompute draws the same masks.
+  """
+  if remat == "none":
+    return block(*args)
+  policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+  return nnx.remat(lambda module, *a: module(*a), policy=policy)(block, *args)
+
+
 class Stage(nnx.Module):
   """A contiguous slice of a stageable model; the whole model is the stage that is both first
-  and last. It holds the model's own submodules (no copies)."""
+  and last. It holds the model's own submodules (no copies), and runs each block as `remat`
+  says (`run_block`)."""
 
   def __init__(self, embed: nnx.Module | None, blocks: Sequence[nnx.Module],
-               head: nnx.Module | None):
+               head: nnx.Module | None, remat: str = "none"):
     self.embed = embed
     self.blocks = nnx.List(list(blocks))
     self.head = head
+    self.remat = remat
 
   def __call__(self, x: Array) -> Array:
     if self.embed is not None:
       x = self.embed(x)
     for block in self.blocks:
-      x = block(x)
+      x = run_block(block, x, remat=self.remat)
     if self.head is not None:
       x = self.head(x)
     return x
 
 
-def cut(model: Any, layers: range, *, first: bool, last: bool) -> Stage:
-  """The stage of `model` that runs `blocks[layers]` (with `embed` if first, `head` if last)."""
+def cut(model: Any, layers: range, *, first: bool, last: bool, remat: str = "none") -> Stage:
+  """The stage of `model` that runs `blocks[layers]` (with `embed` if first, `head` if last),
+  each block rematerialised as `remat` says (`run_block`)."""
   return Stage(model.embed if first else None, [model.blocks[i] for i in layers],
-               model.head if last else None)
+               model.head if last else None, remat)
 
 
-def whole(model: Any) -> Stage:
+def whole(model: Any, remat: str = "none") -> Stage:
   """The whole model as one stage (what a single device runs)."""
-  return cut(model, range(len(model.blocks)), first=True, last=True)
+  return cut(model, range(len(model.blocks)), first=True, last=True, remat=remat)
 
 
 def path_name(path: Path) -> str:
