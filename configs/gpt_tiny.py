@@ -73,7 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     straggler_threshold=1.5,
     straggler_steps=3,
   )
-  c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="")
+  c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="", local_dir="")
   c.profile = dict(trace_steps="", peak_tflops=0.0)  # trace_steps e.g. "3,4": jax.profiler traces
   # Multi-process runs (launch/local.py, launch/slurm, launch/tpu, launch/gke) set enabled=true.
   c.distributed = dict(

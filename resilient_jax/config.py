@@ -305,21 +305,18 @@ class CheckpointConfig:
   same model); seed, data, optimizer and steps are this run's. A workdir holding checkpoints
   resumes from them instead."""
   local_dir: str = ""
-  """Where each process of a job writes its stages' state of the last committed step when
-  process 0 (the coordination service) is lost, for the relaunch to resume from
-  (`checkpoint/local.py`); default `WORKDIR/local`. On a cluster, node-local disk writes fastest;
-  a relaunched process can resume from it only where it can read the copies of its stages there
-  (else the relaunch resumes from the shared checkpoint, and says so)."""
+  """Where a job's processes write their stages' state when process 0 is lost, for the relaunch
+  (`checkpoint/local.py`); default `WORKDIR/local`. Node-local disk is fastest; a relaunch uses
+  the copies only where each process can read its stages' ones (else the shared checkpoint)."""
 
   def __post_init__(self):
     require_ints("checkpoint.", {"every_steps": self.every_steps, "keep": self.keep}, 0,
                  ConfigError)
     if self.if_busy not in IF_BUSY:
       raise ConfigError(f"checkpoint.if_busy={self.if_busy!r} is not one of {', '.join(IF_BUSY)}")
-    if not isinstance(self.init_from, str):
-      raise ConfigError(f"checkpoint.init_from must be a path, got {self.init_from!r}")
-    if not isinstance(self.local_dir, str):
-      raise ConfigError(f"checkpoint.local_dir must be a path, got {self.local_dir!r}")
+    for key in ("init_from", "local_dir"):
+      if not isinstance(getattr(self, key), str):
+        raise ConfigError(f"checkpoint.{key} must be a path, got {getattr(self, key)!r}")
 
 
 POLICIES = ("recycle", "naive", "oobleck", "bamboo", "restart", "auto")

@@ -43,8 +43,9 @@ class Superseded(RuntimeError):
   exit_code = EXIT_DECLARED_DEAD
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-  """The lease on disk, or None if there is none or it does not read (damaged)."""
+def read_lease(path: Path) -> dict[str, Any] | None:
+  """The lease on disk (`generation`, `token`, `holder`, `since`), or None if there is none or
+  it does not read (damaged)."""
   try:
     lease = json.loads(path.read_bytes())
   except (OSError, ValueError, RecursionError):
@@ -72,7 +73,7 @@ class Lease:
       Superseded: another job took it at the same moment, and won.
     """
     path = Path(workdir) / LEASE_FILE
-    before = _read(path)
+    before = read_lease(path)
     lease = cls(path, (before["generation"] if before else 0) + 1,
                 f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}", log)
     lease._write()
@@ -100,7 +101,7 @@ class Lease:
     """Raises `Superseded` unless the lease is still this job's (`what`: what it guards, for
     the message). A lease gone or damaged was not another job's doing (each writes it whole,
     by a rename): it is written again, with a log line."""
-    now = _read(self.path)
+    now = read_lease(self.path)
     if now is None:
       self.log(f"{self.path} was missing or damaged; written again (generation "
                f"{self.generation})")

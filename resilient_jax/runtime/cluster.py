@@ -41,8 +41,8 @@ is bounded:
   (under every wait for keys) has the same deadline; a survivor that waits past
   `distributed.wait_timeout_s` exits with `EXIT_WAIT_TIMEOUT` instead of hanging. Process 0
   hosts the coordination service: a thread in every other process probes it and exits with
-  `EXIT_COORDINATOR_LOST` as soon as it is gone, so a cluster scheduler can requeue the job,
-  which then resumes from the latest checkpoint.
+  `EXIT_COORDINATOR_LOST` as soon as it is gone (after its `last_words`: a local copy of its
+  stages), so a scheduler requeues the job, which resumes from the newest step it can read.
 """
 
 from __future__ import annotations
@@ -158,14 +158,18 @@ class Cluster:
     """How long this process last went without a heartbeat past the timeout (0: never): it was
     frozen (SIGSTOP, a hung host) long enough for the others to give up on it."""
     self._stall_seen = -math.inf  # when that stall was noticed
+    self.last_words: Callable[[], None] | None = None
+    """Run before this process exits on the loss of process 0 (`_say_last_words`)."""
+    self._words_lock = threading.Lock()
     if self.process_id == 0:
       # It hosts the service. Its clients abort once it stalls past the heartbeat timeout and
       # exit 5; so does it then, whichever it notices first (the runtime's abort, or the others
       # gone), never training on alone. Any other abort here is a bug, shown as one.
       exit_on_abort(EXIT_COORDINATOR_LOST, self._why_stalled, only_if=self._stalled)
     else:
-      exit_on_abort(EXIT_COORDINATOR_LOST, "the distributed runtime aborted this process (the "
-                     "coordination service on process 0 is gone)")
+      exit_on_abort(EXIT_COORDINATOR_LOST, lambda: self._say_last_words(
+        "the distributed runtime aborted this process (the coordination service on process 0 "
+        "is gone)"))
       threading.Thread(target=self._watch_coordinator, name="coordinator-watchdog",
                        daemon=True).start()
 
@@ -219,10 +223,24 @@ class Cluster:
   def coordinator_lost(self) -> None:
     end_process(
       EXIT_COORDINATOR_LOST,
-      f"process {self.process_id}: the coordination service (process 0 at {self.coordinator}) "
-      f"is gone; exiting with code {EXIT_COORDINATOR_LOST} so the job is restarted from its "
-      "latest checkpoint",
+      self._say_last_words(
+        f"process {self.process_id}: the coordination service (process 0 at "
+        f"{self.coordinator}) is gone; exiting with code {EXIT_COORDINATOR_LOST} so the job is "
+        "restarted from the newest step every stage can be read at (local copies, checkpoints)"),
     )
+
+  def _say_last_words(self, message: str) -> str:
+    """Runs `last_words` (the loop's local copy, `training/local_copies.py`) once, waiting at
+    most `distributed.wait_timeout_s`; a second caller (the watchdog and the runtime's abort
+    race) waits for the first. Returns `message`, for the exit line."""
+    with self._words_lock:
+      words, self.last_words = self.last_words, None
+      if words is not None:
+        t = threading.Thread(target=words, name="last-words", daemon=True)
+        t.start()
+        t.join(self.cfg.wait_timeout_s)
+        message += " (its local copy timed out)" if t.is_alive() else ""
+    return message
 
   def _service(self, fn: Callable[..., Any], *args: Any) -> Any:
     """Calls the coordination service; its loss ends this process with the documented code."""

@@ -288,16 +288,23 @@ class Interpreter(StateHandover):
         universal.unflatten_state(template, entries, what="replica state"),
       )
 
-  def export_state(self) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+  def export_state(self, slots: Sequence[Slot] | None = None,
+                   params_of: Mapping[Slot, Params] | None = None,
+                   opt_of: Mapping[Slot, Any] | None = None,
+                   ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
     """This process's parameters by global name and optimizer entries (universal layout), one
-    holder each; arrays stay on their devices."""
+    holder each; arrays stay on their devices. `slots`, `params_of`, `opt_of`: a state noted
+    earlier (`training/local_copies.py`), instead of the current one."""
     from resilient_jax.checkpoint import universal
 
+    slots = self.local_slots if slots is None else slots
+    params_of = self.params if params_of is None else params_of
+    opt_of = self.opt_state if opt_of is None else opt_of
     params: dict[str, jax.Array] = {}
     opt: list[dict[str, Any]] = []
-    for slot in self.local_slots:
-      params.update({k: v for k, v in self.params[slot].items() if k not in params})
-      opt.append(universal.flatten_state(self.opt_state[slot]))
+    for slot in slots:
+      params.update({k: v for k, v in params_of[slot].items() if k not in params})
+      opt.append(universal.flatten_state(opt_of[slot]))
     return params, universal.merge(opt)
 
   def import_state(self, params: Mapping[str, Any], opt_entries: Mapping[str, Any]) -> None:

@@ -21,6 +21,7 @@ from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
 from resilient_jax.observe.progress import reporting
 from resilient_jax.schedule.plan import Plan, describe
+from resilient_jax.training.local_copies import LocalCopies
 from resilient_jax.training.run import Run
 
 SAVE_WAIT_S = 600.0
@@ -39,6 +40,8 @@ class Checkpoints:
     self.deferred: int | None = None
     """The step whose periodic checkpoint waits for the writer (`if_due`)."""
     self._told_slow_save = False
+    self.local = LocalCopies(run)
+    """What a process writes when process 0 is lost, and the resume from it."""
 
   def committed(self) -> list[int]:
     return committed_steps(self.run.ckpt_dir)
@@ -56,8 +59,10 @@ class Checkpoints:
 
     In a multi-process job process 0 picks the checkpoint (after its save in flight is
     committed) and every process loads that one, so all resume from the same step. The load at
-    the start (`tag` "start") then takes the workdir's lease for the job (process 0): after
-    the checks that may refuse the resume, so a refused resume changes no file.
+    the start (`tag` "start") first tries the local copies that a job which lost process 0
+    left, for a step newer than every checkpoint (`local_copies.py`); then takes the workdir's
+    lease for the job (process 0): after the checks that may refuse the resume, so a refused
+    resume changes no file.
     """
     run = self.run
     self.wait()
@@ -69,16 +74,24 @@ class Checkpoints:
 
     with reporting(run.log, lambda t: f"restoring a checkpoint from {run.ckpt_dir}: "
                    f"{t:.0f}s so far"):
-      step = run.group.agree(f"restore/{tag}", pick)
-      loaded = picked["loaded"] if picked else (load(step_dir(run.ckpt_dir, step)) if step
-                                                else None)
+      # At the start: the survivors' local copies of a lost process 0's job, when they hold a
+      # newer step of every stage than the shared checkpoints do.
+      loaded = self.local.resume() if tag == "start" else None
+      if loaded is None:
+        step = run.group.agree(f"restore/{tag}", pick)
+        loaded = picked["loaded"] if picked else (load(step_dir(run.ckpt_dir, step)) if step
+                                                  else None)
     if loaded is not None:
       check_resumable(run.cfg, loaded)
     if tag == "start" and run.chief:
       self._hold_workdir()
+    if tag == "start":  # from now on, a loss of process 0 leaves local copies
+      self.local.begin(self.lease.token if self.lease else None)
     if loaded is None:
+      self.local.forget()
       return 0
     run.interpreter.import_state(loaded.params, loaded.opt_state)
+    self.local.note(loaded.step)
     lay = loaded.meta["layout"]
     run.log(f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
             f"pp={lay['pp']} tp={lay.get('tp', 1)}) onto {describe(run.coordinator.plan)}"
@@ -129,7 +142,8 @@ class Checkpoints:
               "the previous one stays the latest until it is committed)")
 
   def if_due(self, step: int, last: bool = False) -> bool:
-    """Saves `step` when a checkpoint is due; returns whether it did.
+    """Saves `step` when a checkpoint is due; returns whether it did. (Every committed step
+    comes here: its state is noted for a local copy, `local_copies.py`.)
 
     Due: every `checkpoint.every_steps`, and the last step of the run. A periodic save that
     comes due while the previous one is still being written waits for it
@@ -140,6 +154,7 @@ class Checkpoints:
     writer, so it decides and the others follow (`save/STEP` in the key-value store).
     """
     run, cfg = self.run, self.run.cfg
+    self.local.note(step)  # the state a loss of process 0 leaves a local copy of
     every = cfg.checkpoint.every_steps
     if last and (every or cfg.train.stop_after):
       self.save(step)
