@@ -62,6 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.resilience = dict(
     policy="recycle",
     memory_cap=0,
+    activation_budget_mb=0.0,  # MiB per worker for in-flight activations (0: none); caps replans
     tolerate=1,
     min_pipeline_nodes=0,
     mean_steps_between_failures=500.0,

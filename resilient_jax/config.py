@@ -333,6 +333,11 @@ class ResilienceConfig:
   the cost model says is fastest (see `resilient_jax/policy/`)."""
   memory_cap: int = 0
   """Per-worker cap on in-flight micro-batches for the replanned schedule; 0: planner default."""
+  activation_budget_mb: float = 0.0
+  """Per-worker memory (MiB) for the activations of in-flight micro-batches; 0: no budget.
+  Divided by the largest stage's activation bytes per micro-batch (measured from its forward:
+  `model.remat` shrinks them), it caps the replanned schedule's in-flight micro-batches (the
+  lower of it and `memory_cap`); `training.run.activation_memory`."""
   tolerate: int = 1
   """`oobleck`: failures the pipelines must survive (at least tolerate + 1 pipelines)."""
   min_pipeline_nodes: int = 0
@@ -371,7 +376,7 @@ class ResilienceConfig:
     t = self.straggler_threshold
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1 < t < math.inf:
       raise ConfigError(f"resilience.straggler_threshold must be a number > 1, got {t!r}")
-    keys = ("restart_steps", "regroup_steps")
+    keys = ("restart_steps", "regroup_steps", "activation_budget_mb")
     require_numbers("resilience.", {k: getattr(self, k) for k in keys}, error=ConfigError)
     require_numbers("resilience.", {"mean_steps_between_failures":
                                     self.mean_steps_between_failures}, positive=True,

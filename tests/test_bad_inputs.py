@@ -137,6 +137,8 @@ CASES = [
   train("model-unknown", *TRAIN, "--config.model.name=bert", needles="model.name"),
   train("remat-unknown", *TRAIN, "--config.model.remat=dots", needles=(
     "model.remat='dots'", "none, full, dots_saveable")),
+  train("activation-budget-negative", *TRAIN, "--config.resilience.activation_budget_mb=-1",
+        needles="resilience.activation_budget_mb must be a non-negative number"),
   train("policy-unknown", *TRAIN, "--config.resilience.policy=pray",
         needles="resilience.policy"),
   train("bamboo-one-stage", *TRAIN, "--config.mesh.pp=1", "--config.resilience.policy=bamboo",

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from resilient_jax.programs.stages import (
 from resilient_jax.recipe import make_model, make_optimizer, optimizer_key
 from resilient_jax.training.api import train
 from resilient_jax.training.loop import Trainer
+from resilient_jax.training.run import activation_memory
 from tests.helpers import assert_close, assert_matches_reference, quick_only, tiny_config
 
 GRIDS = [(1, 1), (2, 1), (1, 4), (2, 4), (4, 2)]
@@ -60,8 +62,10 @@ def test_rematerialised_blocks_match_keep_less_and_add_no_third_forward(tmp_path
   device without remat; F keeps fewer bytes per micro-batch; the backward recomputes each
   block's forward once, in B (W runs the matmuls it runs without remat); the fused backward
   equals B then W."""
-  cfg = tiny_config(mesh__dp=1, mesh__pp=2, pipeline__schedule="zb-h1", model__remat="full")
-  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, pipeline__schedule="zb-h1", model__remat="full",
+                    resilience__activation_budget_mb=0.5)
+  lines = []
+  trainer = Trainer(cfg, tmp_path, log=lines.append)
   result = trainer.run()
   plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"))
   assert_matches_reference(result.metrics, result.interpreter.all_params(), plain)
@@ -83,6 +87,15 @@ def test_rematerialised_blocks_match_keep_less_and_add_no_third_forward(tmp_path
     recomputed.append(sum(dots(full, s) - dots(base, s) for s in ("_b_eqns", "_w_eqns")))
   # Each stage (two blocks each) recomputes its blocks' forward matmuls once, the head none.
   assert recomputed[0] == recomputed[1] > 0, recomputed
+  # The planner's in-flight cap is the activation budget over the largest stage's bytes: the
+  # same budget lets more micro-batches fly with remat. Logged at start.
+  full_bytes = [p.activation_bytes for p in trainer.programs]
+  assert trainer.coordinator.grid.memory_cap == 2**19 // max(full_bytes) > 1
+  plain_cap = activation_memory(plain, types.SimpleNamespace(configured=none), lines.append)
+  assert plain_cap.resilience.memory_cap == 1  # below one micro-batch: at least 1
+  assert "already exceeds it (model.remat=full keeps less)" in lines[-1]
+  assert lines[0] == "activations per micro-batch, by stage: " + ", ".join(
+    f"{b / 2**20:.2f}" for b in full_bytes) + " MiB (model.remat=full)"
   # The fused backward of the last stage against its B then W, on one micro-batch.
   last = trainer.programs[1]
   params = result.interpreter.stage_params(1)

@@ -139,6 +139,39 @@ def new_interpreter(cfg: RunConfig, programs: Programs, transport: Transport, pl
                      nonfinite=cfg.faults.nonfinite, replicas=replicas)
 
 
+def activation_memory(cfg: RunConfig, programs: Programs, log: Logger) -> RunConfig:
+  """The config the planner plans with: `cfg`, with `resilience.activation_budget_mb` (when
+  set) turned into the in-flight cap of a replanned schedule (`resilience.memory_cap`, the
+  lower of the two when both are set). With remat or a budget set, logs the activation bytes
+  a micro-batch keeps alive per stage (`StagePrograms.activation_bytes`, of the configured
+  stages, which it traces: the interpreter runs them next).
+
+  A worker holds `in-flight x bytes per micro-batch` of activations, so the cap is the budget
+  over the largest stage's bytes (every worker of a replan may take any stage's extra work):
+  with remat, the same budget lets a replan keep more micro-batches in flight, filling more
+  bubbles. At least 1: a budget below one micro-batch cannot be met by any schedule, and says so.
+  """
+  budget = cfg.resilience.activation_budget_mb
+  if cfg.model.remat == "none" and not budget:
+    return cfg  # nothing asked of memory: a plain run's log stays its step lines
+  per_stage = [p.activation_bytes for p in programs.configured]
+  log("activations per micro-batch, by stage: " + ", ".join(
+    f"{b / 2**20:.2f}" for b in per_stage) + f" MiB (model.remat={cfg.model.remat})")
+  if not budget:
+    return cfg
+  largest = max(per_stage, default=0)
+  cap = max(1, int(budget * 2**20 // max(largest, 1)))
+  if cfg.resilience.memory_cap:
+    cap = min(cap, cfg.resilience.memory_cap)
+  note = ""
+  if largest > budget * 2**20:
+    note = f"; one micro-batch's {largest / 2**20:.2f} MiB already exceeds it"
+    note += " (model.remat=full keeps less)" if cfg.model.remat == "none" else ""
+  log(f"resilience.activation_budget_mb={budget:g}: a replanned schedule keeps at most {cap} "
+      f"micro-batch{'es' if cap > 1 else ''} in flight per worker{note}")
+  return dataclasses.replace(cfg, resilience=dataclasses.replace(cfg.resilience, memory_cap=cap))
+
+
 def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None,
               log: Logger, cluster: Any, model: Any) -> Run:
   """Builds everything a run needs before its first step (see `Trainer`'s arguments)."""
@@ -168,10 +201,12 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
           "stopped mid-way)")
   transport = group.transport(cfg, devices)
   nodes = list(range(cfg.mesh.num_workers))
-  coordinator = RunCoordinator(cfg, nodes, log=log)
-  group.attach(coordinator)
   programs = Programs(cfg, model)
   builds = BuildCounter()
+  with builds.counting():
+    planning = activation_memory(cfg, programs, log)
+  coordinator = RunCoordinator(planning, nodes, log=log)
+  group.attach(coordinator)
   with builds.counting():
     interpreter = new_interpreter(cfg, programs, transport, coordinator.plan,
                                   replicas=not group.relaunched)
