@@ -87,9 +87,10 @@ def test_a_copy_from_another_job_or_model_is_refused(tmp_path):
   other = tiny_config(model__num_layers=CFG.model.num_layers + 2)
   write(tmp_path, 2, stage=0, step=6, cfg=other)
   write(tmp_path, 3, stage=1, step=6, cfg=tiny_config(train__seed=CFG.train.seed + 1))
+  write(tmp_path, 4, stage=0, step=6, token="an-older-job")
   copies, lines = copies_of(tmp_path)
-  assert copies == [] and len(lines) == 3
-  assert "process_1/6 refused: written by another job" in lines[0]
+  assert copies == [] and len(lines) == 3  # one line a reason
+  assert "process_1/6 and 1 more refused: written by another job" in lines[0]
   assert "process_2/6 refused: model.* differs" in lines[1]
   assert "process_3/6 refused: train.seed=" in lines[2]
 

@@ -152,9 +152,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
 def scan(local_dir: str | os.PathLike, accept: Callable[[dict[str, Any]], str],
          log: Callable[[str], None]) -> list[Copy]:
   """Every copy under `local_dir` (any process's folder this process can see) whose metadata
-  verifies and that `accept` takes (it returns why not, or ""); each other is named once, with
-  why, in a log line. Unfinished copies (`.tmp-*`) are passed over in silence."""
+  verifies and that `accept` takes (it returns why not, or ""). Each damaged one is named in a
+  log line; those refused are named by reason, one line each (the copies of an older job stay
+  until their process writes its next one). Unfinished copies (`.tmp-*`) pass in silence."""
   found = []
+  refused: dict[str, list[Path]] = {}
   for proc in sorted(Path(local_dir).glob(f"{PROCESS_PREFIX}*")):
     for path in sorted(proc.iterdir()) if proc.is_dir() else ():
       if not path.name.isdigit():
@@ -166,9 +168,12 @@ def scan(local_dir: str | os.PathLike, accept: Callable[[dict[str, Any]], str],
         continue
       why = accept(meta)
       if why:
-        log(f"local copy {path} refused: {why}")
+        refused.setdefault(why, []).append(path)
         continue
       found.append(Copy(path, meta))
+  for why, paths in refused.items():
+    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+    log(f"local copy {paths[0]}{more} refused: {why}")
   return found
 
 
