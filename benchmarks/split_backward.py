@@ -130,19 +130,19 @@ def fused_3d_backward(prog, params, x, g):
   the models use the 2-D form (`models.gpt.tokens`)."""
   import jax
 
-  import models.gpt
-  import models.llama
+  # The modules the library builds its models from (`models/` installed under this name).
+  from resilient_jax.examples import gpt, llama
 
   fwd, bwd = jax.fwd_and_bwd(lambda p, x: prog.bind(p)(x), argnums=(0, 1), jitted=False)
   fwd, bwd = jax.jit(fwd), jax.jit(bwd)
-  saved = models.gpt.tokens, models.llama.tokens
+  saved = gpt.tokens, llama.tokens
   # jit traces on the first call: patch the helper for that call only.
-  models.gpt.tokens = models.llama.tokens = lambda layer, a: layer(a)
+  gpt.tokens = llama.tokens = lambda layer, a: layer(a)
   try:
     _, res = fwd(params, x)
     jax.block_until_ready(bwd(res, g))
   finally:
-    models.gpt.tokens, models.llama.tokens = saved
+    gpt.tokens, llama.tokens = saved
   return bwd, res
 
 

@@ -10,8 +10,7 @@ Variants (`--config=configs/llama_tiny.py:NAME`):
 """
 
 import ml_collections
-
-from configs import gpt_tiny
+from resilient_jax.configs import gpt_tiny
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-from launch import cli
 from resilient_jax.checkpoint.store import (
   META_FILE,
   META_ITEM,
@@ -26,6 +25,8 @@ from resilient_jax.checkpoint.store import (
   read_meta,
   step_folders,
 )
+
+from . import cli
 
 USAGE = "usage: python -m launch.checkpoint {inspect,verify} DIR"
 

@@ -147,8 +147,10 @@ def packaged_configs(argv: list[str]) -> list[str]:
   pointing at the configs shipped with the package (`configs/NAME.py`, else
   `configs/sim/NAME.py`) when no such file is here: the README's commands then run from any
   directory (a file of that name in the working directory comes first)."""
-  import configs
+  import importlib
 
+  # Installed as `resilient_jax.configs` (`pyproject.toml`): found from any directory.
+  configs = importlib.import_module("resilient_jax.configs")
   shipped = os.path.dirname(os.path.dirname(os.path.abspath(configs.__file__)))
   out = []
   for arg in argv:

@@ -64,9 +64,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from absl import flags, logging
 
-from launch import cli
 from resilient_jax.exit_codes import EXIT_DECLARED_DEAD, EXIT_OK
 from resilient_jax.schedule.core import AR, COMPUTE_KINDS, Op
+
+from . import cli
 
 if TYPE_CHECKING:
   from resilient_jax.config import RunConfig
@@ -348,7 +349,7 @@ class Job:
     if pause:
       env["RESILIENT_JAX_PAUSE"] = pause
       env["RESILIENT_JAX_PAUSE_FILE"] = str(self.marker(marker or f"p{i}"))
-    cmd = [sys.executable, "-m", "launch.train",
+    cmd = [sys.executable, "-m", f"{__package__}.train",
            *worker_args(self.train_args, self.num_processes, i, self.port)]
     # Its own process group: a terminal's Ctrl-C reaches the launcher alone, which hands it on
     # once (two signals would stop a process at once instead of after its step).

@@ -12,7 +12,7 @@ from __future__ import annotations
 from absl import flags
 from ml_collections import config_flags
 
-from launch import cli
+from . import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Path to a configs/sim/*.py file.", lock_config=True

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
-from launch import cli
+from . import cli
 
 if TYPE_CHECKING:
   from resilient_jax.config import RunConfig

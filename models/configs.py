@@ -16,8 +16,9 @@ from resilient_jax.model.config import ModelConfig, ModelCosts
 def family_module(name: str) -> Any:
   """`models/NAME.py`, imported when a model of the family is built (big_vision's way: the
   family is chosen by name, so the configs import no model, no JAX, and no model imports back
-  into a module that imports it). It provides `from_config(config, seed)`."""
-  return importlib.import_module(f"models.{name}")
+  into a module that imports it), under this package's own name (`resilient_jax.examples`
+  installed). It provides `from_config(config, seed)`."""
+  return importlib.import_module(f"{__package__}.{name}")
 
 
 @dataclasses.dataclass(frozen=True)

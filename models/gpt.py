@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.configs import GPTConfig  # its config section, in a module free of JAX
 from resilient_jax.model.staging import whole
+
+from .configs import GPTConfig  # its config section, in a module free of JAX
 
 Array = jax.Array
 

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.configs import LlamaConfig  # its config section, in a module free of JAX
-from models.gpt import logical, tokens
 from resilient_jax.model.staging import whole
+
+from .configs import LlamaConfig  # its config section, in a module free of JAX
+from .gpt import logical, tokens
 
 Array = jax.Array
 

@@ -330,8 +330,8 @@ def test_bad_input_is_one_line_and_exit_2(results, case):
 # What the launchers import while they check their input: imported once, before the forks.
 _PRELOAD = (
   "absl.flags", "ml_collections.config_flags", "launch.cli", "resilient_jax.config",
-  "models.gpt", "models.llama", "resilient_jax.policy.coordinator", "resilient_jax.schedule.plan",
-  "resilient_jax.sim", "resilient_jax.runtime.setup",
+  "resilient_jax.examples.gpt", "resilient_jax.examples.llama", "resilient_jax.policy.coordinator",
+  "resilient_jax.schedule.plan", "resilient_jax.sim", "resilient_jax.runtime.setup",
 )
 _CASE_TIMEOUT_S = 120
 

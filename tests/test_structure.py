@@ -96,6 +96,29 @@ def test_the_library_imports_neither_launchers_nor_example_models():
   assert {n: d for n, d in wrong.items() if d} == {}
 
 
+def test_every_package_folder_is_installed_under_the_library_s_name():
+  """`pyproject.toml` lists the packages (the checkout's `launch/`, `configs/` and `models/`
+  mapped under `resilient_jax`, so site-packages gains no generic top-level name): a package
+  folder missing from the list would be missing from every install."""
+  import tomllib
+
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    setup = tomllib.load(f)["tool"]["setuptools"]
+  mapped = setup["package-dir"]
+
+  def folder(package: str) -> str:
+    parts = package.split(".")
+    for n in range(len(parts), 0, -1):
+      if ".".join(parts[:n]) in mapped:
+        return os.path.join(mapped[".".join(parts[:n])], *parts[n:])
+    return os.path.join(*parts)
+
+  assert all(p.split(".")[0] == "resilient_jax" for p in setup["packages"])
+  found = {os.path.relpath(d, ROOT) for top in ("resilient_jax", "launch", "configs", "models")
+           for d, _, files in os.walk(os.path.join(ROOT, top)) if "__init__.py" in files}
+  assert sorted(folder(p) for p in setup["packages"]) == sorted(found)
+
+
 def test_exit_codes_and_records_are_leaves():
   graph = import_graph()
   assert graph["resilient_jax.exit_codes"] == set()

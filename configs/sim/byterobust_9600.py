@@ -17,8 +17,7 @@ Variants: `runlocal`: two 4-stage pipelines and a six-hour trace of the same mix
 """
 
 import ml_collections
-
-from configs.sim import llama3_16k
+from resilient_jax.configs.sim import llama3_16k
 
 DEVICES = 9600
 DAYS = 90

@@ -10,8 +10,7 @@ Variants (`--config=configs/sim/gpt3_175b.py:VARIANT`):
 """
 
 import ml_collections
-
-from configs.sim import gpt3_config
+from resilient_jax.configs.sim import gpt3_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -10,8 +10,7 @@ Variants (`--config=configs/sim/gpt3_6_7b.py:VARIANT`):
 """
 
 import ml_collections
-
-from configs.sim import gpt3_config
+from resilient_jax.configs.sim import gpt3_config
 
 MODEL = dict(name="GPT-3 6.7B", num_layers=32, d_model=4096, num_heads=32, pp=8, tp=1,
              microbatches=16)

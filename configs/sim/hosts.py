@@ -15,8 +15,7 @@ Variants: `runlocal`: 2 hosts of 4 devices (dp 2 x pp 4), a two-hour trace (test
 """
 
 import ml_collections
-
-from configs.sim import gpt3_6_7b, gpt3_config
+from resilient_jax.configs.sim import gpt3_6_7b, gpt3_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

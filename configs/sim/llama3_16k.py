@@ -17,8 +17,7 @@ Variants (`--config=configs/sim/llama3_16k.py:VARIANT`):
 """
 
 import ml_collections
-
-from configs.sim import gpt3_config
+from resilient_jax.configs.sim import gpt3_config
 
 DEVICES = 16384
 DAYS = 54

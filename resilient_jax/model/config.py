@@ -24,9 +24,12 @@ REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "n
 its inputs), or a `jax.checkpoint_policies` policy that takes no arguments (what else the
 forward keeps). Listed here, not read from JAX, so that checking a config imports no JAX."""
 
-FAMILIES = {"gpt": "models.configs:GPTConfig", "llama": "models.configs:LlamaConfig"}
+FAMILIES = {"gpt": "resilient_jax.examples.configs:GPTConfig",
+            "llama": "resilient_jax.examples.configs:LlamaConfig"}
 """Model families selectable with `model.name`, as `module:class` (imported when chosen): a
-config class whose module imports no JAX, its `build` importing the model."""
+config class whose module imports no JAX, its `build` importing the model. The example models
+are the checkout's `models/` folder, installed as `resilient_jax.examples` (`pyproject.toml`):
+the one name they are imported by, so each class exists once in a process."""
 
 
 @dataclasses.dataclass(frozen=True)
