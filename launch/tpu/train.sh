@@ -12,8 +12,9 @@
 # script checks that before it starts anything.
 #
 # If process 0 (the coordination service) is lost, the other processes exit with code 5 and this
-# script starts the run again on all workers (up to MAX_RESTARTS times); it resumes from the newest
-# checkpoint in WORKDIR/checkpoints, so WORKDIR must be a shared mount (e.g. Filestore or a
+# script starts the run again on all workers (up to MAX_RESTARTS times); it resumes from the
+# survivors' local copies of the last committed step (WORKDIR/local) or the newest checkpoint in
+# WORKDIR/checkpoints, so WORKDIR must be a shared mount (e.g. Filestore or a
 # gcsfuse bucket) with the same path on every worker.
 set -euo pipefail
 

@@ -105,7 +105,7 @@ class LocalCopies:
       return
     size = sum(a.nbytes for g in host.values() for a in g.values())
     self.cluster.log(f"process {me}: wrote its stages' state of step {step} to {path} "
-            f"({size / 2**20:.2f} MiB in {time.perf_counter() - t0:.2f}s)")
+                     f"({size / 2**20:.2f} MiB in {time.perf_counter() - t0:.2f}s)")
 
   # ---------------------------------------------------------------- resuming
 
