@@ -10,6 +10,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from resilient_jax.exit_codes import EXIT_BAD_CONFIG
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid; the message names the key."""
+
+  exit_code = EXIT_BAD_CONFIG
+
 
 def is_int(v: Any, minimum: int = 1) -> bool:
   """Whether `v` is an integer (not a bool) of at least `minimum`."""
