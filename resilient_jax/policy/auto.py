@@ -20,6 +20,7 @@ from resilient_jax.policy.base import (
   Recovery,
   RecoveryParams,
   Transition,
+  plans_speeds,
   usable_policies,
 )
 from resilient_jax.policy.rejoin import steps_until_next_event
@@ -111,6 +112,10 @@ class AutoPolicy:
     """Puts `policy` back in force: a rejoin `recovery` chose a move for was declined
     (`rejoin.rejoin_choice`), so the candidate that was running goes on."""
     self._current = policy
+
+  def plans_speeds(self, grid: Grid) -> bool:
+    """Whether the candidate in force re-plans for `grid.speeds` (its step time is auto's)."""
+    return self._current is not None and plans_speeds(self._current, grid)
 
   def plan(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts):
     """The plan of the candidate in force (during a run) or of the fastest one."""

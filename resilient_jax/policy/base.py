@@ -24,6 +24,7 @@ from resilient_jax.schedule.generators import GENERATORS
 from resilient_jax.schedule.oobleck import LayerProfile, OobleckInstance
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import Plan
+from resilient_jax.schedule.routing import check_speeds
 
 Planned = Schedule | OobleckInstance | PipelineSet | tuple[int, int]
 """What a policy runs with some workers down, on its grid's positions (worker `(d, s)` at
@@ -49,6 +50,9 @@ class Grid:
     memory_cap: in-flight cap for the adaptive planner; None: its default.
     global_batch: samples per step, when a re-layout must split it into equal micro-batches
       (the runtime's restore); None: any number of pipelines (the simulator deals them out).
+    speeds: workers measured slower (or faster) than their stage's peers, `((worker, speed),
+      ...)` sorted, speed 1 left out (`routing.check_speeds`): a policy that re-weights
+      (`reweights`) plans for them; the others run their plan at the slow worker's pace.
   """
 
   dp: int
@@ -57,11 +61,20 @@ class Grid:
   base: str = "zb-h1"
   memory_cap: int | None = None
   global_batch: int | None = None
+  speeds: tuple[tuple[Worker, float], ...] = ()
 
   def __post_init__(self):
     require_ints("Grid.", {"dp": self.dp, "pp": self.pp, "m": self.m})
     if self.base not in GENERATORS:
       raise ValueError(f"Grid.base={self.base!r} is not one of {sorted(GENERATORS)}")
+    object.__setattr__(self, "speeds", check_speeds(self.dp, self.pp, self.speeds))
+
+  def with_speeds(self, speeds: Iterable[tuple[Worker, float]] | Mapping[Worker, float],
+                  failed: Iterable[Worker] = ()) -> Grid:
+    """This grid with `speeds` (those of `failed` workers left out)."""
+    dead = set(failed)
+    pairs = speeds.items() if isinstance(speeds, Mapping) else speeds
+    return dataclasses.replace(self, speeds=tuple((w, v) for w, v in pairs if w not in dead))
 
   @property
   def workers(self) -> int:
@@ -217,6 +230,13 @@ class Layout:
   """The run's live nodes (some may be outside the grid)."""
 
 
+def plans_speeds(policy: Policy, grid: Grid) -> bool:
+  """Whether `policy`'s plan and step time for `grid` account for its `speeds` (only the
+  re-routing policies re-weight stragglers; any other runs at the slow worker's pace)."""
+  own = getattr(policy, "plans_speeds", None)
+  return bool(own is not None and own(grid))
+
+
 def stage_lost(grid: Grid, failed: frozenset[Worker]) -> bool:
   """Whether some stage has no live worker left (no re-routing can go on)."""
   return min(grid.live_per_stage(failed)) == 0
@@ -239,12 +259,19 @@ class InPlacePolicy:
   """Whether it chooses among other policies (`auto`): the policy in force is then its choice."""
   reroutes = False
   """Whether a stage with no live worker ends it (re-routing): the run restores instead."""
+  reweights = False
+  """Whether it plans for `Grid.speeds` (moves work off stragglers); the others ignore them."""
   min_pp = 1
   """The fewest stages a layout restored for it may have."""
 
   def __init__(self, params: RecoveryParams, restart: Policy):
     self.params = params
     self.restart = restart
+
+  def plans_speeds(self, grid: Grid) -> bool:
+    """Whether its plan and step time for `grid` account for `grid.speeds` (else the step runs
+    at its slowest worker's pace, which the simulator then charges)."""
+    return self.reweights and bool(grid.speeds)
 
   # -- the runtime's coordinator asks these; the simulator needs none of them
 

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from resilient_jax.config import FaultsConfig, MeshConfig, RunConfig
 from resilient_jax.exit_codes import EXIT_NO_DEVICES
 from resilient_jax.observe.logs import info
-from resilient_jax.policy.base import Grid, Layout, Policy, Transition
+from resilient_jax.policy.base import Grid, Layout, Policy, Transition, plans_speeds
 from resilient_jax.policy.costs import analytic_costs, even_partition, recovery_params
 from resilient_jax.policy.phases import Phase, PhaseLog
 from resilient_jax.policy.registry import build_policies
@@ -56,6 +56,7 @@ from resilient_jax.schedule.cost import simulate
 from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import Plan
+from resilient_jax.schedule.routing import speed_scaled
 
 """Grids with more compute ops than this skip `validate` on the recovery path, and their step
 time comes from the planner instead of a replay of every worker (tests and small grids validate
@@ -281,6 +282,50 @@ class RunCoordinator(PhaseLog):
     after = self.predicted_makespan()
     self.log(f"  predicted step time x{after / before:.2f}")
     self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step)
+    return Decision(self.plan, False)
+
+  # ---------------------------------------------------------------- stragglers
+
+  def reweigh(self, speeds: Mapping[Worker, float], step: int, *, key: str | None = None
+              ) -> Decision:
+    """Puts the measured `speeds` of slow workers (positions of the grid; those absent run at
+    full speed) in force from the start of `step`, and replans when the policy in force
+    re-weights (`plans_speeds`: recycle and naive move work off a straggler in proportion);
+    another policy keeps its plan, which runs at the slow worker's pace (the log says so).
+    `key`: as for `fail`.
+    """
+    grid = self.grid.with_speeds(speeds, self.dead)
+    if grid.speeds == self.grid.speeds:
+      return Decision(self.plan, False)
+    return self._decided(key, lambda: self._reweighed(grid, step))
+
+  def _reweighed(self, grid: Grid, step: int) -> Decision:
+    """`reweigh`'s decision on `grid` (the current one with the new speeds)."""
+    old = self.planned if isinstance(self.planned, Schedule) else None
+    self.grid = grid
+    if not getattr(self.active, "reweights", False) or (grid.speeds
+                                                        and not plans_speeds(self.active, grid)):
+      self.log(f"  {self.policy} does not re-weight stragglers (on this grid): its plan runs at "
+               "the slow worker's pace")
+      return Decision(self.plan, False)
+    op = self.costs.op_costs(grid.live_per_stage(self.dead))
+    before = (simulate(old, speed_scaled(op, grid.speeds), comm=op.comm).makespan
+              if old is not None else self.predicted_makespan())
+    planned = self._plan_of(self.active, switched=False)
+    if planned is None:  # cannot happen while no stage is lost: keep what runs
+      return Decision(self.plan, False)
+    self._apply(planned)
+    after = self.predicted_makespan()
+    if isinstance(planned, Schedule):
+      loads = {w: len(planned.microbatches_of(w)) for w, _ in grid.speeds}
+      for (d, s), v in grid.speeds:
+        self.log(f"  re-weighted: (dp={d}, stage={s}) at speed {v:.2f} keeps {loads[(d, s)]} of "
+                 f"{self.grid.m} micro-batches; its stage's peers take the rest")
+    why = "for the measured speeds" if grid.speeds else "with every worker at full speed"
+    self.log(f"  replanned with the {self.plan_name} planner {why}: predicted step time "
+             f"x{after / before:.2f} of the plan before at these speeds")
+    self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step,
+                    event="straggler")
     return Decision(self.plan, False)
 
   # ---------------------------------------------------------------- rejoins

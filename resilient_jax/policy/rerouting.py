@@ -16,6 +16,11 @@ at 16k workers), and two cheaper forms stand in:
 
 When every worker of a stage has failed no re-routing can go on: the policy then runs as
 checkpoint-restart until the stage has a live worker again.
+
+Stragglers (`Grid.speeds`): the same planners re-weight each stage's micro-batches by its
+workers' speeds (`routing.proportional_loads`), on grids planned whole (at most `exact_ops`
+compute ops; a larger grid's footprint and reduction know no speeds, so there its plan stays
+the one without them and the step runs at the slow worker's pace).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.generators import generate
 from resilient_jax.schedule.plan import GridPlan, Plan
 from resilient_jax.schedule.reduce import failure_pattern, reduce_pattern
-from resilient_jax.schedule.routing import FailureState
+from resilient_jax.schedule.routing import FailureState, speed_scaled
 from resilient_jax.schedule.validate import validate
 
 DEFAULT_EXACT_OPS = 12_000
@@ -89,6 +94,11 @@ class PlannerPolicy(InPlacePolicy):
   def check(self, grid: Grid, costs: PlanCosts) -> None:
     del grid, costs  # any grid
 
+  reweights = True
+
+  def plans_speeds(self, grid: Grid) -> bool:
+    return bool(grid.speeds) and grid.compute_ops <= self.exact_ops
+
   def planning_grid(
     self, grid: Grid, failed: frozenset[Worker], *, reduce: bool | None = None
   ) -> tuple[int, frozenset[Worker], Hashable]:
@@ -110,7 +120,7 @@ class PlannerPolicy(InPlacePolicy):
     """What the step time depends on: the failed set on a small grid, else its pattern."""
     if reduce is None:
       reduce = grid.compute_ops > self.exact_ops
-    if not reduce:
+    if not reduce or self.plans_speeds(grid):
       return ("exact", failed)
     return ("pattern", failure_pattern(grid.dp, grid.pp, failed))
 
@@ -131,7 +141,8 @@ class PlannerPolicy(InPlacePolicy):
       self.plans += 1
       self._plans[key], makespan = adaptive.plan_timed(
         self.planner,
-        FailureState(dp, grid.pp, grid.m, planned_failed),
+        FailureState(dp, grid.pp, grid.m, planned_failed,
+                     grid.speeds if self.plans_speeds(grid) else ()),
         op,
         memory_cap=grid.memory_cap,
         base=grid.base,
@@ -149,7 +160,7 @@ class PlannerPolicy(InPlacePolicy):
     if stage_lost(grid, failed):
       return None
     if grid.compute_ops <= self.exact_ops:
-      return self.schedule(grid, failed, costs, reduce=False)[0]
+      return self.schedule(grid.with_speeds(grid.speeds, failed), failed, costs, reduce=False)[0]
     return self._expanded(grid, failed, costs)[0]
 
   def plan_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> float:
@@ -162,7 +173,7 @@ class PlannerPolicy(InPlacePolicy):
     if stage_lost(grid, failed):
       return self.restart.step_time(grid, failed, costs)
     if grid.compute_ops <= self.exact_ops:
-      return self.step_time(grid, failed, costs, reduce=False)
+      return self.step_time(grid.with_speeds(grid.speeds, failed), failed, costs, reduce=False)
     return self._expanded(grid, failed, costs)[1]
 
   def _expanded(
@@ -205,12 +216,15 @@ class PlannerPolicy(InPlacePolicy):
   ) -> float:
     if stage_lost(grid, failed):
       return self.restart.step_time(grid, failed, costs)
+    grid = grid.with_speeds(grid.speeds, failed)
     key = (grid, self._state(grid, failed, reduce), costs)
     if key not in self._cache:
       sched, op = self.schedule(grid, failed, costs, reduce=reduce)
       # The planner timed its plan as `simulate` would (same costs): not replayed again.
       timed = self._timed.get(key)
-      self._cache[key] = timed if timed is not None else simulate(sched, op).makespan
+      speeds = grid.speeds if self.plans_speeds(grid) else ()
+      self._cache[key] = timed if timed is not None else simulate(
+        sched, speed_scaled(op, speeds), comm=op.comm).makespan
     return self._cache[key]
 
   def cannot_run(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts) -> bool:

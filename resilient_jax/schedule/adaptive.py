@@ -45,6 +45,7 @@ from resilient_jax.schedule.routing import (
   default_memory_cap,
   memory_cap_for_load,
   reroute,
+  speed_scaled,
 )
 from resilient_jax.schedule.validate import peak_inflight, validate
 
@@ -144,6 +145,11 @@ def plan_adaptive_timed(
   Returns:
     A valid schedule named "adaptive", within the cap, and its makespan.
 
+  With `state.speeds` (stragglers), routes share each stage's micro-batches in proportion to
+  its workers' speeds (`reroute`), every op is timed at its worker's speed, and the base order
+  on the base routes (no re-routing at all) is a candidate too when nothing failed: a
+  slowdown too small to pay for moving work keeps the plan as it is.
+
   Raises:
     StageLostError: when every worker of a stage has failed.
     ScheduleError: when `memory_cap` is below 1 (no plan can start a micro-batch).
@@ -151,11 +157,12 @@ def plan_adaptive_timed(
   """
   _check_base(base)
   _check_cap(memory_cap)
-  dp, pp, m, dead = state.dp, state.pp, state.m, state.failed
+  dp, pp, m, dead, speeds = state.dp, state.pp, state.m, state.failed, state.speeds
   costs.check_stages(pp)
-  route = reroute(dp, pp, m, dead)
-  cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base)
-  schedule, makespan = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base)
+  route = reroute(dp, pp, m, dead, speeds)
+  cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base,
+                                                                     speeds)
+  schedule, makespan = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base, speeds)
   validate(schedule, memory_cap=cap)
   return schedule, makespan
 
@@ -163,10 +170,12 @@ def plan_adaptive_timed(
 @_collector_paused()
 def _adaptive_on_route(
   dp: int, pp: int, m: int, dead: frozenset[Worker], route: Route, costs: OpCosts, cap: int,
-  base: str,
+  base: str, speeds: tuple[tuple[Worker, float], ...] = (),
 ) -> tuple[Schedule, float]:
   """`plan_adaptive` on given routes, unvalidated; returns the schedule and its makespan."""
   live = _live_workers(dp, pp, dead)
+  speed_of = dict(speeds)
+  speed = [speed_of.get(w, 1.0) for w in live] if speeds else None
   loads = _loads(route)
   ramp = [math.ceil((pp - s) * loads[(d, s)] / m) for d, s in live]
   # Each variant costs one O(#ops log #ops) pass; past ~50k ops only the first few are tried so
@@ -184,7 +193,7 @@ def _adaptive_on_route(
     if f_key == "crit" and crit_is_mb and (order, "mb", limit) in variants:
       continue
     out, span, peak, feed_was_local, crit_is_mb = _list_schedule(
-      pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None
+      pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None, speed
     )
     if feed_was_local:
       same_as_local.add((order, limit))
@@ -193,17 +202,17 @@ def _adaptive_on_route(
       best, raw, makespan = score, out, span
   chosen = _to_ops(live, raw)
   if not dead:
-    # Without failures the base order itself (backwards split) is a candidate, so that the
-    # adaptive plan of a healthy grid is never slower than its base schedule.
-    base_compute = {
-      w: _split(op for op in ops if op.mb >= 0) for w, ops in generate(base, dp, pp, m).ops.items()
-    }
-    cand = _finish("adaptive", dp, pp, m, route, base_compute)
+    # Without failures the base order itself (backwards split, on the base routes) is a
+    # candidate, so that the adaptive plan of a healthy grid, or of one whose stragglers are
+    # not worth re-routing for, is never slower than its base schedule.
+    fault_free = generate(base, dp, pp, m)
+    base_compute = {w: _split(op for op in ops if op.mb >= 0) for w, ops in fault_free.ops.items()}
+    cand = _finish("adaptive", dp, pp, m, fault_free.route, base_compute)
     peak = max(peak_inflight(ops) for ops in base_compute.values())
-    span = simulate(cand, costs).makespan
+    span = simulate(cand, speed_scaled(costs, speeds), comm=costs.comm).makespan
     score = (round(span, 9), peak)
     if peak <= cap and best is not None and score < best:
-      chosen, makespan = base_compute, span
+      chosen, makespan, route = base_compute, span, fault_free.route
   return _finish("adaptive", dp, pp, m, route, chosen), makespan
 
 
@@ -259,7 +268,8 @@ def plan_on_route(
 
 
 def _naive_compute(
-  dp: int, pp: int, m: int, dead: frozenset[Worker], route: Route, base: str
+  dp: int, pp: int, m: int, dead: frozenset[Worker], route: Route, base: str,
+  slow: Iterable[Worker] = (),
 ) -> dict[Worker, list[Op]]:
   """Every survivor's compute ops under the naive policy (see `plan_naive`).
 
@@ -270,10 +280,11 @@ def _naive_compute(
   fault-free base run), which every dependency increases (a dependency never leaves its
   micro-batch), so the plan cannot deadlock. Plain "own list, then the orphans" can: with
   failures in two stages, two damaged pipelines may each wait at the end of their lists for work
-  the other one only does at the end of its own.
+  the other one only does at the end of its own. A `slow` worker's pipeline counts as damaged
+  (its peers take its work after their own).
   """
   sched = generate(base, dp, pp, m)
-  damaged = {d for d, _ in dead}
+  damaged = {d for d, _ in dead} | {d for d, _ in slow}
   compute: dict[Worker, list[Op]] = {w: [] for w in _live_workers(dp, pp, dead)}
   owners = sorted(range(dp), key=lambda d: (d in damaged, d))
   for d in owners:
@@ -307,8 +318,9 @@ def plan_naive(state: FailureState, *, base: str = "1f1b") -> Schedule:
   """
   _check_base(base)
   dp, pp, m, dead = state.dp, state.pp, state.m, state.failed
-  route = reroute(dp, pp, m, dead)
-  schedule = _finish("naive", dp, pp, m, route, _naive_compute(dp, pp, m, dead, route, base))
+  route = reroute(dp, pp, m, dead, state.speeds)
+  slow = [w for w, _ in state.speeds]
+  schedule = _finish("naive", dp, pp, m, route, _naive_compute(dp, pp, m, dead, route, base, slow))
   validate(schedule)
   return schedule
 
@@ -357,7 +369,7 @@ def plan_timed(
   if base is None:
     base = "zb-h1" if policy == "adaptive" else "1f1b"
   _check_base(base)
-  if not state.failed:
+  if not state.failed and not state.speeds:
     return generate(base, state.dp, state.pp, state.m), None
   if policy == "adaptive":
     return plan_adaptive_timed(state, costs, memory_cap=memory_cap, base=base)

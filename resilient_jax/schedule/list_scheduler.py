@@ -64,6 +64,7 @@ def _list_schedule(
   order: tuple[int, ...],
   f_key: str,
   act_cap: Sequence[int] | None = None,
+  speed: Sequence[float] | None = None,
 ) -> _Listed:
   """Event-driven list scheduling of F, B and W over the cost model.
 
@@ -84,6 +85,8 @@ def _list_schedule(
     order: priority of the kinds `_B`, `_F`, `_W`.
     f_key: which ready F goes first (see `_VARIANTS`).
     act_cap: per worker (in `live` order), most micro-batches between F and B; None: no limit.
+    speed: per worker (in `live` order), its speed: its ops but the AR take `1 / speed` of the
+      cost model's time (`routing.speed_scaled`, as `simulate` is then given); None: all 1.
 
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
@@ -103,8 +106,9 @@ def _list_schedule(
   crit, crit_is_mb = _criticality(pp, node_w, len(live))
   f_entry = _f_entries(f_key, pp, m, crit)
   act_lim = list(act_cap) if act_cap is not None else [cap] * len(live)
+  speed = list(speed) if speed is not None else [1.0] * len(live)
   out, last_end, peak, feed_was_local = _place(
-    pp, live, costs, cap, act_lim, order, f_key, node_w, f_entry
+    pp, live, costs, cap, act_lim, order, f_key, node_w, f_entry, speed
   )
   scheduled, total = sum(len(ops) for ops in out), 3 * len(node_w)
   if scheduled != total:
@@ -114,7 +118,8 @@ def _list_schedule(
   stage_end: dict[int, float] = {}
   for w, (_, s) in enumerate(live):
     stage_end[s] = max(stage_end.get(s, 0.0), last_end[w])
-  makespan = max(end + costs.ar_at(s) + costs.opt_at(s) for s, end in stage_end.items())
+  makespan = max(stage_end[s] + costs.ar_at(s) + costs.opt_at(s) / speed[w]
+                 for w, (_, s) in enumerate(live))
   return _Listed(out, makespan, peak, feed_was_local, crit_is_mb)
 
 
@@ -177,6 +182,7 @@ def _place(
   f_key: str,
   node_w: list[int],
   f_entry: list[int],
+  speed: list[float],
 ) -> tuple[list[list[tuple[int, int]]], list[float], int, bool]:
   """The event loop of `_list_schedule`: idle workers pick, then the next instant's events land.
 
@@ -185,6 +191,7 @@ def _place(
     act_lim: per worker, most micro-batches between F and B.
     node_w: the worker (index in `live`) of every node `mb * pp + stage`.
     f_entry: every node's entry in a queue of ready forwards (`_f_entries`).
+    speed: per worker, its speed (its op times are divided by it).
 
   Returns:
     Per worker its `(kind, mb)` in execution order, per worker the end of its last op, the most
@@ -192,7 +199,8 @@ def _place(
     head of its heap.
   """
   n_w, n_nodes = len(live), len(node_w)
-  dur = [(costs.f_at(s), costs.b_at(s), costs.w_at(s)) for _, s in live]
+  dur = [(costs.f_at(s) / v, costs.b_at(s) / v, costs.w_at(s) / v)
+         for (_, s), v in zip(live, speed, strict=True)]
   # B of a node waits for its own F and, below the last stage, for the B of the stage above.
   b_need = [1 if i % pp == pp - 1 else 2 for i in range(n_nodes)]
   b_ready = [0.0] * n_nodes

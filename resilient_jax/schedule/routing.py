@@ -1,8 +1,15 @@
-"""Where a failed worker's micro-batches go, and what that costs at best.
+"""Where a failed (or slow) worker's micro-batches go, and what that costs at best.
 
 `reroute` spreads each failed worker's stage of its micro-batches evenly over the stage's live
 data-parallel peers; `relative_throughput_bound` and `route_lower_bound` say how fast any
 schedule on those routes can be, which the planners (`adaptive.py`) are measured against.
+
+A straggler is the same mechanism applied in part (ReCycle's re-routing, weighted): with
+per-worker speeds, a stage's `D * m` micro-batches are shared in proportion to its workers'
+speeds (`proportional_loads`), so a worker at speed `v` keeps about `v` times its share and
+its peers take the rest; a failed worker is a worker of speed 0. A stage's synchronous
+throughput is then bounded by `sum(speeds) / D` of the fault-free one
+(`capacity_bound`), where without re-weighting it runs at its slowest worker's pace.
 """
 
 from __future__ import annotations
@@ -10,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from resilient_jax.schedule.core import Worker
-from resilient_jax.schedule.cost import OpCosts
+from resilient_jax.schedule.core import AR, Op, Worker
+from resilient_jax.schedule.cost import DurationFn, OpCosts
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import check_shape, generate
 from resilient_jax.schedule.validate import validate
@@ -55,22 +62,52 @@ class FailureState:
     pp: pipeline stages.
     m: micro-batches per pipeline.
     failed: the failed workers `(dp, stage)` (any iterable; stored as a frozenset).
+    speeds: live workers that run at another speed than their peers, `((worker, speed), ...)`
+      (any iterable of pairs or a mapping; stored sorted, speed 1 left out): the planners move
+      micro-batches off a slow worker in proportion (`proportional_loads`) and time its ops
+      at `1 / speed` of the cost model's.
   """
 
   dp: int
   pp: int
   m: int
   failed: frozenset[Worker] = frozenset()
+  speeds: tuple[tuple[Worker, float], ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "failed", _check_grid(self.dp, self.pp, self.m, self.failed))
+    object.__setattr__(self, "speeds", check_speeds(self.dp, self.pp, self.speeds, self.failed))
+
+
+def check_speeds(dp: int, pp: int, speeds: Iterable[tuple[Worker, float]] | Mapping,
+                 failed: Collection[Worker] = ()) -> tuple[tuple[Worker, float], ...]:
+  """`speeds` as a sorted tuple of `((d, s), speed)` without the workers at speed 1 (a hashable
+  plan-cache key), checked: workers inside the grid and live, speeds finite and positive.
+
+  Raises:
+    ValueError: the first bad entry.
+  """
+  pairs = speeds.items() if isinstance(speeds, Mapping) else speeds
+  out: dict[Worker, float] = {}
+  for worker, speed in pairs:
+    d, s = worker
+    if not (0 <= d < dp and 0 <= s < pp):
+      raise ValueError(f"slow worker {(d, s)} is outside the {dp}x{pp} grid")
+    if (d, s) in failed:
+      raise ValueError(f"worker {(d, s)} is both failed and given a speed")
+    if not (isinstance(speed, (int, float)) and math.isfinite(speed) and speed > 0):
+      raise ValueError(f"worker {(d, s)}'s speed must be a finite number > 0, got {speed!r}")
+    if speed != 1:
+      out[(d, s)] = float(speed)
+  return tuple(sorted(out.items()))
 
 
 def _live_workers(dp: int, pp: int, dead: Collection[Worker]) -> list[Worker]:
   return [(d, s) for d in range(dp) for s in range(pp) if (d, s) not in dead]
 
 
-def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> Route:
+def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker],
+            speeds: Iterable[tuple[Worker, float]] = ()) -> Route:
   """Routes every micro-batch's stages around the failed workers.
 
   Stage `s` of a micro-batch whose owner `(d, s)` is alive stays there. The `k * m` micro-batches
@@ -87,6 +124,8 @@ def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> Route:
     pp: pipeline stages.
     m: micro-batches per pipeline.
     failed: the failed workers `(dp, stage)`.
+    speeds: `((worker, speed), ...)` of live workers slower (or faster) than their peers: in
+      their stages the micro-batches are shared by `proportional_loads` instead.
 
   Returns:
     `route[mb][stage]`: the dp index of the live worker running that stage of `mb`.
@@ -95,7 +134,7 @@ def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> Route:
     StageLostError: when every worker of some stage has failed.
     ValueError: for a bad shape or a failed worker outside the grid.
   """
-  moved = rerouted_stages(dp, pp, m, failed)
+  moved = rerouted_stages(dp, pp, m, failed, speeds)
   route = [[mb // m] * pp for mb in range(dp * m)]
   for (mb, s), d in moved.items():
     route[mb][s] = d
@@ -103,24 +142,31 @@ def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker]) -> Route:
 
 
 def rerouted_stages(
-  dp: int, pp: int, m: int, failed: Iterable[Worker]
+  dp: int, pp: int, m: int, failed: Iterable[Worker],
+  speeds: Iterable[tuple[Worker, float]] = (),
 ) -> dict[tuple[int, int], int]:
   """The part of `reroute` that leaves the owners: `{(mb, stage): dp}` for every stage of a
   micro-batch that runs outside its own pipeline.
 
   Costs O(failed * m + D * pp), not O(D * m * pp) as the whole route does: at cluster scale the
-  runtime's replanning needs only these entries (`expand.footprint`).
+  runtime's replanning needs only these entries (`expand.footprint`). A stage with a slow
+  worker costs O(D * m) more (`_weighted_stage`).
 
   Raises:
     StageLostError: when every worker of some stage has failed.
-    ValueError: for a bad shape or a failed worker outside the grid.
+    ValueError: for a bad shape, a failed worker outside the grid or a bad speed.
   """
   dead = _check_grid(dp, pp, m, failed)
+  speed = dict(check_speeds(dp, pp, speeds, dead))
   lost_by_stage: dict[int, list[int]] = {}
   for d, s in sorted(dead):
     lost_by_stage.setdefault(s, []).append(d)
   moved: dict[tuple[int, int], int] = {}
+  weighted = {s for _, s in speed}
   for s in range(pp):
+    if s in weighted:
+      moved.update(_weighted_stage(dp, m, s, set(lost_by_stage.get(s, ())), speed))
+      continue
     lost = lost_by_stage.get(s)
     if not lost:
       continue
@@ -141,6 +187,81 @@ def rerouted_stages(
         room[i] -= 1
         i = (i + 1) % len(live)
   return moved
+
+
+def proportional_loads(speeds: Sequence[float], total: int, rotate: int = 0) -> list[int]:
+  """Micro-batches per worker of one stage, in proportion to `speeds`, summing to `total`.
+
+  Largest remainders: each worker gets `floor(total * v / sum)`, and the remaining ones go to
+  the largest fractions (ties: the workers after `rotate`, so that several stages with equal
+  remainders do not pile the extras onto one pipeline). A worker of speed 0 (failed) gets none,
+  any other at least one (taken from the most loaded) where there are enough to go round.
+
+  Raises:
+    ValueError: when no speed is positive.
+  """
+  norm = sum(speeds)
+  if norm <= 0:
+    raise ValueError(f"no worker of {list(speeds)} has a positive speed")
+  exact = [total * v / norm for v in speeds]
+  loads = [math.floor(x) for x in exact]
+  n = len(speeds)
+  order = sorted(range(n), key=lambda i: (-(exact[i] - loads[i]), (i - rotate) % n))
+  for i in order[: total - sum(loads)]:
+    loads[i] += 1
+  # A live worker keeps at least one (when there are enough): a plan with nothing for it would
+  # be a failure's, and its speed is only a measurement.
+  for i in range(n):
+    if speeds[i] > 0 and loads[i] == 0 and total >= sum(v > 0 for v in speeds):
+      loads[max(range(n), key=lambda j: (loads[j], -j))] -= 1
+      loads[i] = 1
+  return loads
+
+
+def _weighted_stage(dp: int, m: int, s: int, dead: set[int], speed: Mapping[Worker, float]
+                    ) -> dict[tuple[int, int], int]:
+  """`rerouted_stages`'s entries of stage `s`, whose workers run at different speeds.
+
+  Every worker's load is `proportional_loads` of the stage's `dp * m` micro-batches (failed
+  workers at speed 0). A worker below its own `m` keeps an evenly spaced part of its own
+  micro-batches (so its pipeline still feeds it at a steady pace) and gives the others away;
+  the given-away ones, in id order, are dealt round-robin to the workers above `m`, as failed
+  workers' are (`rerouted_stages`).
+  """
+  weights = [0.0 if d in dead else speed.get((d, s), 1.0) for d in range(dp)]
+  loads = proportional_loads(weights, dp * m, rotate=s)
+  orphans: list[int] = []
+  for d in range(dp):
+    keep = min(loads[d], m)
+    # Own micro-batch j is kept when floor((j + 1) * keep / m) steps up: `keep` of them, spread.
+    orphans += [d * m + j for j in range(m) if (j + 1) * keep // m == j * keep // m]
+  takers = [d for d in range(dp) if loads[d] > m]
+  room = [loads[d] - m for d in takers]
+  moved: dict[tuple[int, int], int] = {}
+  i = 0
+  for mb in sorted(orphans):
+    while room[i] == 0:
+      i = (i + 1) % len(takers)
+    moved[(mb, s)] = takers[i]
+    room[i] -= 1
+    i = (i + 1) % len(takers)
+  return moved
+
+
+def capacity_bound(dp: int, pp: int, speeds: Iterable[tuple[Worker, float]],
+                   failed: Iterable[Worker] = ()) -> tuple[float, float]:
+  """The throughput, relative to fault free, that the grid's compute capacity allows.
+
+  Returns:
+    `(grid, stage)`: the sum of every worker's speed over the number of workers (work could go
+    anywhere), and the smallest such ratio of one stage (work stays in its stage, as
+    re-routing keeps it). Neither counts pipeline bubbles, which re-routed work may fill.
+  """
+  dead = set(failed)
+  speed = dict(check_speeds(dp, pp, speeds, dead))
+  per_stage = [sum(0.0 if (d, s) in dead else speed.get((d, s), 1.0) for d in range(dp)) / dp
+               for s in range(pp)]
+  return sum(per_stage) / pp, min(per_stage)
 
 
 def relative_throughput_bound(dp: int, pp: int, m: int, k: int) -> float:
@@ -167,6 +288,20 @@ def relative_throughput_bound(dp: int, pp: int, m: int, k: int) -> float:
   return min(1.0, (m + pp - 1) * (dp - k) / (m * dp))
 
 
+def speed_scaled(costs: OpCosts, speeds: Iterable[tuple[Worker, float]]) -> DurationFn:
+  """`costs.duration` with every op but the all-reduce of a worker at speed `v` taking `1 / v`
+  as long (a slow device computes slowly; its collective is paced by the link)."""
+  speed = dict(speeds)
+  if not speed:
+    return costs.duration
+
+  def duration(worker: Worker, op: Op) -> float:
+    t = costs.duration(worker, op)
+    return t if op.kind == AR else t / speed.get(worker, 1.0)
+
+  return duration
+
+
 def _loads(route: Route) -> dict[Worker, int]:
   """Micro-batches per (live) worker under `route`."""
   loads: dict[Worker, int] = {}
@@ -176,7 +311,8 @@ def _loads(route: Route) -> dict[Worker, int]:
   return loads
 
 
-def default_memory_cap(dp: int, pp: int, m: int, failed: Iterable[Worker], base: str) -> int:
+def default_memory_cap(dp: int, pp: int, m: int, failed: Iterable[Worker], base: str,
+                       speeds: Iterable[tuple[Worker, float]] = ()) -> int:
   """The in-flight cap `plan_adaptive` uses when none is given.
 
   The fault-free base schedule's peak (micro-batches with F done and W/BW not done, worst
@@ -191,11 +327,13 @@ def default_memory_cap(dp: int, pp: int, m: int, failed: Iterable[Worker], base:
     m: micro-batches per pipeline.
     failed: the failed workers.
     base: the fault-free generator whose peak is scaled.
+    speeds: `((worker, speed), ...)` of slow workers (`reroute`).
 
   Returns:
     The cap, at least 1.
   """
-  return memory_cap_for_load(max(_loads(reroute(dp, pp, m, failed)).values()), pp, m, base)
+  return memory_cap_for_load(max(_loads(reroute(dp, pp, m, failed, speeds)).values()), pp, m,
+                             base)
 
 
 def memory_cap_for_load(max_load: int, pp: int, m: int, base: str) -> int:

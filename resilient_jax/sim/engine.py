@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from resilient_jax.policy.base import Grid, Policy, Recovery, Transition
+from resilient_jax.policy.base import Grid, Policy, Recovery, Transition, plans_speeds
 from resilient_jax.policy.registry import build_policies
 from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.schedule.core import Worker
@@ -333,6 +333,19 @@ class _Replay:
       return choice.recovery, (after if choice.take else failed), choice.take
     return self.policy.recovery(move), after, True
 
+  def slow_factor(self, slow: frozenset[tuple[Worker, float]], down: frozenset[Worker],
+                  failed: frozenset[Worker], step: float) -> float:
+    """The step time's factor from the `slow` workers (and their speeds) that are up: a policy
+    that re-plans for speeds (recycle, naive: `policy.base.plans_speeds`) is asked for its step
+    time on the grid with those speeds (the runtime's `RunCoordinator.reweigh` plans the same),
+    over `step`, its step time without; any other runs at the slowest one's pace
+    (`Slowdown`)."""
+    speeds = {w: v for w, v in slow if w not in down and w not in failed and v < 1}
+    grid = self.grid.with_speeds(speeds)
+    if speeds and math.isfinite(step) and plans_speeds(self.policy, grid):
+      return self.policy.step_time(grid, failed, self.costs) / step
+    return self.slowdown.factor(slow, down)
+
   def run(self, timeline: list[tuple[float, frozenset[Worker], frozenset]]) -> PolicyTrace:
     out, grid, costs = self.out, self.grid, self.costs
     changes = sum(a[1] != b[1] for a, b in zip(timeline, timeline[1:], strict=False))
@@ -373,7 +386,7 @@ class _Replay:
           if rec.restart or rec.rollback:
             ckpt_base = resume  # the restored (or just saved) state is the new checkpoint
           step = self.policy.step_time(grid, failed, costs)
-      factor = self.slowdown.factor(slow, down)
+      factor = self.slow_factor(slow, down, failed, step)
     out.samples = sum(r * (t1 - t0) for t0, t1, r, counted, *_ in out.segments if counted)
     for t0, t1, _, counted, seg_step, seg_factor in out.segments:
       out.breakdown.add_training(t1 - t0, counted, self.ideal_step, seg_step, seg_factor,

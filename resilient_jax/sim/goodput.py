@@ -14,8 +14,10 @@ splits exactly into the committed time and the losses (`Breakdown.wall_s` is the
 * re-run work: training rolled back to the last checkpoint, and the step in flight;
 * slowed steps: training at a step time above the ideal one (failed workers' load carried by
   others, fewer pipelines, redundant work);
-* stragglers: the extra step time of a slow device (the policies cannot re-plan for speeds yet:
-  every policy runs its plan at the slowest device's pace, `slowdown`);
+* stragglers: the extra step time of a slow device: recycle and naive re-plan for the speeds
+  (a slow worker keeps the share it can finish: their step time with the speeds over without,
+  `engine._Replay.slow_factor`); every other policy runs its plan at the slowest device's pace
+  (`Slowdown`);
 * checkpoint stalls: the time saves block training (`checkpoint_write_s` per interval);
 * waiting: no grid can be formed until a repair.
 
@@ -107,7 +109,8 @@ class Slowdown:
   stretches its pipeline's step (its F, B and W take `1/v` as long), and every other pipeline
   waits for it at the gradient all-reduce. The factor is that one pipeline's fault-free
   makespan with the slow stage against without, the largest over the slow workers; it
-  multiplies whatever step time the policy runs (its plan is not re-made for speeds).
+  multiplies whatever step time a policy that does not re-plan for speeds runs (the re-routing
+  policies do: `engine._Replay.slow_factor`).
   """
 
   def __init__(self, grid: Grid, costs: PlanCosts):

@@ -1,0 +1,83 @@
+"""Throughput with a straggler: waiting for it, re-weighting its share, and the capacity bound.
+
+A 4 x 4 grid (zb-h1) with one worker at 0.5 speed, on the cost replay (`schedule.cost.simulate`,
+the same replay the runtime and the simulator use; not wall time), GPT-style op costs (f=1,
+b=1, w=0.8, all-reduce 0.5, optimizer 0.2, in forward units), for the slow worker in each stage
+and m = 8 and 16 micro-batches per pipeline. Per row, relative to the fault-free step:
+
+* waiting: the fault-free plan replayed with the slow worker's ops at 1 / 0.5 of their time
+  (what every synchronous trainer does: the step goes at its pace);
+* re-weighted: recycle's plan for the measured speeds (`RunCoordinator.reweigh` calls the same
+  planner): the slow worker keeps about half its share, its stage's peers take the rest and the
+  list scheduler packs it into bubbles (`schedule/routing.proportional_loads`);
+* the capacity bounds: the stage's (sum of its workers' speeds / D = 0.875: work stays in its
+  stage, where the weights are) and the grid's (sum of speeds / workers = 0.969: work could go
+  anywhere, which would take moving layers between stages). Neither counts bubbles, which the
+  re-weighted work may fill.
+
+`straggler_vs_bound` is the worst row's re-weighted throughput over the stage bound (target
+>= 0.9); `straggler_vs_grid_bound` the same over the grid bound.
+
+Run:
+  python benchmarks/straggler.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from resilient_jax.policy.base import Grid  # noqa: E402
+from resilient_jax.policy.costs import AnalyticCosts  # noqa: E402
+from resilient_jax.policy.registry import build_policies  # noqa: E402
+from resilient_jax.schedule.cost import OpCosts, simulate  # noqa: E402
+from resilient_jax.schedule.generators import generate  # noqa: E402
+from resilient_jax.schedule.routing import capacity_bound, speed_scaled  # noqa: E402
+
+DP, PP, SPEED = 4, 4, 0.5
+COSTS = OpCosts(f=1.0, b=1.0, w=0.8, ar=0.5, opt=0.2)
+
+
+def row(m: int, stage: int) -> dict:
+  """One slow worker, (1, stage), on the 4 x 4 grid with m micro-batches per pipeline."""
+  speeds = (((1, stage), SPEED),)
+  grid = Grid(DP, PP, m, "zb-h1")
+  recycle = build_policies(["recycle"])["recycle"]
+  costs = AnalyticCosts(COSTS, None)
+  fault_free = simulate(generate("zb-h1", DP, PP, m), COSTS).makespan
+  waiting = simulate(generate("zb-h1", DP, PP, m), speed_scaled(COSTS, speeds)).makespan
+  slow_grid = grid.with_speeds(speeds)
+  planned = recycle.plan(slow_grid, frozenset(), costs)
+  reweighted = simulate(planned, speed_scaled(COSTS, speeds)).makespan
+  # The policy's own step time is this very replay (the simulator's number).
+  assert abs(recycle.step_time(slow_grid, frozenset(), costs) - reweighted) < 1e-9
+  grid_bound, stage_bound = capacity_bound(DP, PP, speeds)
+  return {
+    "m": m, "stage": stage, "keeps": len(planned.microbatches_of((1, stage))),
+    "waiting": fault_free / waiting, "reweighted": fault_free / reweighted,
+    "stage_bound": stage_bound, "grid_bound": grid_bound,
+  }
+
+
+def main() -> None:
+  rows = [row(m, s) for m in (8, 16) for s in range(PP)]
+  print(f"{DP}x{PP} grid, zb-h1, one worker (1, s) at speed {SPEED}; throughput relative to "
+        "fault free, cost replay (f=1, b=1, w=0.8, ar=0.5, opt=0.2)")
+  print(f"{'m':>3} {'stage':>5} {'keeps':>7} {'waiting':>8} {'re-weighted':>12} "
+        f"{'stage bound':>12} {'grid bound':>11} {'vs stage':>9} {'vs grid':>8}")
+  for r in rows:
+    print(f"{r['m']:3d} {r['stage']:5d} {r['keeps']:3d}/{r['m']:<3d} {r['waiting']:8.3f} "
+          f"{r['reweighted']:12.3f} {r['stage_bound']:12.3f} {r['grid_bound']:11.3f} "
+          f"{r['reweighted'] / r['stage_bound']:9.3f} {r['reweighted'] / r['grid_bound']:8.3f}")
+  worst = min(rows, key=lambda r: r["reweighted"])
+  print(f"waiting_throughput: {min(r['waiting'] for r in rows):.3f}")
+  print(f"reweighted_throughput: {worst['reweighted']:.3f}")
+  print(f"straggler_vs_bound: {worst['reweighted'] / worst['stage_bound']:.3f}")
+  print(f"straggler_vs_grid_bound: {worst['reweighted'] / worst['grid_bound']:.3f}")
+
+
+if __name__ == "__main__":
+  main()
