@@ -31,7 +31,8 @@ class Event:
   """One failure or rejoin, completed as the run goes on.
 
   Attributes:
-    kind: "failure" or "rejoin".
+    kind: "failure", "rejoin", "straggler" (a worker found slow, its share re-weighted) or
+      "straggler_recovered" (back to its peers' pace, its share given back).
     step: the step it happened at the start of, or during.
     nodes: the nodes lost or back.
     at: when it was detected (or, for a rejoin, applied), seconds since the epoch.
@@ -104,6 +105,7 @@ class GoodputLog:
         "steps": len(metrics),
         "failures": sum(e.kind == "failure" for e in self.events),
         "rejoins": sum(e.kind == "rejoin" for e in self.events),
+        "stragglers": sum(e.kind == "straggler" for e in self.events),
         "steps_rerun": sum(e.steps_rerun for e in self.events),
         "wall_s": round(wall, 3),
         "startup_s": round(self.ready - self.started, 3),

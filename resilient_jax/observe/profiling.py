@@ -161,10 +161,14 @@ class RunTimelines:
     self.fault_free = first - 1 if first > 2 else 0
     self.after = {f + 1 for f in self.failures if f < end} | ({end} & set(self.failures))
     self.written: list[str] = []
+    self.measure_every = 0
+    """Profile every this many steps besides (their op times measured for stragglers,
+    `training/stragglers.py`); 0: none."""
 
   def profile(self, step: int, failed: bool) -> bool:
     """Whether `step` runs in profile mode; `failed`: a failure happened before it."""
-    return step == self.end or step == self.fault_free or (step in self.after and failed)
+    return (step == self.end or step == self.fault_free or (step in self.after and failed)
+            or bool(self.measure_every) and step % self.measure_every == 0)
 
   def kind(self, step: int, failed: bool) -> str | None:
     """After the step ran: "fault-free", "after failure" (a `timeline_step<N>` drawing) or

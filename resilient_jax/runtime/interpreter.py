@@ -60,6 +60,7 @@ from resilient_jax.runtime.step_run import (
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.pipelines import LayerRange
 from resilient_jax.schedule.plan import Plan, Slot, StepProgram, step_program
+from resilient_jax.training.fault_specs import Slowdown
 
 Params = dict[str, jax.Array]
 ProgramsFor = Callable[[tuple[LayerRange, ...]], Sequence[StagePrograms]]
@@ -77,6 +78,8 @@ class Interpreter(StateHandover):
     clip_global_norm: clip the gradients to this global norm (0: off).
     nonfinite: (step, stage) pairs whose gradients are made NaN on every replica before the
       optimizer step (`faults.nonfinite`: rehearses a diverging step, which the step skips).
+    slowdowns: `faults.slow`: from a step on, a slot's ops take that many times as long
+      (rehearses a straggler, `training/stragglers.py`; `step_run._stretch`).
     replicas: take the replicas a slot keeps of another stage (Bamboo) now, from other
       processes too; False in a process relaunched into a running job, whose peers offer
       nothing until they admit it (`place` takes them then).
@@ -90,12 +93,14 @@ class Interpreter(StateHandover):
     state: Sequence[Source] | None = None,
     clip_global_norm: float = 0.0,
     nonfinite: Collection[tuple[int, int]] = (),
+    slowdowns: Collection[Slowdown] = (),
     replicas: bool = True,
   ):
     self._programs_for = programs_for
     self.transport = transport
     self.clip_global_norm = clip_global_norm
     self.nonfinite = frozenset(nonfinite)
+    self.slowdowns = tuple(slowdowns)
     self.params: dict[Slot, Params] = {}
     self.opt_state: dict[Slot, Any] = {}
     self.replicas: dict[Slot, tuple[Params, Any]] = {}

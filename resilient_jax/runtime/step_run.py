@@ -29,6 +29,7 @@ from resilient_jax.runtime.records import OpRecord, StepResult
 from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome, Transport
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
 from resilient_jax.schedule.plan import Slot, StepProgram
+from resilient_jax.training.fault_specs import Slowdown, slowdowns_at
 
 Params = dict[str, jax.Array]
 AfterOp = Callable[[int, Op], None]
@@ -54,6 +55,7 @@ class Holder(Protocol):
   transport: Transport
   clip_global_norm: float
   nonfinite: frozenset[tuple[int, int]]
+  slowdowns: tuple[Slowdown, ...]
 
   def programs(self, split: tuple[tuple[int, int], ...]) -> Sequence[StagePrograms]: ...
   def program(self, slot: Slot) -> StagePrograms: ...
@@ -100,6 +102,7 @@ class StepRun:
     self.new_state: dict[Slot, tuple[Params, Any]] = {}
     self.sumsq: list[jax.Array] = []
     self.records: list[OpRecord] = []
+    self.slow = slowdowns_at(interp.slowdowns, step)
     self.local = set(interp.local_slots)
     self.slot_groups = {s: [g for g in interp.groups if s in g.holders] for s in self.local}
     self.group_done: set[int] = set()
@@ -219,6 +222,9 @@ class StepRun:
     start = time.perf_counter() - self.t0
     with TraceAnnotation(str(op), stage=self.sp.slots[slot].stage, mb=op.mb, pipeline=slot[0]):
       outs = self.optimize(slot) if op.kind == OPT else self.compute(slot, op)
+      factor = self.slow.get(slot)
+      if factor:
+        _stretch(outs, self.t0 + start, factor)
       self.finish(slot, op, start, outs)
     if op.kind != OPT:
       self.after(slot, op)
@@ -369,6 +375,16 @@ def local_dispatch_lists(interp: Holder, slots: Sequence[Slot]) -> dict[Slot, Di
              for op in sp.slots[s].ops)
     for s in slots
   }
+
+
+def _stretch(outs: Any, began: float, factor: float) -> None:
+  """`faults.slow`'s injection: waits for the op, then sleeps `factor - 1` times as long as it
+  took, so that its device is taken for `factor` times its time (what a profiled step records,
+  and what the host waits in any step). A real slow device would not hold the host's dispatch
+  of other devices' ops meanwhile; this one does, which only makes an unmitigated straggler
+  cost more wall time."""
+  jax.block_until_ready(outs)
+  time.sleep((factor - 1) * (time.perf_counter() - began))
 
 
 _make_nan = OnEachDevice(lambda grads: jax.tree.map(lambda g: g * jnp.nan, grads))

@@ -136,7 +136,8 @@ def new_interpreter(cfg: RunConfig, programs: Programs, transport: Transport, pl
                     replicas: bool = True) -> Interpreter:
   programs.microbatch_size = cfg.step_batch // num_microbatches(plan)
   return Interpreter(programs, transport, plan, clip_global_norm=cfg.optimizer.clip_global_norm,
-                     nonfinite=cfg.faults.nonfinite, replicas=replicas)
+                     nonfinite=cfg.faults.nonfinite, slowdowns=cfg.faults.slow,
+                     replicas=replicas)
 
 
 def activation_memory(cfg: RunConfig, programs: Programs, log: Logger) -> RunConfig:

@@ -1,0 +1,222 @@
+"""Stragglers: a worker persistently slower than its stage's peers keeps only the share of
+micro-batches it can finish in time, and gets its share back once it recovers.
+
+A slow device (thermal throttling, a bad link, a noisy neighbour) holds every synchronous step
+to its pace: without help a stage with one worker at half speed runs at half speed. ReCycle's
+re-routing is the tool for it, applied in part: the policy re-plans with per-worker speeds
+(`RunCoordinator.reweigh`, `Grid.speeds`), which moves micro-batches off the slow worker to its
+stage's peers in proportion to its speed (`routing.proportional_loads`) and lets the list
+scheduler fill bubbles with them. The global batch, the samples and the sums are unchanged, so
+the losses are the fault-free run's.
+
+Detection: every `resilience.straggler_every` steps the step runs profiled (each op waited for
+and timed, as the timelines' steps are) and each worker's backward time per micro-batch is
+compared with its stage peers' (their median, itself left out; `peer_ratios`). A worker
+whose ratio stays above `resilience.straggler_threshold` for `resilience.straggler_steps`
+measured steps in a row is a straggler at speed `1 / median ratio`; one in force whose ratio
+stays below the threshold for as many steps, their median below half-way to it, has recovered
+(noise on shared cores reads a normal worker at up to ~1.3). The change goes in at the start of
+the next step (a log line, an event in `goodput.json`), like a failure found after a step. A
+speed in force changes again only when the measured one is off by more than half.
+Not measured: a step that compiled (its op times include the compiles) and the first step of a
+new plan (its first transfers between new pairs of devices and first placements of inputs
+read as slow ops); a worker's window starts over after its speed changed.
+
+Injection (`faults.slow=STEP:DP.STAGE:FACTOR`, by the interpreter: `fault_specs.slowdowns_at`):
+from STEP on, that worker's every op (not its all-reduce) is waited for and followed by a sleep
+of FACTOR - 1 times what it took (`runtime/step_run._stretch`), so the device is taken FACTOR
+times as long.
+
+Scope: op times are recorded only in a single-process run (`Group.profiles`: a job's steps are
+not profiled), so in a multi-process job `faults.slow` slows the worker but the detection stays
+off (a line says so). Only recycle and naive re-weight; another policy in force keeps its plan
+(the log says so). Costs per measured step: every op waited for (the devices' work serialised,
+as in any profiled step) and O(ops) host work to summarise the records; a re-plan costs one
+planning of the whole grid (`rerouting.py`), nothing is copied (every worker holds its stage).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from collections.abc import Iterable, Mapping
+
+from resilient_jax.config import RunConfig
+from resilient_jax.observe.profiling import RunTimelines
+from resilient_jax.runtime.records import OpRecord
+from resilient_jax.schedule.core import BW, B, W, Worker
+from resilient_jax.schedule.plan import GridPlan
+from resilient_jax.training.hooks import StepInfo
+from resilient_jax.training.run import Run
+
+_MEASURED = (B, W, BW)
+"""The kinds of op timed. Forwards are left out: a stage's first forward of a step also places
+the step's inputs (or targets) on its device (`StepRun.data`), more of them for a worker with
+more micro-batches."""
+
+KindTimes = dict[str, tuple[float, float | None]]
+"""Per kind of op, a worker's first op's duration and the median of its others' (None: it ran
+one)."""
+
+
+def op_times(records: Iterable[OpRecord]) -> dict[Worker, KindTimes]:
+  """Per worker, per backward kind it ran, `(first, median of the rest)` of its durations. A
+  worker's first op of a kind does one-off work of the step (its first W allocates the gradient
+  accumulator: 2x the others' time on the tiny model), so it is kept apart: a worker left with
+  one micro-batch is compared by its first ops with its peers' first ops."""
+  times: dict[Worker, dict[str, list[float]]] = {}
+  for r in records:
+    if r.op.kind in _MEASURED:
+      times.setdefault(tuple(r.worker), {}).setdefault(r.op.kind, []).append(r.end - r.start)
+  return {w: {k: (ts[0], statistics.median(ts[1:]) if len(ts) > 1 else None)
+              for k, ts in kinds.items()} for w, kinds in times.items()}
+
+
+def peer_ratios(times: Mapping[Worker, KindTimes]) -> dict[Worker, float]:
+  """Each worker's backward time per micro-batch over its stage peers' (their median, itself
+  left out), summed over the kinds: its later ops against the peers' later ops where it and
+  some peer ran several, else first ops against first ops. Workers with no measured peer are
+  left out."""
+  by_stage: dict[int, list[Worker]] = {}
+  for w in times:
+    by_stage.setdefault(w[1], []).append(w)
+  out = {}
+  for members in by_stage.values():
+    for w in members:
+      own = ref = 0.0
+      for kind, (first, rest) in times[w].items():
+        peers = [times[p][kind] for p in members if p != w and kind in times[p]]
+        later = [r for _, r in peers if r is not None]
+        if rest is not None and later:
+          own, ref = own + rest, ref + statistics.median(later)
+        elif peers:
+          own, ref = own + first, ref + statistics.median(f for f, _ in peers)
+      if ref > 0:
+        out[w] = own / ref
+  return out
+
+
+class StragglerWatch:
+  """The rule of the module docstring over a run's measured steps: `observe` takes each
+  measured step's ratios, `speeds` says what should be in force.
+
+  Args:
+    threshold: `resilience.straggler_threshold`.
+    steps: `resilience.straggler_steps`.
+  """
+
+  def __init__(self, threshold: float, steps: int):
+    self.threshold = threshold
+    self.recover = 1 + (threshold - 1) / 2
+    self.steps = steps
+    self.windows: dict[Worker, collections.deque[float]] = {}
+
+  def observe(self, ratios: Mapping[Worker, float]) -> None:
+    for w, r in ratios.items():
+      self.windows.setdefault(w, collections.deque(maxlen=self.steps)).append(r)
+
+  def speeds(self, in_force: Mapping[Worker, float]) -> dict[Worker, float]:
+    """The speeds to put in force, given those in force now (the same dict when nothing
+    changes). A new speed is the inverse of the window's median ratio, in hundredths."""
+    out = dict(in_force)
+    for w, window in self.windows.items():
+      if len(window) < self.steps:
+        continue
+      measured = max(0.05, min(1.0, round(1 / statistics.median(window), 2)))
+      if w not in in_force:
+        if min(window) > self.threshold:
+          out[w] = measured
+      elif statistics.median(window) < self.recover and max(window) < self.threshold:
+        del out[w]
+      elif min(window) > self.threshold and not 2 / 3 < measured / in_force[w] < 3 / 2:
+        out[w] = measured  # much slower (or less slow) than when it was put in force
+    for w in {w for w in set(out) | set(in_force) if out.get(w) != in_force.get(w)}:
+      self.windows.pop(w, None)  # a changed worker is measured afresh
+    return out
+
+
+class Stragglers:
+  """The run's detection hook and its re-weighting (see the module docstring): after a
+  measured step it takes the op times, and when the speeds to put in force change it has the
+  coordinator re-plan for the next step and the interpreter take the plan.
+
+  Args:
+    cfg: the run's configuration.
+    run: the run.
+  """
+
+  def __init__(self, cfg: RunConfig, run: Run):
+    self.run = run
+    res = cfg.resilience
+    self.every = res.straggler_every if run.group.profiles else 0
+    if res.straggler_every and not run.group.profiles:
+      run.log("resilience.straggler_every: a multi-process job does not time its ops, so "
+              "stragglers are not detected in it (faults.slow still slows the worker)")
+    self.watch = StragglerWatch(res.straggler_threshold, res.straggler_steps)
+    self.measured_plan: object = None
+    """The plan of the step before (a step on a new plan is not measured)."""
+
+  def __call__(self, info: StepInfo) -> None:
+    """The hook after every committed step: measures it when it ran profiled for that."""
+    coord = self.run.coordinator
+    first, self.measured_plan = self.measured_plan is not coord.plan, coord.plan
+    if info.step == 1:
+      first = False  # the run's first plan: its first step compiles, and is skipped for that
+    if (first or info.compiles or not self.every or info.step % self.every
+        or not info.result.records or not isinstance(coord.plan, GridPlan)):
+      return
+    ratios = peer_ratios(op_times(info.result.records))
+    self.watch.observe(ratios)
+    info.row["straggler_ratios"] = {f"{d}.{s}": round(r, 3) for (d, s), r in sorted(
+      ratios.items()) if r > self.watch.recover}
+    in_force = dict(coord.grid.speeds)
+    wanted = self.watch.speeds(in_force)
+    if wanted != in_force:
+      self._reweigh(in_force, wanted, info.step + 1)
+
+  def _reweigh(self, before: dict[Worker, float], speeds: dict[Worker, float], step: int
+               ) -> None:
+    """Puts `speeds` in force (`before`: those in force) for `step`: log lines, the plan, the
+    events."""
+    run = self.run
+    coord = run.coordinator
+    changed = sorted(w for w in set(speeds) | set(before) if speeds.get(w) != before.get(w))
+    for d, s in changed:
+      v = speeds.get((d, s))
+      if v is None:
+        run.log(f"STRAGGLER RECOVERED: worker (dp={d}, stage={s}) runs at its stage peers' "
+                f"pace again; it gets its share back from step {step}")
+      else:
+        was = f" (was {before[(d, s)]:.2f})" if (d, s) in before else ""
+        run.log(f"STRAGGLER: worker (dp={d}, stage={s}) runs at {v:.2f} of its stage peers' "
+                f"speed{was}, measured over {self.watch.steps} steps; re-weighting its share "
+                f"from step {step}")
+    decision = coord.reweigh(speeds, step, key=run.plan_key(step))
+    dead = coord.down_nodes
+    run.interpreter.place(decision.plan, run.interpreter.sources(dead), dead=dead,
+                          tag=(step, run.attempts))
+    node_of = decision.plan.nodes if isinstance(decision.plan, GridPlan) else {}
+    for w in changed:
+      event = run.goodput.add("straggler" if w in speeds else "straggler_recovered", step,
+                              [node_of[w]] if w in node_of else [], worker=list(w),
+                              speed=speeds.get(w, 1.0), plan=coord.plan_name)
+      keeps = _keeps(decision.plan, w)
+      if keeps is not None:
+        event.extra["microbatches"] = keeps
+
+
+def _keeps(plan: object, worker: Worker) -> int | None:
+  """Micro-batches `worker` runs its stage of under `plan` (a grid plan's), else None."""
+  if not isinstance(plan, GridPlan):
+    return None
+  return len(plan.schedule.microbatches_of(worker))
+
+
+def stragglers(cfg: RunConfig, run: Run, timelines: RunTimelines) -> Stragglers | None:
+  """The run's detection hook, or None when `resilience.straggler_every` is 0; the steps it
+  measures run profiled (`timelines.measure_every`)."""
+  if not cfg.resilience.straggler_every:
+    return None
+  hook = Stragglers(cfg, run)
+  timelines.measure_every = hook.every
+  return hook
