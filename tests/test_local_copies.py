@@ -69,8 +69,10 @@ def test_a_damaged_copy_is_never_loaded_and_a_replica_stands_in(tmp_path):
     f.write(bytes([byte[0] ^ 0x10]))
   bad = local.read_entries(copies[0], sorted(needs_of(1)))
   assert ("params", "blocks.1.w") not in bad and len(bad) == len(needs_of(1)) - 1
-  got = local.read_step(copies, needs_of(1), 6)
+  got = local.read_step(copies, needs_of(1), 6, lines.append)
   assert np.array_equal(got[0]["blocks.1.w"], want["params"]["blocks.1.w"])
+  assert lines == [f"local copy {copies[0].path}: 1 entry (blocks.1.w) failed its CRC32 "
+                   "check or read short: not loaded from it"]
   # Damaged in both replicas: step 6 cannot be read; a truncated file reads as damaged.
   (path / local.STATE_FILE).write_bytes((path / local.STATE_FILE).read_bytes()[:offset + 8])
   assert local.read_step(copies, needs_of(1), 6) is None

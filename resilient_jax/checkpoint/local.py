@@ -263,17 +263,24 @@ def pick_resume(covered: Mapping[int, Iterable[int]], newest_shared: int, rows: 
   return None, "they hold no step newer than it of every stage"
 
 
-def read_step(copies: Iterable[Copy], needs: Iterable[tuple[str, str]], step: int
+def read_step(copies: Iterable[Copy], needs: Iterable[tuple[str, str]], step: int,
+              log: Callable[[str], None] = lambda _: None,
               ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
   """Every entry of `needs` at `step` (`{name: array}` of the params, of the optimizer state),
   each from the first copy of that step that holds it whole: an entry damaged in one replica's
-  copy is read from another's. None if some entry is in none."""
+  copy is read from another's (`log` names the damaged ones). None if some entry is in none."""
   need = set(needs)
   got: dict[tuple[str, str], np.ndarray] = {}
   for copy in (c for c in copies if c.step == step):
     want = sorted(n for n in need - got.keys() if n in copy.names)
     if want:
-      got.update(read_entries(copy, want))
+      read = read_entries(copy, want)
+      got.update(read)
+      bad = [n for g, n in want if (g, n) not in read]
+      if bad:
+        log(f"local copy {copy.path}: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} "
+            f"({bad[0]}{', ...' if len(bad) > 1 else ''}) failed its CRC32 check or read "
+            "short: not loaded from it")
   if got.keys() != need:
     return None
   return ({n: a for (g, n), a in got.items() if g == "params"},

@@ -137,7 +137,7 @@ class LocalCopies:
       if step is None:
         return None
       tried.add(step)
-      got = local.read_step(copies, needs, step)
+      got = local.read_step(copies, needs, step, self.cluster.log if self.cluster else run.log)
       ok = group.gather(f"local/read/{attempt}", got is not None, processes)
       if group.agree(f"local/ok/{attempt}", lambda ok=ok, step=step: self._verdict(ok, step)):
         assert got is not None
