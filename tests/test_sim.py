@@ -194,6 +194,49 @@ def test_spec_cost_model_is_the_roofline_and_the_ring():
   assert ring_allreduce_seconds(1e9, 1, 1.0, 1.0) == 0.0
 
 
+def test_the_cost_model_prices_the_ring_the_runtime_runs():
+  """The simulator's all-reduce is the runtime's ring (`schedule.ring`, whose hops
+  `ProcessTransport._ring` walks), at P = 2..8 members and K = P..8 pieces (the job's process
+  count): replayed on numbers, the hops sum every piece once and leave every member bitwise
+  the same sums; the bytes each member sends are what the cost model counts (2 (P - 1) / P of
+  the buffer at K = P); the runtime's own cut (`_cut`) makes pieces of the size priced; and the
+  priced time is the textbook ring where the pieces divide evenly, slower where they do not."""
+  import jax
+  import numpy as np
+
+  from resilient_jax.runtime.multiprocess import _cut
+  from resilient_jax.schedule import ring
+
+  elements, bw, lat = 1001, 1e9, 1e-5
+  flat = jax.device_put(np.arange(elements, dtype=np.float32), jax.devices()[0])
+  rng = np.random.default_rng(0)
+  for k in range(2, 9):
+    cut = _cut(k)(flat)
+    assert [c.shape[0] for c in cut] == [ring.piece_elements(elements, k)] * k
+    np.testing.assert_array_equal(np.concatenate(cut)[:elements], np.asarray(flat))
+    for n in range(2, k + 1):
+      own = rng.normal(size=(n, k)).astype(np.float32)  # each member's partial sums per piece
+      chunks, pieces, sent = own.copy(), ring.owned(k, n), [0] * n
+      for hop in range(2 * (n - 1)):
+        msgs = [chunks[r][pieces[ring.hops(r, n)[hop][0]]] for r in range(n)]
+        for r in range(n):
+          _, recv, gather = ring.hops(r, n)[hop]
+          got = msgs[(r - 1) % n]  # the predecessor's send, which is r's receive
+          chunks[r][pieces[recv]] = got if gather else got + own[r][pieces[recv]]
+          sent[(r - 1) % n] += len(got)
+      np.testing.assert_allclose(chunks[0], own.sum(0), rtol=1e-5)
+      assert all(np.array_equal(chunks[r], chunks[0]) for r in range(n))
+      size = ring.piece_elements(elements, k) * 4
+      assert [s * size for s in sent] == ring.bytes_sent(elements, k, n), (n, k)
+      priced = ring_allreduce_seconds(elements * 4, n, bw, lat, chunks=k)
+      even = ring_allreduce_seconds(k * size, n, bw, lat)
+      if k % n == 0:
+        assert max(sent) * size == 2 * (n - 1) / n * k * size
+        assert priced == pytest.approx(even)
+      else:
+        assert priced > even
+
+
 def test_profile_round_trip_and_errors(tmp_path, costs):
   path = tmp_path / "profile.json"
   save_profile(costs, path)

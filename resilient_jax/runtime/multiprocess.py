@@ -70,6 +70,7 @@ from resilient_jax.runtime.transport import (
   _in_ar_scope,
   _reduce_programs,
 )
+from resilient_jax.schedule import ring
 
 PauseHook = Callable[[int, str], None]
 """Called with (step, where) at points a test may kill this process: "start" before a step,
@@ -267,7 +268,8 @@ class ProcessTransport(Transport):
     """The sum over `procs` of each one's `partial` (a flat buffer on its `first` member), by a
     ring: a reduce-scatter, then an all-gather. The buffer is cut into K equal chunks, K the
     job's process count (fixed for the job, so a ring that loses or regains members compiles
-    nothing), and chunk c belongs to ring position c mod P (P = len(procs)): each process sends
+    nothing), and chunk c belongs to ring position c mod P (P = len(procs); the hops are
+    `schedule.ring`'s, which the simulator's cost model prices): each process sends
     and receives about 2 (P - 1) / P buffers' bytes whatever P is (a gather of every member's
     buffer was P - 1). Each chunk is summed once, in a fixed order (from the position after its
     owner on around the ring, each adding its own part), and then only copied, so every replica
@@ -281,12 +283,9 @@ class ProcessTransport(Transport):
     own = list(_cut(self.cluster.num_processes)(partial))
     chunks = list(own)
     spec = jax.ShapeDtypeStruct(own[0].shape, own[0].dtype)
-    owned = [list(range(j, len(own), n)) for j in range(n)]  # the chunks of each position
+    owned = ring.owned(len(own), n)  # the chunks of each position
     watch = [q for q in procs if q != me]
-    for hop in range(2 * (n - 1)):
-      gather = hop >= n - 1  # the second half: completed chunks go round
-      s = hop - (n - 1) if gather else hop
-      send, recv = ((r + 1 - s) % n, (r - s) % n) if gather else ((r - s) % n, (r - s - 1) % n)
+    for hop, (send, recv, gather) in enumerate(ring.hops(r, n)):  # gather: sums go round
       uid = self._ring_id(index, hop)
       self.cluster.offer(uid, [chunks[c] for c in owned[send]])
       if hop == 0 and self.pause is not None:

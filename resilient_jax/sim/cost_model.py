@@ -12,7 +12,11 @@ Op times come from one of two sources, and the planners see the same `OpCosts` e
        "opt": x | [per stage], "comm": x}           (optional: "bw": fused backward)
 
 The one thing that changes with failures is the all-reduce: a stage with `n` live workers
-reduces over a ring of `n`, `2(n-1)/n * bytes / bw + 2(n-1) * latency`. `op_costs(live)` gives
+reduces over a ring of `n`, `2(n-1)/n * bytes / bw + 2(n-1) * latency`: the runtime's ring
+(`schedule.ring`, the same hops and bytes). With `ar_chunks` (the runtime cuts the buffer into
+the job's process count of pieces, fixed for the job) a ring whose members no longer divide
+the pieces evenly is priced hop by hop: the members owning a piece more set the pace.
+`op_costs(live)` gives
 the `OpCosts` for a given number of live workers per stage. A profile's all-reduce was measured
 on the whole grid and is used as measured (the ring's bandwidth term changes by under 1% for
 `n >= 100`).
@@ -28,6 +32,7 @@ from typing import Any
 
 from resilient_jax.checks import is_number
 from resilient_jax.policy.base import PolicyUnavailableError
+from resilient_jax.schedule import ring
 from resilient_jax.schedule.cost import OpCosts
 from resilient_jax.schedule.oobleck import LayerProfile
 from resilient_jax.sim.layout import Layout
@@ -52,7 +57,8 @@ _STASH_BYTES_PER_UNIT = 34
 _STATE_BYTES_PER_PARAM = 16
 
 
-def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float,
+                           chunks: int | None = None) -> float:
   """Ring all-reduce of `nbytes` over `n` participants: `2(n-1)` steps of `nbytes/n` each.
 
   Args:
@@ -60,13 +66,15 @@ def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: flo
     n: participants; 1 or fewer costs nothing.
     bandwidth: bytes per second of the slowest link in the ring.
     latency: seconds per step.
+    chunks: pieces the buffer (float32) is cut into, as the runtime cuts it (`schedule.ring`);
+      None: `n`, the even ring.
 
   Returns:
     Seconds.
   """
-  if n <= 1:
-    return 0.0
-  return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+  if chunks is None:
+    return ring.even_seconds(nbytes, n, bandwidth, latency)
+  return ring.seconds(ring.elements_of(nbytes), chunks, n, bandwidth, latency)
 
 
 def p2p_seconds(nbytes: float, bandwidth: float, latency: float) -> float:
@@ -122,6 +130,8 @@ class CostModel:
     ar_bandwidth: bytes/s of the all-reduce ring's slowest link.
     ar_latency: seconds per ring step.
     ar_fixed: per stage, a measured all-reduce time used whatever the live count.
+    ar_chunks: pieces the ring cuts each stage's buffer into (the runtime: the job's process
+      count); None: as many as live workers, the even ring.
     bw: fused-backward seconds per stage; None: `b + w`.
     source: "specs" or "profile", for reports.
     memory: what planners that re-partition the model (Oobleck) need and only the spec model
@@ -137,6 +147,7 @@ class CostModel:
   ar_bandwidth: float = 1.0
   ar_latency: float = 0.0
   ar_fixed: tuple[float, ...] | None = None
+  ar_chunks: int | None = None
   bw: tuple[float, ...] | None = None
   source: str = "specs"
   memory: StageMemory | None = None
@@ -158,7 +169,8 @@ class CostModel:
     """The gradient all-reduce of `stage` over `live` workers."""
     if self.ar_fixed is not None:
       return self.ar_fixed[stage] if live > 1 else 0.0
-    return ring_allreduce_seconds(self.ar_bytes[stage], live, self.ar_bandwidth, self.ar_latency)
+    return ring_allreduce_seconds(self.ar_bytes[stage], live, self.ar_bandwidth, self.ar_latency,
+                                  self.ar_chunks)
 
   def op_costs(self, live: Sequence[int]) -> OpCosts:
     """The `OpCosts` the planners and `simulate` use, with `live[s]` workers left in stage s."""
