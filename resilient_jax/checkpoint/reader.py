@@ -15,6 +15,12 @@ cold cache the kernel's readahead streams the files as for a plain read of them.
 Anything this fast path does not recognise (another layout, a chunked array, a tree it cannot
 walk) and any entry it finds bad is read again through tensorstore's own zarr driver; that
 verdict is final. So the fast path can make a load faster, never a good checkpoint "corrupt".
+
+The checksum is CRC32 (zlib's polynomial, the values saves record); computed by zlib-ng where
+it is installed (carry-less multiplication: 36 GB/s on this machine's cores against 2.5-7 GB/s
+for the standard library's zlib 1.2.13, which made the checksum alone 4-5x a warm raw read),
+else by zlib. Growth: one pass over the bytes, CPU O(bytes) (a copy out of the page cache, the
+CRC32 and the finiteness test per 1 MiB slice), spread over `default_workers()` threads.
 """
 
 from __future__ import annotations
@@ -25,13 +31,17 @@ import functools
 import json
 import os
 import time
-import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:  # zlib-ng's CRC32 (carry-less multiplication): the same checksum, 14x zlib 1.2.13's here
+  from zlib_ng.zlib_ng import crc32
+except ImportError:  # not installed: the standard library's
+  from zlib import crc32
 
 # Bytes read, checksummed and tested for finiteness at a time: small enough to stay in the
 # core's cache between the three, so each byte comes from memory once.
@@ -76,7 +86,7 @@ class _Crc:
 
   def update(self, part: np.ndarray) -> None:
     """`part`: a 1-D slice of the flat array, of at most SLICE_BYTES."""
-    self.crc = zlib.crc32(part.view(np.uint8), self.crc)
+    self.crc = crc32(part.view(np.uint8), self.crc)
     if self.check and self.finite:
       out = self._mask[:part.size]
       np.isfinite(part, out=out)
