@@ -25,6 +25,10 @@ after S seconds, when it finds itself declared dead and exits 7 if the others we
 it; with 0 it stays frozen and is killed once the others are done. `--term` takes one such
 point: when that process reaches it, every running process gets SIGTERM (a preemption).
 
+`--slow=STEP:DP.STAGE:FACTOR,...` makes worker (DP, STAGE)'s ops take FACTOR times as long
+from STEP on (1 ends it), in whichever process holds it: a straggler, passed to every process as
+`--config.faults.slow` (`resilient_jax/training/stragglers.py`).
+
 `--relaunch=STEP:PROCESS` starts a process named in `--kill` (or `--stop`) again, with the same
 command, when the job reaches step STEP: process 0 holds before that step (its admission already
 decided, its timing not yet begun) until the new process has joined the job and announced
@@ -86,6 +90,8 @@ _STOP_S = flags.DEFINE_float("stop_s", 0.0, "SIGCONT a --stop process after this
                              "0 leaves it frozen until the others are done.")
 _RELAUNCH = flags.DEFINE_string("relaunch", "", "STEP:PROCESS: start a --kill/--stop process "
                                 "again when the job reaches STEP (admitted before STEP+1).")
+_SLOW = flags.DEFINE_string("slow", "", "STEP:DP.STAGE:FACTOR,... workers whose ops take FACTOR "
+                            "x as long from STEP (passed on as --config.faults.slow).")
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1; 0 picks a free one.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 1800, "Kill everything after this many seconds.")
 
@@ -636,6 +642,8 @@ def main(argv: list[str]) -> None:
     cli.fail(str(e))
   if _STOP_S.value < 0 or any(s < 0 for s in holds.values()):
     cli.fail("--stop_s and --stop's @SECONDS must be >= 0")
+  if _SLOW.value:  # checked with the rest of the config, below
+    train_args = [*train_args, f"--config.faults.slow={_SLOW.value}"]
   port = _PORT.value or _free_port()
   # Every process's arguments as launch.train will read them (process 0's stand for all: they
   # differ only in the id), so a mistake is one line here rather than one per process later.
