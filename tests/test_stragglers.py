@@ -105,9 +105,9 @@ def test_the_watch_needs_steps_in_a_row_and_gives_the_share_back():
   assert watch.speeds({}) == {}  # one slow step is not a straggler
   watch.observe({(1, 0): 5.0, (0, 0): 1.0})
   assert watch.speeds({}) == {(1, 0): 0.25}  # the median ratio of its window, 4
-  watch.observe({(1, 0): 4.4})
-  watch.observe({(1, 0): 3.6})
-  assert watch.speeds({(1, 0): 0.25}) == {(1, 0): 0.25}  # within half of the speed in force
+  watch.observe({(1, 0): 8.4})
+  watch.observe({(1, 0): 9.6})
+  assert watch.speeds({(1, 0): 0.25}) == {(1, 0): 0.25}  # in force until it recovers
   watch.observe({(1, 0): 1.3})
   watch.observe({(1, 0): 1.1})
   assert watch.speeds({(1, 0): 0.25}) == {}
