@@ -144,14 +144,15 @@ class PlainStep:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names, whole
+    from resilient_jax.model.forward import ModelCut
+    from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names
     from resilient_jax.recipe import make_data, make_model, reference_optimizer
 
     self.cfg = cfg
     model = make_model(cfg)
-    stage = whole(model)
+    stage = ModelCut(model, cfg.model.seq_len).whole()
     names = variable_names(model)
-    bind = Binder(stage, names)
+    bind = Binder(model, names)
     if bind.uses_rng:
       raise ValueError("the plain steps here do not draw per-sample random numbers")
     per_token = loss_fn(model)
@@ -162,7 +163,7 @@ class PlainStep:
     replicated = NamedSharding(mesh, PartitionSpec())
     # Micro-batch axis first, samples of a micro-batch (all pipelines' share) sharded over dp.
     self.batch_sharding = NamedSharding(mesh, PartitionSpec(None, "dp"))
-    self.params = jax.device_put(dict(flat_params(stage, names)), replicated)
+    self.params = jax.device_put(dict(flat_params(model, names)), replicated)
     self.opt_state = jax.device_put(optimizer.init(self.params), replicated)
     tokens = cfg.step_batch * cfg.model.seq_len
     if form not in PLAIN_FORMS:
@@ -170,7 +171,7 @@ class PlainStep:
     self.form = form
 
     def loss_sum(p, x, y):
-      return per_token(bind(p)(x), y).sum() / tokens
+      return per_token(bind.run(p, stage, (None, x)), y).sum() / tokens
 
     def step(p, o, xs, ys):
       if form == "scan":
@@ -222,7 +223,8 @@ class PlainPipeline:
     import jax
     import jax.numpy as jnp
 
-    from resilient_jax.model.staging import Binder, cut, flat_params, loss_fn, variable_names
+    from resilient_jax.model.forward import ModelCut, stage_reads
+    from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names
     from resilient_jax.recipe import make_data, make_model, make_optimizer
 
     if cfg.mesh.pp != 2 or cfg.mesh.dp != 1:
@@ -238,17 +240,22 @@ class PlainPipeline:
     optimizer = make_optimizer(cfg)
     self.source, self.plan = make_data(cfg)
     first, last = cfg.partition
-    s0 = cut(model, first, first=True, last=False)
-    s1 = cut(model, last, first=False, last=True)
-    b0, b1 = Binder(s0, names), Binder(s1, names)
+    model_cut, bind = ModelCut(model, cfg.model.seq_len), Binder(model, names)
+    s0 = model_cut.stage(first, first=True, last=False)
+    s1 = model_cut.stage(last, first=False, last=True)
+    one = jax.ShapeDtypeStruct((1, cfg.model.seq_len), jnp.int32)  # what each stage reads
+    used = [stage_reads(bind, s0, None, one)[0],
+            stage_reads(bind, s1, model_cut.hidden(first.stop - 1, 1), one)[0]]
+    everything = flat_params(model, names)
     self.devs = devices[:2]
-    self.params = [jax.device_put(dict(flat_params(s, names)), d)
-                   for s, d in zip((s0, s1), self.devs, strict=True)]
+    self.params = [jax.device_put({n: everything[n] for n in u}, d)
+                   for u, d in zip(used, self.devs, strict=True)]
     self.opt = [jax.device_put(optimizer.init(p), d) for p, d in zip(self.params, self.devs,
                                                                       strict=True)]
     tokens = cfg.step_batch * cfg.model.seq_len
 
-    fwd0, bwd0 = jax.fwd_and_bwd(lambda p, x: b0(p)(x), argnums=0, jitted=False)
+    fwd0, bwd0 = jax.fwd_and_bwd(lambda p, x: bind.run(p, s0, (None, x)), argnums=0,
+                                 jitted=False)
     self.fwd0 = jax.jit(fwd0)
 
     def bwd0_acc(res, g, acc):
@@ -258,7 +265,8 @@ class PlainPipeline:
 
     def last_acc(p, h, y, acc):
       loss, (gp, gh) = jax.value_and_grad(
-        lambda p, h: per_token(b1(p)(h), y).sum() / tokens, argnums=(0, 1))(p, h)
+        lambda p, h: per_token(bind.run(p, s1, (h, y)), y).sum() / tokens,
+        argnums=(0, 1))(p, h)
       return loss, gh, jax.tree.map(jnp.add, acc, gp)
 
     self.last = jax.jit(last_acc, donate_argnums=(3,))

@@ -133,7 +133,7 @@ def fused_3d_backward(prog, params, x, g):
   # The modules the library builds its models from (`models/` installed under this name).
   from resilient_jax.examples import gpt, llama
 
-  fwd, bwd = jax.fwd_and_bwd(lambda p, x: prog.bind(p)(x), argnums=(0, 1), jitted=False)
+  fwd, bwd = jax.fwd_and_bwd(lambda p, x: prog.apply_stage(p, x), argnums=(0, 1), jitted=False)
   fwd, bwd = jax.jit(fwd), jax.jit(bwd)
   saved = gpt.tokens, llama.tokens
   # jit traces on the first call: patch the helper for that call only.
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
   g = jax.device_put(jax.random.normal(kg, x_spec.shape, x_spec.dtype), dev)
 
   # The baseline: the plain stage function, differentiated as a whole.
-  fwd, bwd = jax.fwd_and_bwd(lambda p, x: prog.bind(p)(x), argnums=(0, 1), jitted=False)
+  fwd, bwd = jax.fwd_and_bwd(lambda p, x: prog.apply_stage(p, x), argnums=(0, 1), jitted=False)
   fused_fwd, fused_bwd = jax.jit(fwd), jax.jit(bwd)
 
   def bwd_acc(res, g, acc):

@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from resilient_jax.model.staging import whole
-
 from .configs import GPTConfig  # its config section, in a module free of JAX
 
 Array = jax.Array
@@ -135,7 +133,10 @@ class GPT(nnx.Module):
     self.head = Head(cfg, self.embed.wte, rngs=rngs)
 
   def __call__(self, tokens: Array) -> Array:
-    return whole(self)(tokens)
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
 
 
 def from_config(cfg: GPTConfig, seed: Any) -> GPT:

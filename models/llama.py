@@ -18,8 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from resilient_jax.model.staging import whole
-
 from .configs import LlamaConfig  # its config section, in a module free of JAX
 from .gpt import logical, tokens
 
@@ -117,7 +115,10 @@ class Llama(nnx.Module):
     self.head = Head(cfg, self.embed, rngs=rngs)
 
   def __call__(self, tokens: Array) -> Array:
-    return whole(self)(tokens)
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
 
 
 def from_config(cfg: LlamaConfig, seed: Any) -> Llama:

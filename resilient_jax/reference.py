@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from resilient_jax.config import RunConfig
-from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names, whole
+from resilient_jax.model.forward import ModelCut
+from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.recipe import (
   eval_batch,
@@ -38,16 +39,16 @@ def train_reference(
   """
   model = make_model(cfg) if model is None else model
   names = variable_names(model)
-  stage = whole(model, cfg.model.remat)
-  bind = Binder(stage, names)
-  params = dict(flat_params(stage, names))
+  stage = _whole(model, cfg)
+  bind = Binder(model, names)
+  params = dict(flat_params(model, names))
   per_token = loss_fn(model)
   optimizer = reference_optimizer(cfg)
   opt_state = optimizer.init(params)
   source, plan = make_data(cfg)
 
   def mean_loss(p, x, y, seeds):
-    return per_token(bind.apply(p, x, seeds), y).mean()
+    return per_token(bind.run(p, stage, (None, x), seeds), y).mean()
 
   def train_step(p, o, x, y, seeds):
     loss, grads = jax.value_and_grad(mean_loss)(p, x, y, seeds)
@@ -81,14 +82,21 @@ def eval_reference(cfg: RunConfig, params: Mapping[str, Any], model: Any = None)
     model: a user's model (its structure only); None builds the config's model family.
   """
   model = make_model(cfg) if model is None else model
-  stage = whole(model, cfg.model.remat)
-  bind = Binder(stage, variable_names(model))
+  stage = _whole(model, cfg)
+  bind = Binder(model, variable_names(model))
   per_token = loss_fn(model)
   source, _ = make_data(cfg)
   batches = [eval_batch(cfg, source, b, 1) for b in range(cfg.train.eval_batches)]
   ids, x, y = (np.concatenate([b[i].reshape(-1, *b[i].shape[2:]) for b in batches])
                for i in range(3))
   # One device, committed, so the compiled program is the library's cached one.
-  mean_loss = OnEachDevice(lambda p, x, y, s: per_token(bind.apply(p, x, s), y).mean())
+  mean_loss = OnEachDevice(lambda p, x, y, s: per_token(bind.run(p, stage, (None, x), s),
+                                                        y).mean())
   device = jax.local_devices()[0]
   return float(mean_loss(*jax.device_put((dict(params), x, y, sample_seeds(0, ids)), device)))
+
+
+def _whole(model: Any, cfg: RunConfig) -> Any:
+  """The model's whole forward as one stage, its blocks as the config says."""
+  return ModelCut(model, cfg.model.seq_len, getattr(cfg.model, "layers", ""),
+                  cfg.model.remat).whole()

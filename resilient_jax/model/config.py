@@ -122,6 +122,8 @@ class CustomModelConfig(ModelConfig):
   fingerprint: str = ""
   remat: str = "none"
   """The config's `model.remat`: a user's model is rematerialised like a family's."""
+  layers: str = ""
+  """The config's `model.layers`: the dotted path of the model's blocks ("": found)."""
 
   def __post_init__(self):
     self.check_remat()

@@ -1,22 +1,17 @@
-"""The model protocol and how the library cuts a model into pipeline stages.
+"""What every stage is built from: parameter names, a model bound to flat parameters
+(`Binder`), each block's rematerialisation (`run_block`) and the default loss.
 
-A model the runtime can train is any `flax.nnx.Module` with three parts:
-
-* `embed`: a module mapping the step's inputs (token ids `[batch, seq]`) to hidden states;
-* `blocks`: a list of modules (`nnx.List` or a Python list), each hidden -> hidden;
-* `head`: a module mapping hidden states to logits.
-
-and optionally `loss(logits, targets)`, the loss of every token (any shape; the step's loss is
-its mean over the global batch; default: `token_cross_entropy`). The library cuts the model
-itself: the first stage owns `embed`, the last owns `head`, and `pipeline.partition` splits
-`blocks`. Stages share the model's submodules, so a weight that `embed` and `head` both use (a
-tied embedding) is held by the first and the last stage under one name, and their gradients are
-summed like any data-parallel replica's.
+A model the runtime can train is any `flax.nnx.Module` whose `__call__(tokens)` maps token ids
+`[batch, seq]` to logits through a list of blocks (`model/forward.py` cuts that forward at its
+blocks); a model without a `__call__` may instead have three parts, `embed`, `blocks` and
+`head` (`Stageable`), run one after the other. Optionally `loss(logits, targets)`, the loss of
+every token (any shape; the step's loss is its mean over the global batch; default:
+`token_cross_entropy`).
 
 Randomness (`nnx.Dropout` and any layer drawing from an `nnx.Rngs` stream): sample `i` of step
-`t` draws from every stream's key folded with `(t, i)` (`Binder.apply`), one sample at a time,
+`t` draws from every stream's key folded with `(t, i)` (`Binder.run`), one sample at a time,
 so a micro-batch draws the same masks whichever worker runs it, whatever the layout, and the
-single-device reference draws them too.
+single-device reference draws them too (a stream shared by several blocks: `forward.py`).
 
 Rematerialisation (`model.remat`): each block of a stage runs through `run_block`, which with
 `full` or a `jax.checkpoint_policies` name wraps it in `jax.checkpoint`, so the forward keeps
@@ -24,8 +19,9 @@ only the block's input (plus what the policy saves) and the backward recomputes 
 B/W split inlines the recompute into B (`model.split`).
 
 Parameters are named by their path in the whole model (`blocks.3.mlp.fc.kernel`; a shared
-weight by its first path), whatever the pipeline layout: these names key stage parameters,
-optimizer states and checkpoints.
+weight, such as a tied embedding, by its first path), whatever the pipeline layout: these names
+key stage parameters, optimizer states and checkpoints, and a weight two stages read is one
+weight whose gradients are summed like any data-parallel replica's.
 """
 
 from __future__ import annotations
@@ -43,7 +39,8 @@ Path = tuple[Any, ...]
 
 @runtime_checkable
 class Stageable(Protocol):
-  """What the pipeline runtime needs from a model (see the module docstring)."""
+  """The shortcut for a model without a `__call__` of its own: `embed`, a list `blocks` and
+  `head`, run one after the other (see the module docstring)."""
 
   embed: nnx.Module
   blocks: Sequence[nnx.Module]
@@ -63,9 +60,10 @@ def loss_fn(model: Any):
   return getattr(model, "loss", None) or token_cross_entropy
 
 
-def run_block(block: Any, *args: Any, remat: str = "none") -> Any:
-  """`block(*args)`, rematerialised as `remat` says (`model.remat`, checked by
-  `model.config.check_remat`).
+def run_block(block: Any, *args: Any, remat: str = "none", **kwargs: Any) -> Any:
+  """`block(*args, **kwargs)`, rematerialised as `remat` says (`model.remat`, checked by
+  `model.config.check_remat`). Arguments that are not arrays (None, flags) pass through as
+  they are, not traced.
 
   `none`: as is; the forward keeps every activation the backward reads. `full`: under
   `jax.checkpoint`, the forward keeps only the block's inputs and the backward recomputes the
@@ -74,43 +72,19 @@ def run_block(block: Any, *args: Any, remat: str = "none") -> Any:
   RNG counts as it would unwrapped, and the recompute draws the same masks.
   """
   if remat == "none":
-    return block(*args)
+    return block(*args, **kwargs)
   policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
-  return nnx.remat(lambda module, *a: module(*a), policy=policy)(block, *args)
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  traced = [isinstance(leaf, jax.Array) for leaf in leaves]
 
+  def call(module: Any, arrays: list[Array]) -> Any:
+    given = iter(arrays)
+    a, kw = jax.tree.unflatten(tree, [next(given) if t else leaf
+                                      for leaf, t in zip(leaves, traced, strict=True)])
+    return module(*a, **kw)
 
-class Stage(nnx.Module):
-  """A contiguous slice of a stageable model; the whole model is the stage that is both first
-  and last. It holds the model's own submodules (no copies), and runs each block as `remat`
-  says (`run_block`)."""
-
-  def __init__(self, embed: nnx.Module | None, blocks: Sequence[nnx.Module],
-               head: nnx.Module | None, remat: str = "none"):
-    self.embed = embed
-    self.blocks = nnx.List(list(blocks))
-    self.head = head
-    self.remat = remat
-
-  def __call__(self, x: Array) -> Array:
-    if self.embed is not None:
-      x = self.embed(x)
-    for block in self.blocks:
-      x = run_block(block, x, remat=self.remat)
-    if self.head is not None:
-      x = self.head(x)
-    return x
-
-
-def cut(model: Any, layers: range, *, first: bool, last: bool, remat: str = "none") -> Stage:
-  """The stage of `model` that runs `blocks[layers]` (with `embed` if first, `head` if last),
-  each block rematerialised as `remat` says (`run_block`)."""
-  return Stage(model.embed if first else None, [model.blocks[i] for i in layers],
-               model.head if last else None, remat)
-
-
-def whole(model: Any, remat: str = "none") -> Stage:
-  """The whole model as one stage (what a single device runs)."""
-  return cut(model, range(len(model.blocks)), first=True, last=True, remat=remat)
+  return nnx.remat(call, policy=policy)(block, [x for x, t in zip(leaves, traced, strict=True)
+                                                if t])
 
 
 def path_name(path: Path) -> str:
@@ -195,24 +169,6 @@ class Binder:
       return jax.tree.map(lambda a: a[0], out)
 
     return jax.vmap(one)(inputs, seeds)
-
-  def apply(self, params: dict[str, Array], x: Array, seeds: Array | None = None) -> Array:
-    """The module on `x` with `params`. With RNG streams, `seeds` `[batch, 2]` int32 holds
-    each sample's `(step, sample id)`: sample `i` runs alone, every stream's key folded with
-    its seed and its count reset, so its draws do not depend on its batch-mates."""
-    if not self.uses_rng:
-      return self(params)(x)
-    if seeds is None:
-      raise ValueError("this model draws random numbers (e.g. dropout): pass per-sample seeds")
-    initial = {n: v for n, _, v in self.leaves}
-
-    def one(xi: Array, seed: Array) -> Array:
-      others = {n: jax.random.fold_in(jax.random.fold_in(initial[n], seed[0]), seed[1])
-                for n in self.rng_keys}
-      others.update({n: jnp.zeros_like(initial[n]) for n in self.rng_counts})
-      return self(params, others)(xi[None])[0]
-
-    return jax.vmap(one)(x, seeds)
 
   def __call__(self, params: dict[str, Array], others: dict[str, Array] | None = None
                ) -> nnx.Module:

@@ -5,8 +5,10 @@ and loaded on whichever device holds their (committed) inputs (`compiled.OnEachD
 data-parallel peer that takes over a failed worker's micro-batches runs the very same programs
 on its own device, and the compile count does not grow with data parallelism.
 
-- `forward(params, x, targets, seeds) -> (out, residuals, saved)`: `out` is the stage output, or for
-  the last stage the micro-batch's share of the global mean loss. `residuals` are what B reads,
+- `forward(params, x, targets, seeds, tokens) -> (out, residuals, saved)`: `out` is the stage
+  output, or for the last stage the micro-batch's share of the global mean loss; `tokens` are
+  the micro-batch's token ids, read by a later stage only where the model's forward computes
+  what its blocks take from them (`reads_tokens`). `residuals` are what B reads,
   `saved` what W reads (`model.split`). A parameter or the stage input among them is the
   caller's array itself, not a copy, and residuals neither reads are not kept. `seeds`
   (`(step, sample id)` per sample) are read only by a model that draws random numbers.
@@ -52,11 +54,11 @@ from jax.extend import core as jcore
 
 from resilient_jax.checkpoint import universal
 from resilient_jax.model import sharding
+from resilient_jax.model.forward import ModelCut, stage_reads
 from resilient_jax.model.sharding import Where
 from resilient_jax.model.split import split_backward
 from resilient_jax.model.staging import (
   Binder,
-  cut,
   flat_params,
   loss_fn,
   variable_names,
@@ -99,6 +101,8 @@ class StagePrograms:
     names: global variable names of `model` (`model.variable_names`), computed once per model.
     tp: devices of a worker's sub-mesh (tensor parallelism inside the stage).
     remat: how each block is rematerialised (`model.remat`, `staging.run_block`).
+    model_cut: the model's forward cut at its blocks (`forward.ModelCut`), found once per
+      model; None finds it.
   """
 
   def __init__(
@@ -112,17 +116,24 @@ class StagePrograms:
     names: dict[int, str] | None = None,
     tp: int = 1,
     remat: str = "none",
+    model_cut: ModelCut | None = None,
   ):
     self.info = info
     self.tp = tp
     self.remat = remat
     self.optimizer = optimizer
-    module = cut(model, info.layers, first=info.first, last=info.last, remat=remat)
     names = variable_names(model) if names is None else names
-    self._binder = Binder(module, names)
-    self._init_parameters(module, names)
+    model_cut = model_cut or ModelCut(model, target_spec.shape[-1], remat=remat)
+    self._stage = model_cut.stage(info.layers, first=info.first, last=info.last)
+    self._binder = Binder(model, names)
     self.input_spec = input_spec
     self.target_spec = target_spec
+    used, reads_tokens = stage_reads(self._binder, self._stage,
+                                     None if info.first else input_spec, target_spec)
+    self.reads_tokens: bool = reads_tokens
+    """Whether the stage reads the micro-batch's token ids besides its input (a later stage
+    whose blocks take values the forward computes from them: positions, masks)."""
+    self._init_parameters(model, names, used)
     self.uses_rng = self._binder.uses_rng
     apply, arg_specs = self._stage_function(model, global_batch)
     self.output_spec: jax.ShapeDtypeStruct = jax.eval_shape(apply, *arg_specs)
@@ -130,15 +141,17 @@ class StagePrograms:
     self._build_forward(closed, out_tree)
     self._build_backward_and_optimizer()
 
-  def _init_parameters(self, module: nnx.Module, names: dict[int, str]) -> None:
-    """The stage's initial parameter values, their shapes, and how they and the optimizer
-    state split over a worker's sub-mesh."""
-    self._initial = {n: np.asarray(v) for n, v in flat_params(module, names).items()}
+  def _init_parameters(self, model: nnx.Module, names: dict[int, str], used: Sequence[str]
+                       ) -> None:
+    """The stage's initial parameter values (those of `used`, the parameters its forward
+    reads), their shapes, and how they and the optimizer state split over a worker's
+    sub-mesh."""
+    self._initial = {n: np.asarray(v) for n, v in flat_params(model, names).items() if n in used}
     self.param_names: tuple[str, ...] = tuple(sorted(self._initial))
     self._shapes = shapes = {n: v.shape for n, v in self._initial.items()}
     self._abstract = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self._initial.items()}
-    self.param_specs = sharding.partition_specs(sharding.logical_axes(module, names), shapes,
-                                                self.tp)
+    axes = sharding.logical_axes(model, names)
+    self.param_specs = sharding.partition_specs({n: axes[n] for n in shapes}, shapes, self.tp)
     """Each parameter's split over the worker's sub-mesh (all replicated when `tp` is 1)."""
     opt_template = jax.eval_shape(self.optimizer.init, self.abstract_params())
     self.opt_specs = universal.unflatten_state(opt_template, {
@@ -146,31 +159,46 @@ class StagePrograms:
       for k, v in universal.flatten_state(opt_template).items()})
 
   def _stage_function(self, model: Any, global_batch: int) -> tuple[Callable, tuple]:
-    """What the stage computes, `apply(params, x, targets, seeds)`: its blocks, and on the last
-    stage the micro-batch's share of the global mean loss.
+    """What the stage computes, `apply(params, x, targets, seeds, tokens)`: its slice of the
+    model's forward (`forward.StageForward`), and on the last stage the micro-batch's share of
+    the global mean loss.
 
     Returns:
       `apply` and the specs of its arguments (targets only for the last stage, seeds only for
-      a model that draws random numbers).
+      a model that draws random numbers, tokens only for a later stage that reads them).
     """
-    info, binder, input_spec = self.info, self._binder, self.input_spec
+    info, input_spec = self.info, self.input_spec
     seeds_spec = jax.ShapeDtypeStruct((input_spec.shape[0], 2), jnp.int32) \
       if self.uses_rng else None
     loss = loss_fn(model)
     targets_spec = self.target_spec if info.last else None
+    tokens_spec = self.target_spec if self.reads_tokens else None
+    run = self.apply_stage
     loss_scale = 0.0
     if info.last:
-      per_mb = jax.eval_shape(lambda p, x, t, r: loss(binder.apply(p, x, r), t),
-                              self.abstract_params(), input_spec, self.target_spec, seeds_spec)
+      per_mb = jax.eval_shape(lambda p, x, t, r, k: loss(run(p, x, k, r), t),
+                              self.abstract_params(), input_spec, self.target_spec, seeds_spec,
+                              tokens_spec)
       loss_scale = input_spec.shape[0] / (global_batch * max(per_mb.size, 1))
 
-    def apply(params: Params, x: Array, targets: Array | None, seeds: Array | None) -> Array:
-      out = binder.apply(params, x, seeds)
+    def apply(params: Params, x: Array, targets: Array | None, seeds: Array | None,
+              tokens: Array | None) -> Array:
+      out = run(params, x, tokens, seeds)
       if info.last:
         out = loss(out, targets).sum() * jnp.float32(loss_scale)
       return out
 
-    return apply, (self.abstract_params(), input_spec, targets_spec, seeds_spec)
+    return apply, (self.abstract_params(), input_spec, targets_spec, seeds_spec, tokens_spec)
+
+  def apply_stage(self, params: Params, x: Array, tokens: Array | None = None,
+                  seeds: Array | None = None) -> Array:
+    """The stage's output for input `x` (token ids on the first stage) with `params`, inside
+    or outside a trace; `tokens`: the micro-batch's token ids where the stage reads them."""
+    if self.info.first:
+      return self._binder.run(params, self._stage, (None, x), seeds)
+    if tokens is None:  # not read (`reads_tokens`): a stand-in XLA drops
+      tokens = jnp.zeros(self.target_spec.shape, self.target_spec.dtype)
+    return self._binder.run(params, self._stage, (x, tokens), seeds)
 
   def _split_backward(self, apply: Callable, arg_specs: tuple) -> tuple[jcore.ClosedJaxpr, Any]:
     """Traces F and its backward once and cuts the backward into B and W (`model.split`,
@@ -220,9 +248,10 @@ class StagePrograms:
     read, the stage input among them, not the parameters (whole arrays, however a sub-mesh
     splits them). What `model.remat` shrinks and what the planner's in-flight cap weighs."""
 
-    def forward(params, x, targets, seeds=None):
+    def forward(params, x, targets, seeds=None, tokens=None):
       inputs = jax.tree.leaves((params, x, targets if info.last else None,
-                                seeds if self.uses_rng else None))
+                                seeds if self.uses_rng else None,
+                                tokens if self.reads_tokens else None))
       outs = forward_program(*inputs)
       leaves = [None if src is None else outs[src[1]] if src[0] == "kept" else inputs[src[1]]
                 for src in sources]
@@ -293,10 +322,6 @@ class StagePrograms:
     return [self._forward_program, self.backward_input, self.backward_weight,
             self.backward_fused, self.optimizer_step, self._init_opt, self._zeros]
 
-  def bind(self, params: Params) -> nnx.Module:
-    """The stage module with `params` as its parameters (usable inside a trace)."""
-    return self._binder(params)
-
   def abstract_params(self) -> dict[str, jax.ShapeDtypeStruct]:
     return dict(self._abstract)
 
@@ -304,9 +329,8 @@ class StagePrograms:
     """These programs, starting from `model`'s parameter values (a model of the same
     `model_signature`): the compiled programs are shared, only the initial values differ."""
     other = copy.copy(self)
-    module = cut(model, self.info.layers, first=self.info.first, last=self.info.last,
-                 remat=self.remat)
-    other._initial = {n: np.asarray(v) for n, v in flat_params(module, names).items()}
+    other._initial = {n: np.asarray(v) for n, v in flat_params(model, names).items()
+                      if n in self._shapes}
     return other
 
   # `where` is a worker's `model.sharding.Where`: its device (tp=1), or its sub-mesh, over
@@ -426,10 +450,12 @@ def build_stage_programs(
   tp: int = 1,
   optimizer_key: Hashable | None = None,
   remat: str = "none",
+  layers: str = "",
 ) -> list[StagePrograms]:
   """Programs for every stage, chaining each stage's output shape into the next one's input;
   `tp`: devices of each worker's sub-mesh; `remat`: each block's rematerialisation
-  (`model.remat`).
+  (`model.remat`); `layers`: the dotted path of the model's blocks ("": found,
+  `forward.layers_path`).
 
   With `optimizer_key` (a hashable description of everything `optimizer` computes with, e.g.
   `recipe.optimizer_key`), the programs are shared by every caller of this process that asks
@@ -442,7 +468,7 @@ def build_stage_programs(
   key = None
   if optimizer_key is not None:
     key = (model_signature(model), tuple((r.start, r.stop) for r in partition), microbatch_size,
-           seq_len, global_batch, tp, optimizer_key, remat)
+           seq_len, global_batch, tp, optimizer_key, remat, layers)
     try:
       hash(key)
     except TypeError:  # a static attribute of the model that cannot be hashed: not shared
@@ -457,9 +483,11 @@ def build_stage_programs(
   tokens = jax.ShapeDtypeStruct((microbatch_size, seq_len), jnp.int32)
   spec = tokens
   programs = []
+  model_cut = ModelCut(model, seq_len, layers, remat)
   for s, layers in enumerate(partition):
     info = StageInfo(index=s, num_stages=len(partition), layers=layers)
-    prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names, tp, remat)
+    prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names, tp, remat,
+                         model_cut)
     programs.append(prog)
     spec = prog.output_spec
   if key is not None:

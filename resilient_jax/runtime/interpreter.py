@@ -351,7 +351,8 @@ class Interpreter(StateHandover):
       tgt = zeros(prog.target_spec) if prog.info.last else None
       seeds = zeros(jax.ShapeDtypeStruct((prog.input_spec.shape[0], 2), jnp.int32)) \
         if prog.uses_rng else None
-      _, res, saved = prog.forward(self.params[slot], zeros(prog.input_spec), tgt, seeds)
+      tokens = zeros(prog.target_spec) if prog.reads_tokens else None
+      _, res, saved = prog.forward(self.params[slot], zeros(prog.input_spec), tgt, seeds, tokens)
       scalar = jax.ShapeDtypeStruct((), jnp.float32)
       g = zeros(scalar if prog.info.last else prog.output_spec)
       _, taps = prog.backward_input(res, g)

@@ -132,9 +132,11 @@ class StepRun:
     key = (slot, which)
     if key not in self._placed:
       p = self.sp.slots[slot]
-      if which == "inputs":
-        reads = {F} if p.stage == 0 else set()
-        reads |= {FR} if p.last else set()
+      progs = self.ip.programs(p.split)
+      if which == "inputs":  # token ids: a first stage's input; any stage may read them too
+        reads = {F} if p.stage == 0 or progs[p.stage].reads_tokens else set()
+        reads |= {FR} if p.last or (p.replica is not None
+                                    and progs[p.replica].reads_tokens) else set()
       else:
         reads = {F} if p.last else set()
         reads |= {FR} if p.replica == len(p.split) - 1 else set()
@@ -164,8 +166,10 @@ class StepRun:
       else:
         x = tp.recv(*incoming, dev)
       tgt = self.data(slot, "targets")[mb] if p.last else None
+      tokens = self.data(slot, "inputs")[mb] if incoming is not None and prog.reads_tokens \
+        else None
       out, self.residuals[key], self.saved[key] = prog.forward(
-        ip.params[slot], x, tgt, self.seeds_of(prog, mb, dev))
+        ip.params[slot], x, tgt, self.seeds_of(prog, mb, dev), tokens)
       if p.last:
         self.losses[mb] = out
         self.processed.append(mb)
@@ -181,7 +185,9 @@ class StepRun:
       x = self.data(slot, "inputs")[mb] if p.last else self.fr_in.pop(key)
       tgt = self.data(slot, "targets")[mb] if r == len(p.split) - 1 else None
       rep = progs[r]
-      return [rep.forward(ip.replicas[slot][0], x, tgt, self.seeds_of(rep, mb, dev))[0]]  # unread
+      tokens = self.data(slot, "inputs")[mb] if rep.reads_tokens and not p.last else None
+      return [rep.forward(ip.replicas[slot][0], x, tgt, self.seeds_of(rep, mb, dev),
+                          tokens)[0]]  # unread
     if op.kind == W:
       self.acc[slot] = prog.backward_weight(ip.params[slot], self.saved.pop(key),
                                             self.taps.pop(key), self.grads_of(slot))

@@ -14,8 +14,9 @@ from resilient_jax.training.loop import Trainer, TrainResult
 
 def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunConfig:
   """`config` (a `RunConfig`, ConfigDict or dict) as a `RunConfig`; with a user's `model`,
-  checked against the protocol of `resilient_jax.model` and described in place of the config's
-  `model` section (whose `seq_len`, the data's sequence length, is kept).
+  checked (`check_stageable`: its own forward, cut at its blocks) and described in place of
+  the config's `model` section (whose `seq_len`, the data's sequence length, `remat` and
+  `layers`, the dotted path of its blocks when two lists could be, are kept).
 
   Raises:
     ConfigError: a bad config or a model that cannot be staged (one readable message).
@@ -26,13 +27,17 @@ def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunC
 
   if isinstance(config, RunConfig):
     seq_len, pp, remat = config.model.seq_len, config.mesh.pp, config.model.remat
+    layers = getattr(config.model, "layers", "")
   else:
     section = dict(config.get("model", {}) or {})
     seq_len, remat = section.get("seq_len", 32), section.get("remat", "none")
+    layers = section.get("layers", "")
     pp = dict(config.get("mesh", {}) or {}).get("pp", 1)
-  check_stageable(model, num_stages=pp, seq_len=seq_len)
+  if not isinstance(layers, str):
+    raise ConfigError(f"model.layers={layers!r} is not a dotted path such as \"layers\"")
+  check_stageable(model, num_stages=pp, seq_len=seq_len, layers=layers)
   try:
-    described = dataclasses.replace(describe(model, seq_len), remat=remat)
+    described = dataclasses.replace(describe(model, seq_len, layers), remat=remat, layers=layers)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   if isinstance(config, RunConfig):
@@ -47,8 +52,9 @@ def train(config: RunConfig | Mapping[str, Any], workdir: str | os.PathLike, *,
   Args:
     config: the run's config: a `RunConfig`, or the launcher's keys as a ConfigDict or dict.
     workdir: where outputs go; a workdir holding checkpoints is resumed from.
-    model: your own `nnx.Module` (`embed`, `blocks`, `head`; see `resilient_jax.model`) in
-      place of the config's model family; its current parameters are the initial ones.
+    model: your own `nnx.Module` (its `__call__(tokens)`, cut at its list of blocks; see
+      `resilient_jax.model.forward`) in place of the config's model family; its current
+      parameters are the initial ones.
 
   With `distributed.enabled` this process joins the `jax.distributed` job (before JAX starts
   its backends) unless a `cluster` is given, and trains its share of it.

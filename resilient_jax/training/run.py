@@ -63,7 +63,7 @@ class Programs:
       self._built[key] = build_stage_programs(
         self.model, [range(lo, hi) for lo, hi in split], self.microbatch_size, cfg.model.seq_len,
         make_optimizer(cfg), cfg.step_batch, tp=cfg.mesh.tp, optimizer_key=optimizer_key(cfg),
-        remat=cfg.model.remat)
+        remat=cfg.model.remat, layers=getattr(cfg.model, "layers", ""))
     return self._built[key]
 
   @property

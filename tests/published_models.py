@@ -1,0 +1,120 @@
+"""Language models written the way people publish them for Flax NNX, with no knowledge of the
+pipeline: the library must cut their own `__call__` at their blocks (issue #33).
+
+- `GemmaStyle`, after the Gemma transformer of Flax's examples: positions and a padding-aware
+  causal mask computed in `__call__` from the token ids, blocks taking `(x, positions, cache,
+  mask)` and returning `(cache, x)`, RoPE, QK-norm, alternating local (sliding-window) and
+  global attention, an embedding scaled by sqrt(d) and tied to the output (`attend`), a final
+  norm and a logit soft-cap, and **one `nnx.Rngs` shared by every block** for dropout.
+- `TutorialGPT`, after the "train a miniGPT" tutorial: learned positions added in `__call__`,
+  blocks in a list named `transformer_blocks`, dropout per layer, a final norm in `__call__`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+VOCAB, D, HEADS = 256, 32, 2
+PAD = 0
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+  """Rotary position embedding of `x` [batch, seq, heads, dim] at `positions` [batch, seq]."""
+  half = x.shape[-1] // 2
+  freq = 1.0 / (10_000 ** (jnp.arange(half) / half))
+  angle = positions[..., None, None].astype(jnp.float32) * freq
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  a, b = x[..., :half], x[..., half:]
+  return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+class GemmaBlock(nnx.Module):
+  def __init__(self, window: int | None, dropout_rngs: nnx.Rngs, *, rngs: nnx.Rngs):
+    hd = D // HEADS
+    self.window = window
+    self.pre_attention_norm = nnx.RMSNorm(D, rngs=rngs)
+    self.qkv = nnx.Linear(D, 3 * D, use_bias=False, rngs=rngs)
+    self.q_norm = nnx.RMSNorm(hd, rngs=rngs)
+    self.k_norm = nnx.RMSNorm(hd, rngs=rngs)
+    self.attn_out = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+    self.pre_ffw_norm = nnx.RMSNorm(D, rngs=rngs)
+    self.gate = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
+    self.down = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+    self.dropout = nnx.Dropout(0.1)
+    self.rngs = dropout_rngs  # the one stream every block draws from
+
+  def __call__(self, x, positions, cache, attn_mask):
+    b, t, _ = x.shape
+    q, k, v = jnp.split(self.qkv(self.pre_attention_norm(x)).reshape(b, t, 3 * HEADS, -1), 3,
+                        axis=2)
+    q, k = rope(self.q_norm(q), positions), rope(self.k_norm(k), positions)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+    mask = attn_mask
+    if self.window is not None:
+      i = jnp.arange(t)
+      mask = mask & (jnp.abs(i[:, None] - i[None, :]) < self.window)[None]
+    probs = jax.nn.softmax(jnp.where(mask[:, None], logits, -1e30), axis=-1)
+    attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, D)
+    x = x + self.dropout(self.attn_out(attn), rngs=self.rngs)
+    g, u = jnp.split(self.gate(self.pre_ffw_norm(x)), 2, axis=-1)
+    return cache, x + self.down(jax.nn.gelu(g) * u)
+
+
+class GemmaStyle(nnx.Module):
+  def __init__(self, num_layers: int = 4, seed: int = 0, cap: float = 30.0):
+    rngs = nnx.Rngs(params=seed)
+    self.dropout_rngs = nnx.Rngs(dropout=seed + 1)
+    self.embedder = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.layers = nnx.List([GemmaBlock(4 if i % 2 == 0 else None, self.dropout_rngs, rngs=rngs)
+                            for i in range(num_layers)])
+    self.final_norm = nnx.RMSNorm(D, rngs=rngs)
+    self.cap = cap
+
+  def __call__(self, tokens, positions=None, attention_mask=None):
+    valid = tokens != PAD
+    if positions is None:
+      positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
+    if attention_mask is None:
+      t = tokens.shape[-1]
+      attention_mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+    x = self.embedder(tokens) * jnp.sqrt(D).astype(jnp.float32)
+    for layer in self.layers:
+      _, x = layer(x, positions, None, attention_mask)
+    logits = self.embedder.attend(self.final_norm(x))
+    return jnp.tanh(logits / self.cap) * self.cap
+
+
+class TutorialBlock(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.layer_norm1 = nnx.LayerNorm(D, rngs=rngs)
+    self.mha = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False,
+                                      use_bias=False, rngs=rngs)
+    self.dropout1 = nnx.Dropout(0.1, rngs=rngs)
+    self.layer_norm2 = nnx.LayerNorm(D, rngs=rngs)
+    self.linear1 = nnx.Linear(D, 2 * D, rngs=rngs)
+    self.linear2 = nnx.Linear(2 * D, D, rngs=rngs)
+    self.dropout2 = nnx.Dropout(0.1, rngs=rngs)
+
+  def __call__(self, x):
+    mask = nnx.make_causal_mask(x[..., 0])
+    x = x + self.dropout1(self.mha(self.layer_norm1(x), mask=mask))
+    return x + self.dropout2(self.linear2(nnx.gelu(self.linear1(self.layer_norm2(x)))))
+
+
+class TutorialGPT(nnx.Module):
+  def __init__(self, num_blocks: int = 5, maxlen: int = 16, seed: int = 0):
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    self.token_emb = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.pos_emb = nnx.Embed(maxlen, D, rngs=rngs)
+    self.transformer_blocks = nnx.List([TutorialBlock(rngs=rngs) for _ in range(num_blocks)])
+    self.norm_f = nnx.LayerNorm(D, rngs=rngs)
+    self.output_layer = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
+
+  def __call__(self, inputs):
+    positions = jnp.arange(inputs.shape[1])[None]
+    x = self.token_emb(inputs) + self.pos_emb(positions)
+    for block in self.transformer_blocks:
+      x = block(x)
+    return self.output_layer(self.norm_f(x))
