@@ -392,7 +392,7 @@ np.savez({str(run / 'restored.npz')!r},
   assert lines[0] == "[2, 4]"
   assert lines[1].split()[0] == "4"
   trained, restored = np.load(run / "trained.npz"), np.load(run / "restored.npz")
-  assert sorted(trained.files) == sorted(restored.files) and "head.kernel" in trained.files
+  assert sorted(trained.files) == sorted(restored.files) and "lm_head.kernel" in trained.files
   for name in trained.files:
     np.testing.assert_array_equal(restored[name], trained[name], err_msg=name)
 
