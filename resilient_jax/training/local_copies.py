@@ -1,8 +1,11 @@
 """The training loop's local copies (`checkpoint/local.py`): what a process writes as process 0
 is lost, and the resume from them when the job is relaunched.
 
-Writing: the loop notes each committed step's state (`note`: references to the arrays the
-interpreter holds anyway; they are not donated, so no copy is made and no memory is added);
+Writing: each committed step's state is noted (`note`, from `Checkpoints.if_due`, which every
+committed step reaches, and after each restore: references to the arrays the interpreter holds,
+which are not donated, so nothing is copied; a step's arrays outlive it until the note after
+the next step's hooks, old and new state together as inside every step, so the peak is the
+step's own);
 when the coordination service is found gone, `Cluster` calls `write` (the process's last words,
 bounded by `distributed.wait_timeout_s`) before it exits 5. A process writes only its own
 stages, so a job's copies cost each process its own state's bytes, whatever the job's size.
