@@ -31,6 +31,7 @@ from resilient_jax.runtime.records import StepResult
 from resilient_jax.schedule.cost import Timeline
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.run import Run
+from resilient_jax.training.stragglers import stragglers
 
 
 @dataclasses.dataclass
@@ -314,19 +315,19 @@ def kept_agreements(run: Run, metrics: list[dict]) -> None:
 
 
 def standard_hooks(run: Run, timelines: RunTimelines, metrics_file: MetricsFile,
-                   evaluation: StepHook | None = None, integrity: StepHook | None = None,
-                   stragglers: StepHook | None = None) -> Hooks:
+                   evaluation: StepHook | None = None, integrity: StepHook | None = None
+                   ) -> Hooks:
   """The hooks every run has, in their order; `evaluation` every `train.eval_every` steps (and
-  the last) when that is set, and `integrity` (the replica check, `integrity.py`) and
-  `stragglers` (`stragglers.py`) after every step, all before the step's row is written
-  anywhere, so that what they add goes with it."""
+  the last) when that is set, and `integrity` (the replica check, `integrity.py`) and the
+  straggler watch (`resilience.straggler_every`, `stragglers.py`) after every step, all before
+  the step's row is written anywhere, so that what they add goes with it."""
   hooks = Hooks()
   drawings, schedules = Timelines(timelines), Schedules()
   hooks.add(drawings)
   hooks.add(schedules)
   if evaluation is not None and run.cfg.train.eval_every:
     hooks.add(evaluation, run.cfg.train.eval_every)
-  for check in (integrity, stragglers):
+  for check in (integrity, stragglers(run.cfg, run, timelines)):
     if check is not None:
       hooks.add(check)
   hooks.add(metrics_file)

@@ -42,13 +42,13 @@ from __future__ import annotations
 import collections
 import statistics
 from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 from resilient_jax.config import RunConfig
 from resilient_jax.observe.profiling import RunTimelines
 from resilient_jax.runtime.records import OpRecord
 from resilient_jax.schedule.core import BW, B, W, Worker
 from resilient_jax.schedule.plan import GridPlan
-from resilient_jax.training.hooks import StepInfo
 from resilient_jax.training.run import Run
 
 _MEASURED = (B, W, BW)
@@ -96,6 +96,15 @@ def peer_ratios(times: Mapping[Worker, KindTimes]) -> dict[Worker, float]:
       if ref > 0:
         out[w] = own / ref
   return out
+
+
+class Step(Protocol):
+  """What the watch reads of a committed step (`hooks.StepInfo`, which runs this hook)."""
+
+  step: int
+  compiles: int
+  result: Any
+  row: dict
 
 
 class StragglerWatch:
@@ -157,7 +166,7 @@ class Stragglers:
     self.measured_plan: object = None
     """The plan of the step before (a step on a new plan is not measured)."""
 
-  def __call__(self, info: StepInfo) -> None:
+  def __call__(self, info: Step) -> None:
     """The hook after every committed step: measures it when it ran profiled for that."""
     coord = self.run.coordinator
     first, self.measured_plan = self.measured_plan is not coord.plan, coord.plan
