@@ -13,10 +13,9 @@ Read `Trainer.run` top to bottom:
      the same samples;
   3. a committed step goes to the hooks (`hooks.py`: the held-out evaluation when due, which
      loses nodes and recovers as a step does, `evaluation.py`; the replicas' digests when due,
-     a corrupt one dropped at the next step, `integrity.py`; op times against stage peers', a
-     straggler re-weighted at the next step, `stragglers.py`; metrics, TensorBoard, log line,
-     timelines, the policy's step times), then stops on non-finite steps or a preemption, then
-     checkpoints when due (`checkpoints.py`).
+     a corrupt one dropped at the next step, `integrity.py`; slow workers, `stragglers.py`;
+     metrics, TensorBoard, log line, timelines, the policy's step times), then stops on
+     non-finite steps or a preemption, then checkpoints when due (`checkpoints.py`).
 
 What is built before the first step is `run.py`'s; what differs between one process and a job
 is `group.py`'s. Workdir outputs (process 0): `metrics.jsonl`, `recovery.json`, `goodput.json`,
@@ -64,7 +63,6 @@ from resilient_jax.training.integrity import replica_check
 from resilient_jax.training.rejoin import apply_rejoin
 from resilient_jax.training.relaunch import admissions_for
 from resilient_jax.training.run import Logger, start_run
-from resilient_jax.training.stragglers import stragglers
 
 
 @dataclasses.dataclass
@@ -120,8 +118,7 @@ class Trainer:
     self.timelines = RunTimelines((f.step for f in events if not f.rejoin), end, cfg.train.steps)
     self.metrics_file = MetricsFile(run.workdir / "metrics.jsonl", run.chief)
     self.hooks = standard_hooks(run, self.timelines, self.metrics_file,
-                                Evaluation(run, self.failures), replica_check(cfg, self.failures),
-                                stragglers(cfg, run, self.timelines))
+                                Evaluation(run, self.failures), replica_check(cfg, self.failures))
     self.learning_rate = recipe.learning_rate(cfg)
 
   # The run's parts, as tests, benchmarks and notebooks reach them.
