@@ -1,6 +1,7 @@
 """Cold start: time to the first finished step, and XLA compilations, library against plain JAX.
 
   python benchmarks/cold_start.py [--repeats=3] [--grids=1x1,2x1,1x2,2x2,4x2] [--warm] [--jax_cache]
+  python benchmarks/cold_start.py --grids=4x2,4x4 --global_batch=64 [--before=/tmp/old]
 
 Each measurement is a fresh Python process with an empty compilation cache (JAX's and the
 library's `programs/` folder), simulated CPU devices, the tiny GPT config. With `--warm`, a
@@ -19,8 +20,12 @@ counts). The variants of `benchmarks/overhead.py` run the same work:
     when the model fits one device;
   - plain-pipeline (pp = 2 only): a plain two-device GPipe, jitted per stage.
 
+  - library-before (`--before=TREE`): the library of another checkout, the same way.
+
 Compilation runs on the machine's cores, so the absolute times move with its load; the
-repeats of each variant are interleaved (variant order rotates per repeat), medians reported.
+repeats of each variant are interleaved (variant order rotates per repeat), medians reported,
+with the process's CPU seconds beside the wall time (on a loaded machine the steadier figure;
+the wall time is what a spare core can shorten, e.g. by loading programs beside the dispatch).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEFORE = ROOT
 
 _CHILD = r"""
 import json, os, sys, time
@@ -43,33 +49,36 @@ runtime_setup.configure_jax(num_cpu_devices=max(8, {dp} * {pp}), cache_dir={cach
 import jax
 # plain JAX at its best: its own persistent cache, every program kept (the library too with
 # --jax_cache, as a user who sets jax_compilation_cache_dir runs it)
-if {variant!r} != "library" or {jax_cache!r}:
+if not {variant!r}.startswith("library") or {jax_cache!r}:
   jax.config.update("jax_compilation_cache_dir", os.path.join({cache!r}, "jax"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from benchmarks import overhead
 from resilient_jax.programs.compiled import BuildCounter
 dp, pp, variant = {dp}, {pp}, {variant!r}
-args = overhead.parse_args(["--steps=1", "--warmup=0"])
-t0 = time.perf_counter()
+args = overhead.parse_args(["--steps=1", "--warmup=0", "--global_batch={global_batch}"])
+t0, c0 = time.perf_counter(), time.process_time()
 with BuildCounter().counting() as counts:
-  if variant == "library":
+  if variant.startswith("library"):
     step = overhead.LibraryStep(overhead.make_cfg(args, dp, pp), jax.devices())
   elif variant == "plain-dp":
     step = overhead.PlainStep(overhead.make_cfg(args, dp * pp, 1), jax.devices(), form="unrolled")
   else:
     step = overhead.PlainPipeline(overhead.make_cfg(args, dp, pp), jax.devices())
   step(1)
-print(json.dumps(dict(seconds=time.perf_counter() - t0, xla=counts.xla,
+print(json.dumps(dict(seconds=time.perf_counter() - t0, cpu=time.process_time() - c0,
+                      xla=counts.xla,
                       compiled=counts.compiled, loaded=counts.loaded)))
 """
 
 
-def measure(dp: int, pp: int, variant: str, warm: bool, jax_cache: bool = False) -> dict:
+def measure(dp: int, pp: int, variant: str, warm: bool, jax_cache: bool = False,
+            global_batch: int = 0) -> dict:
   """The cold start of `variant` (and with `warm`, the second start on its cache)."""
   with tempfile.TemporaryDirectory(prefix="cold_") as cache:
-    code = _CHILD.format(root=ROOT, cache=cache, dp=dp, pp=pp, variant=variant,
-                         jax_cache=jax_cache)
+    tree = BEFORE if variant == "library-before" else ROOT
+    code = _CHILD.format(root=tree, cache=cache, dp=dp, pp=pp, variant=variant,
+                         jax_cache=jax_cache, global_batch=global_batch)
     result = {}
     for run in ("cold", "warm") if warm else ("cold",):
       out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -85,33 +94,45 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--grids", default="1x1,2x1,1x2,2x2,4x2")
   p.add_argument("--warm", action="store_true", help="also time a second start on the cache")
+  p.add_argument("--global_batch", type=int, default=0,
+                 help="0: the config's (32); plain-dp at 4x4 (16 devices x 4 micro-batches) "
+                      "needs 64")
+  p.add_argument("--before", default="",
+                 help="another checkout: its library runs too, interleaved (library-before)")
   p.add_argument("--jax_cache", action="store_true",
                  help="the library with JAX's persistent compilation cache on too")
   args = p.parse_args(argv)
+  global BEFORE
+  BEFORE = os.path.abspath(args.before) if args.before else ROOT
   grids = [tuple(int(x) for x in g.split("x")) for g in args.grids.split(",")]
   cases = []
   for dp, pp in grids:
     cases += [(dp, pp, "library"), (dp, pp, "plain-dp")]
+    if args.before:
+      cases.append((dp, pp, "library-before"))
     if pp == 2 and dp == 1:
       cases.append((dp, pp, "plain-pipeline"))
   print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
   runs: dict[tuple, list[dict]] = {c: [] for c in cases}
   for r in range(args.repeats):
     for c in cases[r % len(cases):] + cases[:r % len(cases)]:
-      runs[c].append(measure(*c, warm=args.warm, jax_cache=args.jax_cache))
+      runs[c].append(measure(*c, warm=args.warm, jax_cache=args.jax_cache,
+                             global_batch=args.global_batch))
   print(f"load average at end: {os.getloadavg()[0]:.2f}")
   for run in ("cold", "warm") if args.warm else ("cold",):
     print(f"\n{run} start (a fresh process{' on the cache the cold one filled' * (run == 'warm')})")
-    print("| grid | variant | first step (median s) | XLA compilations | stage programs compiled "
-          "/ loaded | library / plain-dp |")
-    print("|---|---|---|---|---|---|")
+    print("| grid | variant | first step (median s) | CPU s (median) | XLA compilations | stage "
+          "programs compiled / loaded | library / plain-dp (wall, CPU) |")
+    print("|---|---|---|---|---|---|---|")
     for dp, pp, variant in cases:
       rs = [x[run] for x in runs[(dp, pp, variant)]]
       t = statistics.median(x["seconds"] for x in rs)
+      cpu = statistics.median(x["cpu"] for x in rs)
       plain = statistics.median(x[run]["seconds"] for x in runs[(dp, pp, "plain-dp")])
-      ratio = f"{t / plain:.2f}" if variant == "library" else ""
-      own = f"{rs[0]['compiled']} / {rs[0]['loaded']}" if variant == "library" else ""
-      print(f"| {dp}x{pp} | {variant} | {t:.2f} | {rs[0]['xla']} | {own} | {ratio} |")
+      plain_cpu = statistics.median(x[run]["cpu"] for x in runs[(dp, pp, "plain-dp")])
+      ratio = f"{t / plain:.2f}, {cpu / plain_cpu:.2f}" if variant.startswith("library") else ""
+      own = f"{rs[0]['compiled']} / {rs[0]['loaded']}" if variant.startswith("library") else ""
+      print(f"| {dp}x{pp} | {variant} | {t:.2f} | {cpu:.2f} | {rs[0]['xla']} | {own} | {ratio} |")
   if args.warm:
     print("\nwarm / cold first step (medians):")
     for c in cases:

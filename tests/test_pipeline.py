@@ -249,9 +249,13 @@ def test_one_compile_serves_every_device():
     return {"w": acc["w"] + jnp.tanh(x @ w).T @ x}
 
   program = OnEachDevice(step, donate_argnums=(2,))
+  for device in jax.devices()[1:3]:  # told ahead: loaded there in the background once compiled
+    program.expect(device)
   outs = []
   with BuildCounter().counting() as counts:
-    for device in jax.devices()[:4]:
+    for i, device in enumerate(jax.devices()[:4]):
+      if i == 1:
+        assert {p for p, _ in program._pending} == {(d,) for d in jax.devices()[1:3]}
       w, x = (jax.device_put(jnp.linspace(-1, 1, 64).reshape(s), device)
               for s in [(8, 8), (8, 8)])
       acc = {"w": jax.device_put(jnp.ones((8, 8)), device)}
@@ -259,6 +263,7 @@ def test_one_compile_serves_every_device():
       assert out.devices() == {device} and acc["w"].is_deleted()  # placed there, donation kept
       outs.append(np.asarray(out))
   assert (counts.compiled + counts.from_disk, counts.loaded) == (1, 3)
+  assert not program._pending  # every load taken by its device's first call
   for out in outs[1:]:
     np.testing.assert_array_equal(out, outs[0])
   # A new process (here: a new program object) reads the executable from disk, whatever device.

@@ -127,6 +127,9 @@ class Interpreter(StateHandover):
       s for s, p in sorted(self.step_program.slots.items()) if self.transport.is_local(p.node)
     ]
     self.groups = self._reduction_groups()
+    for slot in self.local_slots:  # each stage program, once built, loads on its replicas ahead
+      for program in self.program(slot).compiled_programs():
+        program.expect(self.device(slot))
     self.dispatch_lists: dict[Slot, DispatchList] = local_dispatch_lists(self, self.local_slots)
     # Each name's reduced gradient is the same on all its holders: its first holder counts it
     # into the global norm.
