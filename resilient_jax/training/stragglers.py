@@ -31,10 +31,12 @@ times as long.
 
 Scope: op times are recorded only in a single-process run (`Group.profiles`: a job's steps are
 not profiled), so in a multi-process job `faults.slow` slows the worker but the detection stays
-off (a line says so). Only recycle and naive re-weight; another policy in force keeps its plan
-(the log says so). Costs per measured step: every op waited for (the devices' work serialised,
-as in any profiled step) and O(ops) host work to summarise the records; a re-plan costs one
-planning of the whole grid (`rerouting.py`), nothing is copied (every worker holds its stage).
+off (a line says so). Only recycle and naive re-weight, on grids they plan whole (at most
+`rerouting.DEFAULT_EXACT_OPS` compute ops); another policy in force, or a larger grid, keeps
+its plan (the log says so). Costs per measured step: every op waited for (the devices' work
+serialised, as in any profiled step) and O(ops) host work to summarise the records; a re-plan
+costs one planning of the whole grid (`rerouting.py`), nothing is copied (every worker holds
+its stage).
 """
 
 from __future__ import annotations
