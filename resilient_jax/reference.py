@@ -15,7 +15,14 @@ import numpy as np
 
 from resilient_jax.config import RunConfig
 from resilient_jax.model.forward import ModelCut
-from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names
+from resilient_jax.model.sharding import outside_ambient_mesh
+from resilient_jax.model.staging import (
+  Binder,
+  flat_params,
+  loss_terms,
+  variable_names,
+  weighted_mean,
+)
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.recipe import (
   eval_batch,
@@ -27,6 +34,7 @@ from resilient_jax.recipe import (
 )
 
 
+@outside_ambient_mesh
 def train_reference(
   cfg: RunConfig, steps: int | None = None, model: Any = None
 ) -> tuple[list[float], dict]:
@@ -41,14 +49,14 @@ def train_reference(
   names = variable_names(model)
   stage = _whole(model, cfg)
   bind = Binder(model, names)
-  params = dict(flat_params(model, names))
-  per_token = loss_fn(model)
+  params = {k: np.asarray(v) for k, v in flat_params(model, names).items()}
+  terms = loss_terms(model)
   optimizer = reference_optimizer(cfg)
   opt_state = optimizer.init(params)
   source, plan = make_data(cfg)
 
   def mean_loss(p, x, y, seeds):
-    return per_token(bind.run(p, stage, (None, x), seeds), y).mean()
+    return weighted_mean(terms(bind.run(p, stage, (None, x), seeds), y, x))
 
   def train_step(p, o, x, y, seeds):
     loss, grads = jax.value_and_grad(mean_loss)(p, x, y, seeds)
@@ -71,6 +79,7 @@ def train_reference(
   return losses, {k: np.asarray(v) for k, v in params.items()}
 
 
+@outside_ambient_mesh
 def eval_reference(cfg: RunConfig, params: Mapping[str, Any], model: Any = None) -> float:
   """The held-out loss of flat parameters `params` (by global name) on one device: the mean
   per-token loss over every held-out sample of an evaluation (`data.held_out`) in one batch,
@@ -84,14 +93,14 @@ def eval_reference(cfg: RunConfig, params: Mapping[str, Any], model: Any = None)
   model = make_model(cfg) if model is None else model
   stage = _whole(model, cfg)
   bind = Binder(model, variable_names(model))
-  per_token = loss_fn(model)
+  terms = loss_terms(model)
   source, _ = make_data(cfg)
   batches = [eval_batch(cfg, source, b, 1) for b in range(cfg.train.eval_batches)]
   ids, x, y = (np.concatenate([b[i].reshape(-1, *b[i].shape[2:]) for b in batches])
                for i in range(3))
   # One device, committed, so the compiled program is the library's cached one.
-  mean_loss = OnEachDevice(lambda p, x, y, s: per_token(bind.run(p, stage, (None, x), s),
-                                                        y).mean())
+  mean_loss = OnEachDevice(lambda p, x, y, s: weighted_mean(terms(bind.run(p, stage, (None, x), s),
+                                                                  y, x)))
   device = jax.local_devices()[0]
   return float(mean_loss(*jax.device_put((dict(params), x, y, sample_seeds(0, ids)), device)))
 

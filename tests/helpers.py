@@ -69,8 +69,9 @@ def reference_for(cfg: RunConfig):
 def expected_digests(cfg: RunConfig) -> list[str]:
   """The sample digest of every step of a run that saw no failure."""
   from resilient_jax import data as data_lib
+  from resilient_jax.recipe import make_data
 
-  plan = data_lib.BatchPlan(None, cfg.step_batch, cfg.train.seed)
+  _, plan = make_data(cfg)  # synthetic data: an endless plan; a file: its permutations
   return [data_lib.sample_digest(plan.ids_for_step(t)) for t in range(cfg.train.steps)]
 
 

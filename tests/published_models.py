@@ -5,15 +5,19 @@ pipeline: the library must cut their own `__call__` at their blocks (issue #33).
   causal mask computed in `__call__` from the token ids, blocks taking `(x, positions, cache,
   mask)` and returning `(cache, x)`, RoPE, QK-norm, alternating local (sliding-window) and
   global attention, an embedding scaled by sqrt(d) and tied to the output (`attend`), a final
-  norm and a logit soft-cap, and **one `nnx.Rngs` shared by every block** for dropout.
+  norm and a logit soft-cap, **one `nnx.Rngs` shared by every block** for dropout, and a
+  loss that sees the batch: cross-entropy of every target but padding.
 - `TutorialGPT`, after the "train a miniGPT" tutorial: learned positions added in `__call__`,
-  blocks in a list named `transformer_blocks`, dropout per layer, a final norm in `__call__`.
+  blocks in a list named `transformer_blocks`, dropout per layer, a final norm in `__call__`,
+  and layers whose weights say how they shard over the tutorial's `("batch", "model")` mesh
+  (the tutorial builds the model under `jax.set_mesh`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 VOCAB, D, HEADS = 256, 32, 2
@@ -63,7 +67,8 @@ class GemmaBlock(nnx.Module):
 
 
 class GemmaStyle(nnx.Module):
-  def __init__(self, num_layers: int = 4, seed: int = 0, cap: float = 30.0):
+  def __init__(self, num_layers: int = 4, seed: int = 0, cap: float = 30.0, pad: int = PAD):
+    self.pad = pad
     rngs = nnx.Rngs(params=seed)
     self.dropout_rngs = nnx.Rngs(dropout=seed + 1)
     self.embedder = nnx.Embed(VOCAB, D, rngs=rngs)
@@ -73,7 +78,7 @@ class GemmaStyle(nnx.Module):
     self.cap = cap
 
   def __call__(self, tokens, positions=None, attention_mask=None):
-    valid = tokens != PAD
+    valid = tokens != self.pad
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
     if attention_mask is None:
@@ -85,16 +90,29 @@ class GemmaStyle(nnx.Module):
     logits = self.embedder.attend(self.final_norm(x))
     return jnp.tanh(logits / self.cap) * self.cap
 
+  def loss(self, logits, batch):
+    """Cross-entropy of every target but padding (Gemma's training script masks pad)."""
+    targets = batch["targets"]
+    return (optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets),
+            targets != self.pad)
+
+
+def _init(axes: tuple, sharded: bool) -> nnx.Initializer:
+  """The tutorial's kernel init, annotated with how it shards when built under its mesh."""
+  init = nnx.initializers.xavier_uniform()
+  return nnx.with_partitioning(init, axes) if sharded else init
+
 
 class TutorialBlock(nnx.Module):
-  def __init__(self, *, rngs: nnx.Rngs):
+  def __init__(self, sharded: bool, *, rngs: nnx.Rngs):
     self.layer_norm1 = nnx.LayerNorm(D, rngs=rngs)
     self.mha = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False,
                                       use_bias=False, rngs=rngs)
     self.dropout1 = nnx.Dropout(0.1, rngs=rngs)
     self.layer_norm2 = nnx.LayerNorm(D, rngs=rngs)
-    self.linear1 = nnx.Linear(D, 2 * D, rngs=rngs)
-    self.linear2 = nnx.Linear(2 * D, D, rngs=rngs)
+    self.linear1 = nnx.Linear(D, 2 * D, kernel_init=_init((None, "model"), sharded),
+                              rngs=rngs)
+    self.linear2 = nnx.Linear(2 * D, D, kernel_init=_init(("model", None), sharded), rngs=rngs)
     self.dropout2 = nnx.Dropout(0.1, rngs=rngs)
 
   def __call__(self, x):
@@ -104,13 +122,15 @@ class TutorialBlock(nnx.Module):
 
 
 class TutorialGPT(nnx.Module):
-  def __init__(self, num_blocks: int = 5, maxlen: int = 16, seed: int = 0):
+  def __init__(self, num_blocks: int = 5, maxlen: int = 16, seed: int = 0, sharded: bool = False):
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
     self.token_emb = nnx.Embed(VOCAB, D, rngs=rngs)
     self.pos_emb = nnx.Embed(maxlen, D, rngs=rngs)
-    self.transformer_blocks = nnx.List([TutorialBlock(rngs=rngs) for _ in range(num_blocks)])
+    self.transformer_blocks = nnx.List([TutorialBlock(sharded, rngs=rngs)
+                                             for _ in range(num_blocks)])
     self.norm_f = nnx.LayerNorm(D, rngs=rngs)
-    self.output_layer = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
+    self.output_layer = nnx.Linear(D, VOCAB, use_bias=False,
+                                   kernel_init=_init((None, "model"), sharded), rngs=rngs)
 
   def __call__(self, inputs):
     positions = jnp.arange(inputs.shape[1])[None]

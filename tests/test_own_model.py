@@ -266,10 +266,14 @@ def test_a_gemma_style_model_trains_unedited_through_a_failure(tmp_path):
   the token ids, blocks taking them and returning (cache, x), a tied soft-capped head) and one
   nnx.Rngs that every block's dropout draws from. Cut at its blocks on dp=2 pp=2, through a
   failure re-routed by ReCycle: the one-device run's losses and parameters (the same masks on
-  any layout), with later stages reading the token ids, not the mask."""
-  from resilient_jax.reference import train_reference
+  any layout), with later stages reading the token ids, not the mask. On text, with spaces as
+  its padding, its loss leaves out a quarter of the targets: the weighted mean over the whole
+  batch, however the micro-batches are re-routed."""
+  from resilient_jax.reference import eval_reference, train_reference
 
-  cfg, result = run_cell(tmp_path, GemmaStyle(), 2, 2, "zb-h1", "recycle", "2:1.1")
+  space = ord(" ")
+  cfg, result = run_cell(tmp_path, GemmaStyle(pad=space), 2, 2, "zb-h1", "recycle", "2:1.1",
+                         train__data="text", train__eval_every=2, train__eval_batches=2)
   progs = result.interpreter.programs(((0, 2), (2, 4)))
   assert [p.reads_tokens for p in progs] == [False, True]
   assert "embedder.embedding" in progs[0].param_names + progs[1].param_names  # tied: both
@@ -279,21 +283,36 @@ def test_a_gemma_style_model_trains_unedited_through_a_failure(tmp_path):
                             faults=dataclasses.replace(cfg.faults, schedule=()),
                             train=dataclasses.replace(cfg.train, global_batch=cfg.step_batch,
                                                       accumulate_steps=1))
-  losses, params = train_reference(one, model=GemmaStyle())
+  losses, params = train_reference(one, model=GemmaStyle(pad=space))
   np.testing.assert_allclose([m["loss"] for m in result.metrics], losses, rtol=LOSS_RTOL)
   got = result.interpreter.all_params()
   assert sorted(got) == sorted(params)
   for name, value in params.items():
     np.testing.assert_allclose(got[name], value, atol=PARAM_ATOL, err_msg=name)
+  # Held out, over two batches: the weighted mean over every held-out target, as one device.
+  expected = eval_reference(one, got, model=GemmaStyle(pad=space))
+  np.testing.assert_allclose(result.metrics[-1]["eval_loss"], expected, rtol=LOSS_RTOL)
 
 
-def test_a_tutorial_gpt_trains_unedited_on_an_uneven_split(tmp_path):
+def test_a_tutorial_gpt_built_under_its_mesh_trains_unedited_on_an_uneven_split(tmp_path):
   """The miniGPT tutorial's model: learned positions and a final norm in its own __call__,
-  blocks in `transformer_blocks`, dropout in every block. 5 blocks on pp=4 split 2,1,1,1,
-  against an independent one-device loop of the model's own forward."""
+  blocks in `transformer_blocks`, dropout in every block, built as the tutorial builds it:
+  under `jax.set_mesh` with explicit axes, its kernels sharded over the mesh. 5 blocks on pp=4
+  split 2,1,1,1, against an independent one-device loop of its own forward (the same values,
+  built without a mesh). The library takes its values over for its own devices: nothing is
+  built after the first step, and the caller's mesh is theirs again after."""
+  from jax.sharding import AxisType
+
+  mesh = jax.make_mesh((2, 2), ("batch", "model"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:4])
   cfg = tiny_config(mesh__dp=1, mesh__pp=4, pipeline__partition="2,1,1,1", train__steps=2,
                     model__num_layers=5)  # the described model replaces it: 5 blocks too
-  result = train(cfg, tmp_path, model=TutorialGPT(), log=lambda _: None)
+  with jax.set_mesh(mesh):
+    model = TutorialGPT(sharded=True)
+    assert "model" in str(jax.typeof(model.output_layer.kernel[...]))
+    result = train(cfg, tmp_path, model=model, log=lambda _: None)
+    assert jax.sharding.get_abstract_mesh() == mesh.abstract_mesh
+  assert [m["compile_s"] for m in result.metrics[1:]] == [0.0]
   losses, params = reference(TutorialGPT(), run_config(cfg, TutorialGPT()), 2,
                              call=lambda m, x: m(x))
   np.testing.assert_allclose([m["loss"] for m in result.metrics], losses, rtol=LOSS_RTOL)

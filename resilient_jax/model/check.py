@@ -11,12 +11,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from resilient_jax.config import ConfigError
 from resilient_jax.model import forward
 from resilient_jax.model.config import CustomModelConfig
-from resilient_jax.model.staging import Binder, flat_params, loss_fn, path_name, variable_names
+from resilient_jax.model.sharding import outside_ambient_mesh
+from resilient_jax.model.staging import Binder, flat_params, loss_terms, path_name, variable_names
 
 _ALLOWED_STATE = (nnx.Param, nnx.RngState)
 
@@ -58,7 +60,8 @@ def _problems(model: Any, num_stages: int | None, seq_len: int | None, batch: in
     out.append("it has no nnx.Param to train")
   loss = getattr(model, "loss", None)
   if loss is not None and not callable(loss):
-    out.append("`loss` is not callable: it must be loss(logits, targets) -> per-token losses")
+    out.append("`loss` is not callable: it must be loss(logits, targets) -> per-token losses, "
+               "or loss(logits, batch) -> per-token losses or (losses, weights)")
   if out or seq_len is None:
     return out
   return _trial(model, seq_len, batch, layers)
@@ -113,10 +116,15 @@ def _trial(model: Any, seq_len: int, batch: int, layers: str) -> list[str]:
   if not isinstance(logits, jax.ShapeDtypeStruct):
     return [f"its forward returns a {type(logits).__name__}, not one array of logits"]
   targets = jax.ShapeDtypeStruct(logits.shape[:-1], jnp.int32)
+  terms = loss_terms(model)
   try:
-    jax.eval_shape(loss_fn(model), logits, targets)
+    _, weights = jax.eval_shape(terms, logits, targets, targets)
   except Exception as e:  # noqa: BLE001
     return [f"loss fails on logits {logits.dtype}{list(logits.shape)}: {_error_line(e)}"]
+  if weights is not None and forward.live_inputs(jax.make_jaxpr(
+      lambda lg, t, k: terms(lg, t, k)[1])(logits, targets, targets).jaxpr)[0]:
+    return ["the weights `loss(logits, batch)` returns depend on the logits: they must come "
+            "from the batch (a pad mask, per-token weights), which is summed before the step"]
   return _unused_params(model, cut, seq_len) or _cut_differs(model, cut, seq_len)
 
 
@@ -141,7 +149,7 @@ def _cut_differs(model: Any, cut: forward.ModelCut, seq_len: int) -> list[str]:
   copy = nnx.merge(*nnx.split(model))
   copy.eval()
   binder = Binder(copy, variable_names(copy))
-  params = flat_params(copy)
+  params = {k: np.asarray(v) for k, v in flat_params(copy).items()}
   tokens = (jnp.arange(seq_len, dtype=jnp.int32) % 2)[None]
   seeds = jnp.zeros((1, 2), jnp.int32) if binder.uses_rng else None
   own = jnp.asarray(binder.run(params, lambda m, t: cut.forward(m, t), (tokens,), seeds),
@@ -162,6 +170,7 @@ def _cut_differs(model: Any, cut: forward.ModelCut, seq_len: int) -> list[str]:
           "(the block returns what the next one takes)"]
 
 
+@outside_ambient_mesh
 def check_stageable(model: Any, *, num_stages: int | None = None, seq_len: int | None = None,
                     batch: int = 1, layers: str = "") -> None:
   """Checks that `model` follows the protocol of `resilient_jax.model`.
@@ -192,6 +201,7 @@ def _flops(fn: Any, *specs: Any) -> float:
   return float((cost or {}).get("flops", 0.0)) / 2
 
 
+@outside_ambient_mesh
 def describe(model: Any, seq_len: int, layers: str = "") -> CustomModelConfig:
   """The cost description of a user's model, measured from the model itself: FLOPs from XLA's
   cost analysis of one sequence (a middle block's stage, the last block's stage less its

@@ -183,6 +183,8 @@ def block_outputs(model: Any, path: Sequence[Any], tokens: jax.ShapeDtypeStruct
     ForwardError: a block returns more than one array (the stage output must be one).
   """
   graphdef, state = nnx.split(model)
+  # Shapes only: a model built under a mesh holds values typed with its shardings.
+  state = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state)
   seen: list[Any] = []
 
   def run(st: Any, t: Array) -> Any:

@@ -22,7 +22,9 @@ are the unsharded ones; only where their pieces live differs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -122,3 +124,33 @@ def constrain(tree: Any, specs: Any) -> Any:
   """`tree`'s leaves constrained to `specs` (a matching tree of `PartitionSpec`s); to be traced
   under `jax.sharding.use_abstract_mesh(abstract_mesh(tp))`."""
   return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs)
+
+
+@contextlib.contextmanager
+def no_ambient_mesh() -> Iterator[None]:
+  """Runs the body with no mesh set by the caller (`jax.set_mesh`, thread-local).
+
+  A model built under a user's mesh (a tutorial sets `jax.set_mesh` and builds its layers
+  there) must not lend that mesh to the library's programs: traced under an explicit mesh, the
+  default loss fails on sharding types, and every stage program, whose arguments live on one
+  worker's device, would be compiled against the mesh's devices. The library places the
+  model's values itself (`staging.flat_params` and `Binder` read them to the host), so its
+  traces and compiles run as if no mesh were set, and the caller's comes back on exit.
+  """
+  if jax.sharding.get_abstract_mesh().empty:
+    yield
+    return
+  with jax.set_mesh(None):
+    yield
+
+
+def outside_ambient_mesh(fn: Callable) -> Callable:
+  """`fn` run under `no_ambient_mesh` (the library's entry points)."""
+
+  @functools.wraps(fn)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    with no_ambient_mesh():
+      return fn(*args, **kwargs)
+
+  return wrapped
+

@@ -26,11 +26,13 @@ weight whose gradients are summed like any data-parallel replica's.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Array = jax.Array
@@ -58,6 +60,48 @@ def token_cross_entropy(logits: Array, targets: Array) -> Array:
 def loss_fn(model: Any):
   """The model's per-token loss: its own `loss` if it has one, else `token_cross_entropy`."""
   return getattr(model, "loss", None) or token_cross_entropy
+
+
+def loss_sees_batch(model: Any) -> bool:
+  """Whether the model's `loss` takes the batch (`loss(logits, batch)`) rather than targets."""
+  loss = getattr(model, "loss", None)
+  if loss is None:
+    return False
+  try:
+    return "batch" in inspect.signature(loss).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def loss_terms(model: Any) -> Callable[[Array, Array, Array], tuple[Array, Array | None]]:
+  """`(logits, targets, tokens) -> (per-token losses, per-token weights or None)`.
+
+  A model's `loss(logits, targets)` returns per-token losses; a `loss(logits, batch)`, with
+  `batch` a dict of the micro-batch's `tokens` and `targets`, may also return weights, `(losses,
+  weights)` (a pad mask, per-token weights): the step's loss is then the weighted mean over the
+  global batch, `sum(w * l) / sum(w)`, as one device computes it. Weights must not depend on
+  the logits (`check_stageable` says so): the runtime sums them from the batch before a step.
+  """
+  loss = loss_fn(model)
+  if not loss_sees_batch(model):
+    return lambda logits, targets, tokens: (loss(logits, targets), None)
+
+  def terms(logits: Array, targets: Array, tokens: Array) -> tuple[Array, Array | None]:
+    out = loss(logits, {"tokens": tokens, "targets": targets})
+    if isinstance(out, tuple):
+      losses, weights = out
+      return losses, jnp.broadcast_to(weights, losses.shape).astype(jnp.float32)
+    return out, None
+
+  return terms
+
+
+def weighted_mean(terms: tuple[Array, Array | None]) -> Array:
+  """The mean loss of `loss_terms`' output: weighted where it has weights."""
+  losses, weights = terms
+  if weights is None:
+    return losses.mean()
+  return (losses * weights).sum() / weights.sum()
 
 
 def run_block(block: Any, *args: Any, remat: str = "none", **kwargs: Any) -> Any:
@@ -108,6 +152,15 @@ def flat_params(module: nnx.Module, names: dict[int, str] | None = None) -> dict
   return out
 
 
+def _on_host(value: Any) -> Any:
+  """`value` as a host array (an RNG key as one too): what a program reads as a constant must
+  not be an array placed on the devices of a mesh the model was built under."""
+  if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(np.asarray(jax.random.key_data(value)),
+                                    impl=jax.random.key_impl(value))
+  return np.asarray(value)
+
+
 class Binder:
   """Rebuilds a module from a flat `{global name: value}` dict, inside or outside a trace.
 
@@ -128,7 +181,7 @@ class Binder:
       # A parameter's value always comes from `apply`'s or `__call__`'s arguments: not kept,
       # so programs kept for reuse (`stages.build_stage_programs`) hold no model's weights.
       is_param = isinstance(node, nnx.Param)
-      self.leaves.append((name, is_param, None if is_param else var[...]))
+      self.leaves.append((name, is_param, None if is_param else _on_host(var[...])))
       if isinstance(node, nnx.RngKey):
         self.rng_keys.append(name)
       elif isinstance(node, nnx.RngCount):

@@ -60,7 +60,8 @@ from resilient_jax.model.split import split_backward
 from resilient_jax.model.staging import (
   Binder,
   flat_params,
-  loss_fn,
+  loss_sees_batch,
+  loss_terms,
   variable_names,
 )
 from resilient_jax.programs.compiled import OnEachDevice
@@ -130,9 +131,11 @@ class StagePrograms:
     self.target_spec = target_spec
     used, reads_tokens = stage_reads(self._binder, self._stage,
                                      None if info.first else input_spec, target_spec)
-    self.reads_tokens: bool = reads_tokens
+    self.reads_tokens: bool = reads_tokens or (info.last and not info.first
+                                               and loss_sees_batch(model))
     """Whether the stage reads the micro-batch's token ids besides its input (a later stage
-    whose blocks take values the forward computes from them: positions, masks)."""
+    whose blocks take values the forward computes from them: positions, masks; the last stage
+    of a model whose `loss` takes the batch)."""
     self._init_parameters(model, names, used)
     self.uses_rng = self._binder.uses_rng
     apply, arg_specs = self._stage_function(model, global_batch)
@@ -170,25 +173,48 @@ class StagePrograms:
     info, input_spec = self.info, self.input_spec
     seeds_spec = jax.ShapeDtypeStruct((input_spec.shape[0], 2), jnp.int32) \
       if self.uses_rng else None
-    loss = loss_fn(model)
+    terms = loss_terms(model)
     targets_spec = self.target_spec if info.last else None
     tokens_spec = self.target_spec if self.reads_tokens else None
     run = self.apply_stage
     loss_scale = 0.0
+    self.weighted = False
+    """Whether the loss weighs its tokens (`staging.loss_terms`): then the step's loss and
+    its gradients are scaled by `loss_scale_of(weight_sum)`, known before the step."""
     if info.last:
-      per_mb = jax.eval_shape(lambda p, x, t, r, k: loss(run(p, x, k, r), t),
-                              self.abstract_params(), input_spec, self.target_spec, seeds_spec,
-                              tokens_spec)
-      loss_scale = input_spec.shape[0] / (global_batch * max(per_mb.size, 1))
+      per_mb = jax.eval_shape(
+        lambda p, x, t, r, k: terms(run(p, x, k, r), t, x if info.first else k),
+        self.abstract_params(), input_spec, self.target_spec, seeds_spec, tokens_spec)
+      loss_scale = input_spec.shape[0] / (global_batch * max(per_mb[0].size, 1))
+      self.weighted = per_mb[1] is not None
+      if self.weighted:
+        logits = jax.eval_shape(run, self.abstract_params(), input_spec, tokens_spec, seeds_spec)
+        self.weight_sum = jax.jit(functools.partial(_weight_sum, terms, logits))
+    self.loss_scale: float = loss_scale
+    """What F scales its micro-batch's summed per-token losses by: one over the loss
+    elements of the global batch."""
 
     def apply(params: Params, x: Array, targets: Array | None, seeds: Array | None,
               tokens: Array | None) -> Array:
       out = run(params, x, tokens, seeds)
       if info.last:
-        out = loss(out, targets).sum() * jnp.float32(loss_scale)
+        losses, weights = terms(out, targets, x if info.first else tokens)
+        out = (losses if weights is None else losses * weights).sum() * jnp.float32(loss_scale)
       return out
 
     return apply, (self.abstract_params(), input_spec, targets_spec, seeds_spec, tokens_spec)
+
+  def loss_factor(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+    """What a step's summed micro-batch losses (and so its loss gradient, the seed of the
+    backward) are multiplied by to be the mean over the step's samples `tokens`/`targets`
+    (`[..., seq]`): 1, or for a weighted loss the loss elements over the sum of the weights
+    (`sum(w * l) / sum(w)`). A host computation per step, on the whole step's batch: every
+    process derives the same factor from the same samples."""
+    if not self.weighted:
+      return 1.0
+    t = np.asarray(tokens).reshape(-1, tokens.shape[-1])
+    total = float(self.weight_sum(t, np.asarray(targets).reshape(t.shape)))
+    return 1.0 / (self.loss_scale * total) if total > 0 else float("nan")
 
   def apply_stage(self, params: Params, x: Array, tokens: Array | None = None,
                   seeds: Array | None = None) -> Array:
@@ -370,6 +396,14 @@ class StagePrograms:
     """Zeros shaped and placed as `params` (which live at `where`), made on their device."""
     zeros = self._zeros(params)  # on one device: committed there already
     return zeros if self.tp == 1 else jax.device_put(zeros, self.param_shardings(where))
+
+
+def _weight_sum(terms: Callable, logits: jax.ShapeDtypeStruct, tokens: Array, targets: Array
+                ) -> Array:
+  """The sum of a weighted loss's weights over `tokens`/`targets` `[n, seq]`: the loss on
+  stand-in logits that XLA drops (the weights do not read them)."""
+  zeros = jnp.zeros((*targets.shape, logits.shape[-1]), logits.dtype)
+  return terms(zeros, targets, tokens)[1].sum()
 
 
 def _trimmed_outputs(

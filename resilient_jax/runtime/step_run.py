@@ -115,6 +115,8 @@ class StepRun:
     self.dispatch_cpu_s = 0.0
     self._cpu0 = 0.0
     self._placed: dict[tuple[Slot, str], dict[int, jax.Array]] = {}
+    self._factor: float | None = None
+    self._seeds: dict[Where, jax.Array] = {}
 
   # ------------------------------------------------------------ the ops
 
@@ -145,6 +147,22 @@ class StepRun:
       self._placed[key] = dict(zip(mbs, jax.device_put([batch[mb] for mb in mbs],
                                                        self.ip.device(slot)), strict=True))
     return self._placed[key]
+
+  def loss_factor(self) -> float:
+    """The step's `StagePrograms.loss_factor` (1 but for a weighted loss), once per attempt."""
+    if self._factor is None:
+      split = next(iter(self.sp.slots.values())).split
+      self._factor = self.ip.programs(split)[-1].loss_factor(self.inputs, self.targets)
+    return self._factor
+
+  def loss_seed(self, dev: Where) -> jax.Array:
+    """The loss's own gradient at `dev`: 1, or the weighted loss's factor of this step."""
+    factor = self.loss_factor()
+    if factor == 1.0:
+      return self.ip.loss_seed(dev)
+    if dev not in self._seeds:
+      self._seeds[dev] = jax.device_put(np.float32(factor), dev)
+    return self._seeds[dev]
 
   def seeds_of(self, prog: StagePrograms, mb: int, dev: Where) -> jax.Array | None:
     if not prog.uses_rng:
@@ -195,7 +213,7 @@ class StepRun:
     if op.kind not in (B, BW):
       raise ValueError(f"not a compute op: {op}")
     if incoming is None:  # the last stage: the loss's own gradient, placed from the host
-      g = ip.loss_seed(dev)
+      g = self.loss_seed(dev)
     else:
       g = tp.recv(*incoming, dev)
     if op.kind == B:
@@ -353,7 +371,9 @@ class StepRun:
         ip.params[slot], ip.opt_state[slot] = params, opt_state
       ip.refresh_replicas((self.step, self.attempt))
     elapsed = time.perf_counter() - t0
-    mb_losses = outcome.losses
+    factor = self.loss_factor()
+    mb_losses = outcome.losses if factor == 1.0 else {
+      mb: loss * factor for mb, loss in outcome.losses.items()}
     return StepResult(
       loss=float(sum(mb_losses[mb] for mb in sorted(mb_losses))),
       microbatch_losses=mb_losses,
@@ -368,6 +388,7 @@ class StepRun:
       clipped=clipped,
       stop=outcome.stop,
       net_bytes=outcome.net_bytes,
+      loss_factor=factor,
     )
 
 

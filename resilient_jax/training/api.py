@@ -9,9 +9,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
+from resilient_jax.model.sharding import outside_ambient_mesh
 from resilient_jax.training.loop import Trainer, TrainResult
 
 
+@outside_ambient_mesh
 def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunConfig:
   """`config` (a `RunConfig`, ConfigDict or dict) as a `RunConfig`; with a user's `model`,
   checked (`check_stageable`: its own forward, cut at its blocks) and described in place of

@@ -70,11 +70,14 @@ class Evaluation:
       Restored: a failure during it made the policy restore a checkpoint.
     """
     hook = self.failures.op_hook(step, evaluation=True)
-    return float(np.mean([self._batch(step, b, hook)
-                          for b in range(self.run.cfg.train.eval_batches)]))
+    # Each batch's mean, weighted by its loss elements' weight (1 / its loss factor: equal
+    # batches but for a weighted loss), so the result is the mean over every held-out token.
+    means = [self._batch(step, b, hook) for b in range(self.run.cfg.train.eval_batches)]
+    return float(np.average([m for m, _ in means], weights=[1.0 / f for _, f in means]))
 
-  def _batch(self, step: int, batch: int, hook: AfterOp | None) -> float:
-    """Held-out batch `batch`'s mean loss, attempted until an attempt commits."""
+  def _batch(self, step: int, batch: int, hook: AfterOp | None) -> tuple[float, float]:
+    """Held-out batch `batch`'s mean loss and loss factor, attempted until an attempt
+    commits."""
     run = self.run
     attempt = 0
     while True:
@@ -83,7 +86,7 @@ class Evaluation:
       result = self._attempt(step, inputs, targets, mb_ids, hook)
       if result.committed:
         recipe.processed_ids(mb_ids, result)  # every micro-batch once, or it raises
-        return result.loss
+        return result.loss, result.loss_factor
       _, detect_s = self.failures.lost_in(result, step, attempt)
       restored = self.failures.fail(set(result.lost), step, mid_step=True, detect_s=detect_s,
                                     detected_at=result.detected_at, evaluation=True)

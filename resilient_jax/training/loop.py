@@ -38,6 +38,7 @@ from resilient_jax import recipe
 from resilient_jax.config import RunConfig
 from resilient_jax.exit_codes import EXIT_PREEMPTED
 from resilient_jax.files import write_json_atomic
+from resilient_jax.model.sharding import outside_ambient_mesh
 from resilient_jax.observe.logs import info
 from resilient_jax.observe.profiling import RunTimelines, StepTraces, replay_records
 from resilient_jax.observe.progress import reporting
@@ -96,6 +97,7 @@ class Trainer:
       wall time counts the start-up (imports, joining, building); None: from the run's build.
   """
 
+  @outside_ambient_mesh
   def __init__(self, cfg: RunConfig, workdir: str | os.PathLike, *,
                devices: list[jax.Device] | None = None, log: Logger = info,
                faults: Sequence[FaultEvent] = (), cluster: Any = None, model: Any = None,
@@ -139,6 +141,7 @@ class Trainer:
     """Calls `fn(StepInfo)` after every `every`-th committed step (and the last)."""
     self.hooks.add(fn, every)
 
+  @outside_ambient_mesh
   def run(self) -> TrainResult:
     """Trains to `train.steps` (or `train.stop_after`), resuming from the workdir.
 
@@ -208,6 +211,7 @@ class Trainer:
     row = metrics_row(run, step, result, ids, float(self.learning_rate(updates)))
     return result, StepInfo(step, step == end, result, row, replayed, run.builds.xla - xla0, run)
 
+  @outside_ambient_mesh
   def run_step(self, step: int, *, profile: bool = False) -> tuple[StepResult, np.ndarray]:
     """Attempts 1-based `step` until an attempt commits, whatever fails during it.
 
