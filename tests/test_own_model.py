@@ -294,6 +294,32 @@ def test_a_gemma_style_model_trains_unedited_through_a_failure(tmp_path):
   np.testing.assert_allclose(result.metrics[-1]["eval_loss"], expected, rtol=LOSS_RTOL)
 
 
+def test_a_shared_stream_draws_the_same_masks_on_an_uneven_split():
+  """Gemma's one nnx.Rngs, drawn from by every block's dropout: cut 1,2,1, the stages run one
+  after the other draw exactly the whole forward's masks, sample by sample (dropout on: other
+  seeds give other outputs), where restarting the stream per stage would not."""
+  from resilient_jax.model.forward import ModelCut
+  from resilient_jax.model.staging import Binder, flat_params, variable_names
+
+  model = GemmaStyle()
+  binder = Binder(model, variable_names(model))
+  cut = ModelCut(model, 16)
+  tokens = jnp.asarray(np.arange(2 * 16).reshape(2, 16) % 7 + 1, jnp.int32)
+  seeds = jnp.asarray(sample_seeds(5, np.arange(2)[:, None]).reshape(-1, 2))
+
+  @jax.jit  # one program for all three (a compile each would cost seconds)
+  def forwards(p):
+    whole = binder.run(p, cut.whole(), (None, tokens), seeds)
+    x = None
+    for i, layers in enumerate((range(0, 1), range(1, 3), range(3, 4))):
+      x = binder.run(p, cut.stage(layers, first=i == 0, last=i == 2), (x, tokens), seeds)
+    return whole, x, binder.run(p, cut.whole(), (None, tokens), seeds + 1)
+
+  whole, staged, reseeded = forwards(flat_params(model, variable_names(model)))
+  np.testing.assert_array_equal(staged, whole)
+  assert not np.allclose(reseeded, whole)
+
+
 def test_a_tutorial_gpt_built_under_its_mesh_trains_unedited_on_an_uneven_split(tmp_path):
   """The miniGPT tutorial's model: learned positions and a final norm in its own __call__,
   blocks in `transformer_blocks`, dropout in every block, built as the tutorial builds it:
