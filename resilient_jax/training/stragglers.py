@@ -13,13 +13,15 @@ Detection: every `resilience.straggler_every` steps the step runs profiled (each
 and timed, as the timelines' steps are) and each worker's backward time per micro-batch is
 compared with its stage peers' (their median, itself left out; `peer_ratios`). A worker
 whose ratio stays above `resilience.straggler_threshold` for `resilience.straggler_steps`
-measured steps in a row is a straggler at speed `1 / median ratio`; one in force whose ratio
-stays below the threshold for as many steps, their median below half-way to it, has recovered
-(noise on shared cores reads a normal worker at up to ~1.3). The change goes in at the start of
-the next step (a log line, an event in `goodput.json`), like a failure found after a step. A
-speed in force is kept until the worker recovers: re-measured under its new share, a worker
-slowed 2x on shared, oversubscribed cores read ever slower (0.49, then 0.29, 0.19, 0.12 of its
-peers in successive re-plans), a drift of the measurement, not of the device.
+measured steps in a row is a straggler at speed `1 / median ratio`; one in force whose ratios
+over as many steps have their median below half-way to the threshold has recovered (a median,
+so that one noisy step does not hold it back: a worker left with one micro-batch is timed by
+single ops, which on shared cores read up to 4.5x its peers' once in a while). The change
+goes in at the start of the next step (a log line, an event in `goodput.json`), like a failure
+found after a step. A speed in force is kept until the worker recovers: re-measured under its
+new share, a worker slowed 2x on shared, oversubscribed cores read ever slower (0.49, then
+0.29, 0.19, 0.12 of its peers in successive re-plans), a drift of the measurement, not of the
+device.
 Not measured: a step that compiled (its op times include the compiles) and the first step of a
 new plan (its first transfers between new pairs of devices and first placements of inputs
 read as slow ops); a worker's window starts over after its speed changed.
@@ -140,7 +142,7 @@ class StragglerWatch:
       if w not in in_force:
         if min(window) > self.threshold:
           out[w] = measured
-      elif statistics.median(window) < self.recover and max(window) < self.threshold:
+      elif statistics.median(window) < self.recover:
         del out[w]
     for w in {w for w in set(out) | set(in_force) if out.get(w) != in_force.get(w)}:
       self.windows.pop(w, None)  # a changed worker is measured afresh
