@@ -72,6 +72,8 @@ class Grid:
   def with_speeds(self, speeds: Iterable[tuple[Worker, float]] | Mapping[Worker, float],
                   failed: Iterable[Worker] = ()) -> Grid:
     """This grid with `speeds` (those of `failed` workers left out)."""
+    if not speeds and not self.speeds:
+      return self  # the common case, on the simulator's path: no new grid
     dead = set(failed)
     pairs = speeds.items() if isinstance(speeds, Mapping) else speeds
     return dataclasses.replace(self, speeds=tuple((w, v) for w, v in pairs if w not in dead))
