@@ -178,14 +178,23 @@ def rerouted_stages(
     # Rotate which survivors get the one extra micro-batch, by stage.
     extra = {live[(s + i) % len(live)] for i in range(r)}
     room = [q - m + (1 if d in extra else 0) for d in live]
-    i = 0
-    for d in lost:
-      for mb in range(d * m, (d + 1) * m):
-        while room[i] == 0:
-          i = (i + 1) % len(live)
-        moved[(mb, s)] = live[i]
-        room[i] -= 1
-        i = (i + 1) % len(live)
+    orphans = [mb for d in lost for mb in range(d * m, (d + 1) * m)]
+    moved.update(_deal(orphans, live, room, s))
+  return moved
+
+
+def _deal(orphans: Sequence[int], takers: Sequence[int], room: list[int], s: int
+          ) -> dict[tuple[int, int], int]:
+  """Micro-batches `orphans` of stage `s` dealt round-robin to `takers`, each up to its
+  `room` (which this uses up)."""
+  moved: dict[tuple[int, int], int] = {}
+  i = 0
+  for mb in orphans:
+    while room[i] == 0:
+      i = (i + 1) % len(takers)
+    moved[(mb, s)] = takers[i]
+    room[i] -= 1
+    i = (i + 1) % len(takers)
   return moved
 
 
@@ -236,16 +245,7 @@ def _weighted_stage(dp: int, m: int, s: int, dead: set[int], speed: Mapping[Work
     # Own micro-batch j is kept when floor((j + 1) * keep / m) steps up: `keep` of them, spread.
     orphans += [d * m + j for j in range(m) if (j + 1) * keep // m == j * keep // m]
   takers = [d for d in range(dp) if loads[d] > m]
-  room = [loads[d] - m for d in takers]
-  moved: dict[tuple[int, int], int] = {}
-  i = 0
-  for mb in sorted(orphans):
-    while room[i] == 0:
-      i = (i + 1) % len(takers)
-    moved[(mb, s)] = takers[i]
-    room[i] -= 1
-    i = (i + 1) % len(takers)
-  return moved
+  return _deal(sorted(orphans), takers, [loads[d] - m for d in takers], s)
 
 
 def capacity_bound(dp: int, pp: int, speeds: Iterable[tuple[Worker, float]],
