@@ -344,9 +344,11 @@ class StagePrograms:
     return tree if self.tp == 1 else sharding.constrain(tree, specs)
 
   def compiled_programs(self) -> list[OnEachDevice]:
-    """The stage's jitted programs (each compiled once, loaded on every other device)."""
-    return [self._forward_program, self.backward_input, self.backward_weight,
-            self.backward_fused, self.optimizer_step, self._init_opt, self._zeros]
+    """The stage's jitted programs (each compiled once, loaded on every other device); one
+    replaced by a wrapper of its own (a test poisoning a step) is not among them."""
+    programs = [self._forward_program, self.backward_input, self.backward_weight,
+                self.backward_fused, self.optimizer_step, self._init_opt, self._zeros]
+    return [p for p in programs if isinstance(p, OnEachDevice)]
 
   def abstract_params(self) -> dict[str, jax.ShapeDtypeStruct]:
     return dict(self._abstract)
