@@ -152,14 +152,18 @@ def _cut_differs(model: Any, cut: forward.ModelCut, seq_len: int) -> list[str]:
   params = {k: np.asarray(v) for k, v in flat_params(copy).items()}
   tokens = (jnp.arange(seq_len, dtype=jnp.int32) % 2)[None]
   seeds = jnp.zeros((1, 2), jnp.int32) if binder.uses_rng else None
-  own = jnp.asarray(binder.run(params, lambda m, t: cut.forward(m, t), (tokens,), seeds),
-                    jnp.float32)
-  x = None
   n = cut.num_blocks
-  for i in range(n):
-    x = binder.run(params, cut.stage(range(i, i + 1), first=i == 0, last=i == n - 1),
-                   (x, tokens), seeds)
-  staged = jnp.asarray(x, jnp.float32)
+
+  @jax.jit  # one compiled program: op by op, the chain cost seconds of a check
+  def both(p: dict) -> tuple[jax.Array, jax.Array]:
+    own = binder.run(p, lambda m, t: cut.forward(m, t), (tokens,), seeds)
+    x = None
+    for i in range(n):
+      x = binder.run(p, cut.stage(range(i, i + 1), first=i == 0, last=i == n - 1),
+                     (x, tokens), seeds)
+    return jnp.asarray(own, jnp.float32), jnp.asarray(x, jnp.float32)
+
+  own, staged = both(params)
   diff = float(jnp.max(jnp.abs(own - staged)))
   if own.shape == staged.shape and diff <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(own)))):
     return []
