@@ -104,9 +104,10 @@ def layers_path(model: Any, named: str = "") -> tuple[Any, ...]:
   """
   if named:
     path = tuple(int(p) if p.isdigit() else p for p in named.split("."))
-    node = model
-    for p in path:
-      node = node[p] if isinstance(p, int) else getattr(node, p, None)
+    try:
+      node = _get(model, path)
+    except (AttributeError, IndexError, KeyError, TypeError):
+      node = None
     if not _is_block_list(node):
       raise ForwardError(f"model.layers={named!r} is not a list of modules in the model")
     return path
