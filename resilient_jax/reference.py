@@ -49,7 +49,7 @@ def train_reference(
   names = variable_names(model)
   stage = _whole(model, cfg)
   bind = Binder(model, names)
-  params = {k: np.asarray(v) for k, v in flat_params(model, names).items()}
+  params = flat_params(model, names)
   terms = loss_terms(model)
   optimizer = reference_optimizer(cfg)
   opt_state = optimizer.init(params)

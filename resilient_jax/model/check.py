@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from resilient_jax.config import ConfigError
@@ -149,7 +148,7 @@ def _cut_differs(model: Any, cut: forward.ModelCut, seq_len: int) -> list[str]:
   copy = nnx.merge(*nnx.split(model))
   copy.eval()
   binder = Binder(copy, variable_names(copy))
-  params = {k: np.asarray(v) for k, v in flat_params(copy).items()}
+  params = flat_params(copy)
   tokens = (jnp.arange(seq_len, dtype=jnp.int32) % 2)[None]
   seeds = jnp.zeros((1, 2), jnp.int32) if binder.uses_rng else None
   n = cut.num_blocks

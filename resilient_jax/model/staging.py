@@ -27,7 +27,7 @@ weight whose gradients are summed like any data-parallel replica's.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -141,14 +141,18 @@ def variable_names(model: nnx.Module) -> dict[int, str]:
           if isinstance(node, nnx.Variable)}
 
 
-def flat_params(module: nnx.Module, names: dict[int, str] | None = None) -> dict[str, Array]:
+def flat_params(module: nnx.Module, names: dict[int, str] | None = None,
+                only: Collection[str] | None = None) -> dict[str, np.ndarray]:
   """`{global name: value}` of every `nnx.Param` of `module` (names from `names`, by default
-  the module's own paths)."""
+  the module's own paths; `only`: those names alone, e.g. what one stage reads), read to the
+  host: the library places them on its own workers, whatever devices or mesh the model was
+  built on. Bytes read: those of the parameters asked for, not the model's."""
   out = {}
   for path, node in nnx.iter_graph(module):
     if isinstance(node, nnx.Param):
       name = path_name(path) if names is None else names[id(node)]
-      out[name] = node[...]
+      if only is None or name in only:
+        out[name] = _on_host(node[...])
   return out
 
 

@@ -149,7 +149,7 @@ class StagePrograms:
     """The stage's initial parameter values (those of `used`, the parameters its forward
     reads), their shapes, and how they and the optimizer state split over a worker's
     sub-mesh."""
-    self._initial = {n: np.asarray(v) for n, v in flat_params(model, names).items() if n in used}
+    self._initial = flat_params(model, names, only=set(used))
     self.param_names: tuple[str, ...] = tuple(sorted(self._initial))
     self._shapes = shapes = {n: v.shape for n, v in self._initial.items()}
     self._abstract = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in self._initial.items()}
@@ -357,8 +357,7 @@ class StagePrograms:
     """These programs, starting from `model`'s parameter values (a model of the same
     `model_signature`): the compiled programs are shared, only the initial values differ."""
     other = copy.copy(self)
-    other._initial = {n: np.asarray(v) for n, v in flat_params(model, names).items()
-                      if n in self._shapes}
+    other._initial = flat_params(model, names, only=self._shapes)
     return other
 
   # `where` is a worker's `model.sharding.Where`: its device (tp=1), or its sub-mesh, over
