@@ -8,16 +8,23 @@ and m = 8 and 16 micro-batches per pipeline. Per row, relative to the fault-free
 * waiting: the fault-free plan replayed with the slow worker's ops at 1 / 0.5 of their time
   (what every synchronous trainer does: the step goes at its pace);
 * re-weighted: recycle's plan for the measured speeds (`RunCoordinator.reweigh` calls the same
-  planner): the slow worker keeps about half its share, its stage's peers take the rest and the
-  list scheduler packs it into bubbles (`schedule/routing.proportional_loads`);
+  planner): the slow worker keeps about half its share, or one or two fewer where that replays
+  faster (`adaptive._SHEDS`), its stage's peers take the rest and the list scheduler packs it
+  into bubbles (`schedule/routing.proportional_loads`);
 * the capacity bounds: the stage's (sum of its workers' speeds / D = 0.875: work stays in its
   stage, where the weights are) and the grid's (sum of speeds / workers = 0.969: work could go
   anywhere, which would take moving layers between stages). Neither counts bubbles, which the
-  re-weighted work may fill.
+  re-weighted work may fill;
+* integral: the most any plan can reach that keeps micro-batches whole and in their stage
+  (`integral_bound`: the slow stage's busiest worker over the best whole-number split, after
+  the forwards that reach its stage, before its all-reduce and optimizer step).
 
 `straggler_vs_bound` is the worst row's re-weighted throughput over the issue's bound, sum of
-speeds / workers (the grid's; target >= 0.9, not met: 0.838); `straggler_vs_stage_bound` the
-same over the stage bound, the most that moving micro-batches within a stage can reach.
+speeds / workers (the grid's; target >= 0.9, not met: 0.864); `straggler_vs_stage_bound` the
+same over the stage bound; `straggler_vs_integral_bound` over the integral one. The integral
+bound of the worst row (m = 8, the last stage slow) is itself 0.869 of the grid's: no plan that
+moves micro-batches within a stage reaches the target there; reaching it takes moving layers
+off the slow worker's stage.
 
 `--runtime` adds the real runtime (tiny GPT, 2 x 4 on 8 simulated CPU devices, zb-h1, m=8):
 worker (1, 1)'s ops take 2x as long from step 4 (`faults.slow`), detection every step over 2
@@ -54,6 +61,17 @@ DP, PP, SPEED = 4, 4, 0.5
 COSTS = OpCosts(f=1.0, b=1.0, w=0.8, ar=0.5, opt=0.2)
 
 
+def integral_bound(m: int, stage: int, fault_free: float) -> float:
+  """The most throughput (vs fault free) any plan can reach that keeps every micro-batch's
+  stage in its stage and whole: some worker of the slow stage runs `L` micro-batches' compute at
+  its speed, `L` the smallest over whole-number loads of the largest `load / speed`; it cannot
+  start before `stage` forwards reached it, and its all-reduce and optimizer step follow."""
+  per_mb = COSTS.f + COSTS.b + COSTS.w
+  total = DP * m
+  least = min(max(slow / SPEED, -(-(total - slow) // (DP - 1))) for slow in range(1, total + 1))
+  return fault_free / (stage * COSTS.f + least * per_mb + COSTS.ar + COSTS.opt)
+
+
 def row(m: int, stage: int) -> dict:
   """One slow worker, (1, stage), on the 4 x 4 grid with m micro-batches per pipeline."""
   speeds = (((1, stage), SPEED),)
@@ -72,6 +90,7 @@ def row(m: int, stage: int) -> dict:
     "m": m, "stage": stage, "keeps": len(planned.microbatches_of((1, stage))),
     "waiting": fault_free / waiting, "reweighted": fault_free / reweighted,
     "stage_bound": stage_bound, "grid_bound": grid_bound,
+    "integral": integral_bound(m, stage, fault_free),
   }
 
 
@@ -128,15 +147,17 @@ def main() -> None:
   print(f"{DP}x{PP} grid, zb-h1, one worker (1, s) at speed {SPEED}; throughput relative to "
         "fault free, cost replay (f=1, b=1, w=0.8, ar=0.5, opt=0.2)")
   print(f"{'m':>3} {'stage':>5} {'keeps':>7} {'waiting':>8} {'re-weighted':>12} "
-        f"{'stage bound':>12} {'grid bound':>11} {'vs stage':>9} {'vs grid':>8}")
+        f"{'stage bound':>12} {'grid bound':>11} {'vs stage':>9} {'vs grid':>8} {'integral':>9}")
   for r in rows:
     print(f"{r['m']:3d} {r['stage']:5d} {r['keeps']:3d}/{r['m']:<3d} {r['waiting']:8.3f} "
           f"{r['reweighted']:12.3f} {r['stage_bound']:12.3f} {r['grid_bound']:11.3f} "
-          f"{r['reweighted'] / r['stage_bound']:9.3f} {r['reweighted'] / r['grid_bound']:8.3f}")
+          f"{r['reweighted'] / r['stage_bound']:9.3f} {r['reweighted'] / r['grid_bound']:8.3f} "
+        f"{r['integral']:9.3f}")
   worst = min(rows, key=lambda r: r["reweighted"])
   print(f"waiting_throughput: {min(r['waiting'] for r in rows):.3f}")
   print(f"reweighted_throughput: {worst['reweighted']:.3f}")
   print(f"straggler_vs_stage_bound: {worst['reweighted'] / worst['stage_bound']:.3f}")
+  print(f"straggler_vs_integral_bound: {worst['reweighted'] / worst['integral']:.3f}")
   print(f"straggler_vs_bound: {worst['reweighted'] / worst['grid_bound']:.3f}")
   if args.runtime:
     runtime_part()

@@ -10,6 +10,7 @@ from resilient_jax.config import ConfigError
 from resilient_jax.policy.base import Grid, plans_speeds
 from resilient_jax.policy.costs import AnalyticCosts
 from resilient_jax.policy.registry import build_policies
+from resilient_jax.schedule import adaptive
 from resilient_jax.schedule.adaptive import plan_timed
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.generators import generate
@@ -41,9 +42,25 @@ def test_a_slow_worker_keeps_its_share_in_proportion_and_every_microbatch_runs_o
   schedule, _ = plan_timed(policy, state, COSTS)
   validate(schedule)
   loads = _loads(schedule, 4)
-  assert loads[(1, 2)] == 5 and sorted(loads[(d, 2)] for d in (0, 2, 3)) == [9, 9, 9]
+  # The proportional share (naive); the adaptive planner also times the slow worker giving up
+  # one more, which here lets its peers absorb it in bubbles (next test).
+  keeps, peers = (5, [9, 9, 9]) if policy == "naive" else (4, [9, 9, 10])
+  assert loads[(1, 2)] == keeps and sorted(loads[(d, 2)] for d in (0, 2, 3)) == peers
   assert all(n == 8 for (d, s), n in loads.items() if s != 2)
   assert sum(loads[(d, 2)] for d in range(4)) == 32
+
+
+def test_the_adaptive_planner_keeps_the_faster_of_the_shares_it_tries(monkeypatch):
+  """Worker (1, 2) at half speed, m=8: the proportional share (5 of 8) leaves it the step's
+  longest list; giving up one more is faster, and the planner keeps that."""
+  state = FailureState(4, 4, 8, speeds={(1, 2): 0.5})
+  slow = speed_scaled(COSTS, state.speeds)
+  chosen, makespan = plan_timed("adaptive", state, COSTS)
+  monkeypatch.setattr(adaptive, "_SHEDS", (0,))
+  proportional, proportional_makespan = plan_timed("adaptive", state, COSTS)
+  assert len(proportional.microbatches_of((1, 2))) == 5
+  assert simulate(chosen, slow).makespan == pytest.approx(makespan)
+  assert makespan < proportional_makespan - 0.5
 
 
 def test_re_weighting_reaches_the_stage_capacity_bound_where_waiting_does_not():

@@ -107,7 +107,7 @@ def _live_workers(dp: int, pp: int, dead: Collection[Worker]) -> list[Worker]:
 
 
 def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker],
-            speeds: Iterable[tuple[Worker, float]] = ()) -> Route:
+            speeds: Iterable[tuple[Worker, float]] = (), shed: int = 0) -> Route:
   """Routes every micro-batch's stages around the failed workers.
 
   Stage `s` of a micro-batch whose owner `(d, s)` is alive stays there. The `k * m` micro-batches
@@ -126,6 +126,8 @@ def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker],
     failed: the failed workers `(dp, stage)`.
     speeds: `((worker, speed), ...)` of live workers slower (or faster) than their peers: in
       their stages the micro-batches are shared by `proportional_loads` instead.
+    shed: micro-batches each slow worker (speed < 1) gives up beyond its proportional share
+      (`_weighted_stage`; the planner tries a few).
 
   Returns:
     `route[mb][stage]`: the dp index of the live worker running that stage of `mb`.
@@ -134,7 +136,7 @@ def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker],
     StageLostError: when every worker of some stage has failed.
     ValueError: for a bad shape or a failed worker outside the grid.
   """
-  moved = rerouted_stages(dp, pp, m, failed, speeds)
+  moved = rerouted_stages(dp, pp, m, failed, speeds, shed)
   route = [[mb // m] * pp for mb in range(dp * m)]
   for (mb, s), d in moved.items():
     route[mb][s] = d
@@ -144,6 +146,7 @@ def reroute(dp: int, pp: int, m: int, failed: Iterable[Worker],
 def rerouted_stages(
   dp: int, pp: int, m: int, failed: Iterable[Worker],
   speeds: Iterable[tuple[Worker, float]] = (),
+  shed: int = 0,
 ) -> dict[tuple[int, int], int]:
   """The part of `reroute` that leaves the owners: `{(mb, stage): dp}` for every stage of a
   micro-batch that runs outside its own pipeline.
@@ -165,7 +168,7 @@ def rerouted_stages(
   weighted = {s for _, s in speed}
   for s in range(pp):
     if s in weighted:
-      moved.update(_weighted_stage(dp, m, s, set(lost_by_stage.get(s, ())), speed))
+      moved.update(_weighted_stage(dp, m, s, set(lost_by_stage.get(s, ())), speed, shed))
       continue
     lost = lost_by_stage.get(s)
     if not lost:
@@ -227,18 +230,29 @@ def proportional_loads(speeds: Sequence[float], total: int, rotate: int = 0) -> 
   return loads
 
 
-def _weighted_stage(dp: int, m: int, s: int, dead: set[int], speed: Mapping[Worker, float]
-                    ) -> dict[tuple[int, int], int]:
+def _weighted_stage(dp: int, m: int, s: int, dead: set[int], speed: Mapping[Worker, float],
+                    shed: int = 0) -> dict[tuple[int, int], int]:
   """`rerouted_stages`'s entries of stage `s`, whose workers run at different speeds.
 
   Every worker's load is `proportional_loads` of the stage's `dp * m` micro-batches (failed
-  workers at speed 0). A worker below its own `m` keeps an evenly spaced part of its own
-  micro-batches (so its pipeline still feeds it at a steady pace) and gives the others away;
-  the given-away ones, in id order, are dealt round-robin to the workers above `m`, as failed
-  workers' are (`rerouted_stages`).
+  workers at speed 0). With `shed`, each slow worker (speed < 1) keeps `shed` fewer (at least
+  one) and the others share the rest in proportion: a proportional share rounds to whole
+  micro-batches, and a slow worker left some slack can lose less to it than its peers, who
+  fill bubbles with what it gave up (the planner times both and keeps the faster,
+  `adaptive.plan_adaptive_timed`). A worker below its own `m` keeps an evenly spaced part of
+  its own micro-batches (so its pipeline still feeds it at a steady pace) and gives the others
+  away; the given-away ones, in id order, are dealt round-robin to the workers above `m`, as
+  failed workers' are (`rerouted_stages`).
   """
   weights = [0.0 if d in dead else speed.get((d, s), 1.0) for d in range(dp)]
   loads = proportional_loads(weights, dp * m, rotate=s)
+  slow = [d for d in range(dp) if 0 < weights[d] < 1]
+  if shed and len(slow) < sum(w > 0 for w in weights):
+    for d in slow:
+      loads[d] = max(1, loads[d] - shed)
+    rest = [0.0 if d in slow else w for d, w in enumerate(weights)]
+    others = proportional_loads(rest, dp * m - sum(loads[d] for d in slow), rotate=s)
+    loads = [loads[d] if d in slow else others[d] for d in range(dp)]
   orphans: list[int] = []
   for d in range(dp):
     keep = min(loads[d], m)
