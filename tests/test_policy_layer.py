@@ -191,8 +191,9 @@ def _coordinator(dp, pp, m, policy="recycle"):
 
 def test_large_grid_recovery_neither_validates_nor_replays_the_grid(monkeypatch):
   """64 x 8 x 16 (24.6k compute ops): past the exact planner's and the validator's thresholds.
-  Recovering from a failure plans the pipelines it touches; nothing validates or replays the
-  full grid, and no worker's op list is built until someone reads it."""
+  Recovering from a failure plans the pipelines it touches and validates that plan; nothing
+  validates or replays the full grid, and no worker's op list is built until someone reads
+  it."""
   dp, pp, m = 64, 8, 16
   calls = []
 
@@ -213,6 +214,8 @@ def test_large_grid_recovery_neither_validates_nor_replays_the_grid(monkeypatch)
     assert not decision.restore
   sched = decision.plan.schedule
   assert not [c for c in calls if c[1] == dp], calls
+  # What changed is validated: each failure's touched sub-grid plan (18, then 21 pipelines).
+  assert [c for c in calls if c[0] == "validate"] == [("validate", 18), ("validate", 21)], calls
   assert not sched.ops._lists
   assert recycle.plans == 2
   # What the runtime reads is there: the failed workers' micro-batches at their stage elsewhere.
