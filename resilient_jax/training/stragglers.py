@@ -43,6 +43,7 @@ its stage).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import statistics
 from collections.abc import Iterable, Mapping
@@ -82,24 +83,44 @@ def peer_ratios(times: Mapping[Worker, KindTimes]) -> dict[Worker, float]:
   """Each worker's backward time per micro-batch over its stage peers' (their median, itself
   left out), summed over the kinds: its later ops against the peers' later ops where it and
   some peer ran several, else first ops against first ops. Workers with no measured peer are
-  left out."""
+  left out. Each stage's times are sorted once per kind, and a median without one member is
+  read from that order (`_median_without`): O(workers log dp), not O(dp^2) a stage."""
   by_stage: dict[int, list[Worker]] = {}
   for w in times:
     by_stage.setdefault(w[1], []).append(w)
   out = {}
   for members in by_stage.values():
+    kinds = {k for w in members for k in times[w]}
+    firsts = {k: sorted(times[w][k][0] for w in members if k in times[w]) for k in kinds}
+    rests = {k: sorted(times[w][k][1] for w in members
+                       if k in times[w] and times[w][k][1] is not None) for k in kinds}
     for w in members:
       own = ref = 0.0
       for kind, (first, rest) in times[w].items():
-        peers = [times[p][kind] for p in members if p != w and kind in times[p]]
-        later = [r for _, r in peers if r is not None]
-        if rest is not None and later:
-          own, ref = own + rest, ref + statistics.median(later)
-        elif peers:
-          own, ref = own + first, ref + statistics.median(f for f, _ in peers)
+        later = _median_without(rests[kind], rest)
+        if rest is not None and later is not None:
+          own, ref = own + rest, ref + later
+        else:
+          peers = _median_without(firsts[kind], first)
+          if peers is not None:
+            own, ref = own + first, ref + peers
       if ref > 0:
         out[w] = own / ref
   return out
+
+
+def _median_without(ordered: list[float], value: float | None) -> float | None:
+  """The median of `ordered` (sorted) with one occurrence of `value` left out (none if it is
+  None); None if nothing is left."""
+  skip = len(ordered) if value is None else bisect.bisect_left(ordered, value)
+  n = len(ordered) - (value is not None)
+  if n <= 0:
+    return None
+
+  def at(k: int) -> float:
+    return ordered[k if k < skip else k + 1]
+
+  return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 class Step(Protocol):
