@@ -116,6 +116,14 @@ def test_replaying_the_history_gives_the_survivors_plan():
   for c in (survivor, joiner):  # both apply the admission the same way: recycle takes it back
     assert not c.rejoin([1], 6).restore
     assert c.plan_text() == fault_free
+  # A straggler's speed put in force is in the history too (`training/stragglers.py`): a later
+  # joiner plans the re-weighted grid the others run.
+  survivor.reweigh({(1, 0): 0.25}, 7)
+  later = RunCoordinator(cfg, range(4), log=quiet)
+  admission.replay(later, [*FAILED_1, {"kind": "rejoin", "nodes": [1], "step": 6},
+                           {"kind": "speeds", "speeds": [[1, 0, 0.25]], "step": 7}])
+  assert later.plan_text() == survivor.plan_text() != fault_free
+  assert later.grid.speeds == (((1, 0), 0.25),)
 
 
 def test_a_readmitted_process_is_silent_only_from_its_admission():

@@ -446,12 +446,31 @@ def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path)
   folder and exits 5, and the job relaunched on the same workdir resumes after step 6 (not from
   step 5's checkpoint, which may even still have been in flight), with the fault-free losses.
   Stages assembled from several processes' copies, damaged and stale copies:
-  `test_local_copies.py`."""
+  `test_local_copies.py`.
+
+  It is also the suite's straggler job (`training/stragglers.py`): worker (1, 0), on process 1,
+  runs 10x slower from step 2 (`launch.local --slow`), and every step is measured. Each process
+  times its own workers; process 0 gathers the times, finds (1, 0) slower than its stage peer
+  on process 0 after steps 2 and 3 and publishes the speeds; both re-plan alike from step 4
+  (process 1 checks its plan against process 0's digest), and the re-weighted steps train the
+  fault-free losses. The relaunched job starts afresh at full speed (step 7 compiles, so one
+  measured step is too few to find it again)."""
   workdir = tmp_path / "multi"
-  flags = ["--config.checkpoint.every_steps=5", f"--config.train.steps={RESUME_STEPS}"]
-  proc = run_local(workdir, "--kill=7:0", extra=flags, processes=2)
+  flags = ["--config.checkpoint.every_steps=5", f"--config.train.steps={RESUME_STEPS}",
+           "--config.resilience.straggler_every=1", "--config.resilience.straggler_steps=2",
+           "--config.resilience.straggler_threshold=3"]
+  proc = run_local(workdir, "--kill=7:0", "--slow=2:1.0:10", extra=flags, processes=2)
   assert proc.returncode == 5, tail(proc)
   assert "p0=killed, p1=5" in proc.stdout, tail(proc)
+  # Only its own line: op times on shared cores may read another worker slow for a step.
+  found = [x for x in proc.stdout.splitlines() if "STRAGGLER" in x and "(dp=1, stage=0)" in x]
+  assert len(found) == 1 and found[0].startswith("[p0] ") and re.search(
+    r"STRAGGLER: worker \(dp=1, stage=0\) runs at 0\.\d+ .* from step 4", found[0]), tail(proc)
+  assert re.search(r"\[p1\] .*checks its plan against process 0's digest step/4/plan/",
+                   proc.stdout), tail(proc)
+  rows = read_rows(workdir / "metrics.jsonl")
+  assert [r["schedule"] for r in rows] == ["1f1b"] * 3 + ["adaptive"] * 3, rows
+  assert all("1.0" in rows[s - 1]["straggler_ratios"] for s in (2, 3)), rows
   # The survivor saw the coordination service go (its watchdog, or JAX's own abort of the
   # process), not a heartbeat timeout, and wrote its stages' state of the last committed step.
   assert re.search(r"\[p1\] .*the coordination service .*is gone", proc.stdout), tail(proc)

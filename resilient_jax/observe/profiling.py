@@ -165,9 +165,12 @@ class RunTimelines:
     """Profile every this many steps besides (their op times measured for stragglers,
     `training/stragglers.py`); 0: none."""
 
-  def profile(self, step: int, failed: bool) -> bool:
-    """Whether `step` runs in profile mode; `failed`: a failure happened before it."""
-    return (step == self.end or step == self.fault_free or (step in self.after and failed)
+  def profile(self, step: int, failed: bool, drawn: bool = True) -> bool:
+    """Whether `step` runs in profile mode; `failed`: a failure happened before it; `drawn`:
+    whether this run draws timelines (not a multi-process job, whose processes each time only
+    their own workers: its steps are profiled for `measure_every` alone)."""
+    return (drawn and (step == self.end or step == self.fault_free
+                       or (step in self.after and failed))
             or bool(self.measure_every) and step % self.measure_every == 0)
 
   def kind(self, step: int, failed: bool) -> str | None:

@@ -42,8 +42,10 @@ ENDED_KEY = "ended"
 """Set by process 0 when the job is over: a joiner waiting for admission then leaves."""
 
 Event = dict[str, Any]
-"""One entry of the membership history: {"kind": "fail", "nodes", "step", "mid_step"} or
-{"kind": "rejoin", "nodes", "step", "tokens", "generations"}."""
+"""One entry of the membership history: {"kind": "fail", "nodes", "step", "mid_step"},
+{"kind": "rejoin", "nodes", "step", "tokens", "generations"} or, for stragglers' speeds put in
+force (`training/stragglers.py`), {"kind": "speeds", "speeds": [[dp, stage, speed], ...],
+"step"}."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +149,8 @@ def replay(coordinator: Any, history: Sequence[Event]) -> None:
   for e in history:
     if e["kind"] == "fail":
       coordinator.fail(set(e["nodes"]), e["step"], mid_step=e["mid_step"])
+    elif e["kind"] == "speeds":
+      coordinator.reweigh({(d, s): v for d, s, v in e["speeds"]}, e["step"])
     else:
       coordinator.rejoin(e["nodes"], e["step"])
 

@@ -44,7 +44,9 @@ class Solo:
   processes: int | None = None
   """How many processes the job spans (None: not a job)."""
   profiles = True
-  """Steps may run profiled (each op waited for, its time recorded for the timelines)."""
+  """A profiled step times every worker's ops here (each op waited for), so the timelines are
+  drawn and replayed from them; a job's process times only its own workers' (on the steps that
+  measure stragglers alone, `training/stragglers.py`)."""
   knows_fault_times = True
   """Failures are injected here, so each is detected at once (0 s)."""
 
@@ -118,7 +120,7 @@ class Solo:
 class Job(Solo):
   """This process's share of a `jax.distributed` job (`runtime.cluster.Cluster`)."""
 
-  profiles = False  # a job's steps are not profiled: its ops wait on other processes
+  profiles = False  # each process times only its own workers: nothing to draw or replay
   knows_fault_times = False
 
   def __init__(self, cluster: Any):

@@ -286,7 +286,8 @@ class Timelines:
   def explain_none(self, run: Run, metrics: list[dict]) -> None:
     """Says why there is no timeline of the last step, where there is none."""
     if run.chief and self.stepped and "timeline.png" not in self.timelines.written:
-      why = ("steps of a multi-process job are not profiled" if not run.group.profiles else
+      why = ("a multi-process job's processes time only their own workers" if not
+             run.group.profiles else
              f"timelines replay grid schedules, and {run.coordinator.plan_name} runs pipeline "
              "sets")
       run.log(f"no timeline of the last step: {why}")

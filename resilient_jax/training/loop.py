@@ -198,14 +198,14 @@ class Trainer:
     its metrics row and what hooks see."""
     run = self.state
     xla0 = run.builds.xla
-    profile = run.group.profiles and self.timelines.profile(step, bool(run.coordinator.failed))
+    profile = self.timelines.profile(step, bool(run.coordinator.failed), run.group.profiles)
     with self.traces.step(step, lambda: (run.interpreter.params, run.interpreter.opt_state,
                                          run.interpreter.replicas)):
       result, mb_ids = self.run_step(step, profile=profile)
     ids = recipe.processed_ids(mb_ids, result)
     plan = run.coordinator.plan
     replayed = None
-    if result.records and isinstance(plan, GridPlan):
+    if result.records and isinstance(plan, GridPlan) and run.group.profiles:
       # The step as it would run with one core per worker (`observe/profiling.py`).
       replayed = replay_records(plan.schedule, result.records)
     row = metrics_row(run, step, result, ids, float(self.learning_rate(updates)))

@@ -31,14 +31,39 @@ from STEP on, that worker's every op (not its all-reduce) is waited for and foll
 of FACTOR - 1 times what it took (`runtime/step_run._stretch`), so the device is taken FACTOR
 times as long.
 
-Scope: op times are recorded only in a single-process run (`Group.profiles`: a job's steps are
-not profiled), so in a multi-process job `faults.slow` slows the worker but the detection stays
-off (a line says so). Only recycle and naive re-weight, on grids they plan whole (at most
+In a multi-process job each process times its own workers (a job draws no timelines, so the
+measured steps are its only profiled ones), and what it times is the op's device work: an op's
+clock starts at its dispatch, an op that reads an activation or gradient from another process
+is dispatched only once that arrived (`runtime/inbox.py`), and in a profiled step every earlier
+op of the process was waited for, so no time includes a wait on another process (what kept a
+job's steps unprofiled before the inbox: an op queued behind a pending pull read as slow). On
+this loaded 2-core machine (tiny model, ops of ~0.4 ms), the worker that read slowest against
+its stage peer on the other process read 1.1-3.0x in fault-free steps, and a worker slowed 6x
+read 4.1-19.8x (`docs/benchmarks.md`). Agreement is `Group.gather`, then
+`Group.agree` (as the replica check's, `integrity.py`): each process publishes, per worker and
+backward kind, its `op_times` in 4 significant digits and whether it compiled in the step,
+under `step/{S}/stragglers/{attempt}/{pid}`; process 0 waits (bounded) for every process that
+holds a slot, leaving out one proven dead first (the next step's agreement finds its death),
+runs the watch alone and publishes the speeds to put in force, or null, under `.../speeds`;
+every process then re-plans alike (`RunCoordinator.reweigh`: process 0 publishes the plan's
+digest, the others check theirs). A speed put in force joins the membership history, so a
+process relaunched into the job replays it with the failures (`admission.replay`) and plans
+what the others do; the watch's windows are process 0's alone, and process 0 never rejoins.
+
+Scope: only recycle and naive re-weight, on grids they plan whole (at most
 `rerouting.DEFAULT_EXACT_OPS` compute ops); another policy in force, or a larger grid, keeps
-its plan (the log says so). Costs per measured step: every op waited for (the devices' work
-serialised, as in any profiled step) and O(ops) host work to summarise the records; a re-plan
-costs one planning of the whole grid (`rerouting.py`), nothing is copied (every worker holds
-its stage).
+its plan (the log says so).
+
+Costs per measured step: every op waited for (a process's devices' work serialised, as in any
+profiled step) and O(local ops) host work per process to summarise its records. In a job of P
+processes of L workers: one key-value write of ~20 + 35 L to 20 + 70 L bytes per process (one
+or two backward kinds), P reads on process 0 (O(workers) bytes: ~1 MB at 16k workers), one
+decision of 4 bytes (null) or ~15 per speed in force read by the P - 1 others, who wait for it
+(process 0's gather and decision, then a key-value round trip). Process 0's decision is
+O(workers log dp) (`peer_ratios`: 0.04 s of CPU at 2048 x 8 here, where comparing each worker
+with each peer took 0.38 s at 512 x 8) plus the watch's O(workers). A re-plan costs one
+planning of the whole grid on every process (`rerouting.py`); nothing is copied (every worker
+holds its stage).
 """
 
 from __future__ import annotations
@@ -172,8 +197,9 @@ class StragglerWatch:
 
 class Stragglers:
   """The run's detection hook and its re-weighting (see the module docstring): after a
-  measured step it takes the op times, and when the speeds to put in force change it has the
-  coordinator re-plan for the next step and the interpreter take the plan.
+  measured step every process publishes its own workers' op times, process 0 decides the
+  speeds to put in force, and when they change every process has its coordinator re-plan for
+  the next step and its interpreter take the plan.
 
   Args:
     cfg: the run's configuration.
@@ -183,31 +209,49 @@ class Stragglers:
   def __init__(self, cfg: RunConfig, run: Run):
     self.run = run
     res = cfg.resilience
-    self.every = res.straggler_every if run.group.profiles else 0
-    if res.straggler_every and not run.group.profiles:
-      run.log("resilience.straggler_every: a multi-process job does not time its ops, so "
-              "stragglers are not detected in it (faults.slow still slows the worker)")
+    self.every = res.straggler_every
     self.watch = StragglerWatch(res.straggler_threshold, res.straggler_steps)
+    """Process 0's (the others follow its decisions)."""
     self.measured_plan: object = None
     """The plan of the step before (a step on a new plan is not measured)."""
 
   def __call__(self, info: Step) -> None:
-    """The hook after every committed step: measures it when it ran profiled for that."""
-    coord = self.run.coordinator
+    """The hook after every committed step: measures it when it ran profiled for that. Every
+    process of a job takes part in the same steps (the step and the plan's kind are agreed);
+    whether a step counts is process 0's to say (`_decide`)."""
+    run = self.run
+    coord = run.coordinator
     first, self.measured_plan = self.measured_plan is not coord.plan, coord.plan
     if info.step == 1:
       first = False  # the run's first plan: its first step compiles, and is skipped for that
-    if (first or info.compiles or not self.every or info.step % self.every
-        or not info.result.records or not isinstance(coord.plan, GridPlan)):
+    if not self.every or info.step % self.every or not isinstance(coord.plan, GridPlan):
       return
-    ratios = peer_ratios(op_times(info.result.records))
+    mine = {"built": bool(info.compiles), "times": _summary(op_times(info.result.records))}
+    sp = run.interpreter.step_program
+    processes = sorted({p for p in (run.group.process_of(prog.node)
+                                    for prog in sp.slots.values()) if p is not None}) or [0]
+    # Under the attempt too: a step run again after a restore must not read the first run's.
+    key = f"step/{info.step}/stragglers/{run.attempts}"
+    gathered = run.group.gather(key, mine, processes)
+    wanted = run.group.agree(f"{key}/speeds", lambda: self._decide(gathered, first, info.row))
+    if wanted is not None:
+      self._reweigh(dict(coord.grid.speeds), {(d, s): v for d, s, v in wanted}, info.step + 1)
+
+  def _decide(self, gathered: Mapping[int, Any], first: bool, row: dict) -> list | None:
+    """Process 0's decision from every process's published times: the speeds to put in force
+    as `[[dp, stage, speed], ...]`, or None when they stay. Not measured: the first step of a
+    new plan, and a step in which any process compiled."""
+    if first or any(got["built"] for got in gathered.values()):
+      return None
+    times = {tuple(map(int, w.split("."))): {k: (f, r) for k, (f, r) in kinds.items()}
+             for got in gathered.values() for w, kinds in got["times"].items()}
+    ratios = peer_ratios(times)
     self.watch.observe(ratios)
-    info.row["straggler_ratios"] = {f"{d}.{s}": round(r, 3) for (d, s), r in sorted(
+    row["straggler_ratios"] = {f"{d}.{s}": round(r, 3) for (d, s), r in sorted(
       ratios.items()) if r > self.watch.recover}
-    in_force = dict(coord.grid.speeds)
+    in_force = dict(self.run.coordinator.grid.speeds)
     wanted = self.watch.speeds(in_force)
-    if wanted != in_force:
-      self._reweigh(in_force, wanted, info.step + 1)
+    return None if wanted == in_force else [[d, s, v] for (d, s), v in sorted(wanted.items())]
 
   def _reweigh(self, before: dict[Worker, float], speeds: dict[Worker, float], step: int
                ) -> None:
@@ -227,6 +271,9 @@ class Stragglers:
                 f"speed{was}, measured over {self.watch.steps} steps; re-weighting its share "
                 f"from step {step}")
     decision = coord.reweigh(speeds, step, key=run.plan_key(step))
+    # A process relaunched into a job replays it with the failures (`admission.replay`).
+    run.membership.append({"kind": "speeds", "step": step,
+                           "speeds": [[d, s, v] for (d, s), v in sorted(speeds.items())]})
     dead = coord.down_nodes
     run.interpreter.place(decision.plan, run.interpreter.sources(dead), dead=dead,
                           tag=(step, run.attempts))
@@ -238,6 +285,13 @@ class Stragglers:
       keeps = _keeps(decision.plan, w)
       if keeps is not None:
         event.extra["microbatches"] = keeps
+
+
+def _summary(times: Mapping[Worker, KindTimes]) -> dict[str, dict[str, list]]:
+  """`op_times` as a key-value value, `{"dp.stage": {kind: [first, rest]}}`, in 4 significant
+  digits (a ratio needs no more): 35-70 bytes a worker (one or two backward kinds)."""
+  return {f"{d}.{s}": {k: [float(f"{f:.4g}"), None if r is None else float(f"{r:.4g}")]
+                       for k, (f, r) in kinds.items()} for (d, s), kinds in sorted(times.items())}
 
 
 def _keeps(plan: object, worker: Worker) -> int | None:
