@@ -106,8 +106,12 @@ def tail(proc):
   ids=["mid-forward-then-in-all-reduce"],
 )
 def test_sigkill_matches_in_process_run(tmp_path, kill, faults):
+  """Step 3 is also measured for stragglers (`resilience.straggler_every=3`, a threshold no
+  worker reaches): its ops are waited for one by one, and one computed from the killed
+  process's data fails as it settles, which must end the attempt, not the process."""
   workdir = tmp_path / "multi"
-  proc = run_local(workdir, f"--kill={kill}")
+  proc = run_local(workdir, f"--kill={kill}", extra=[
+    "--config.resilience.straggler_every=3", "--config.resilience.straggler_threshold=50"])
   assert proc.returncode == 0, tail(proc)
   killed = parse_kills(kill, 4)
   assert "exit codes: p0=0" in proc.stdout

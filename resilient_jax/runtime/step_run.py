@@ -259,7 +259,7 @@ class StepRun:
 
   def finish(self, slot: Slot, op: Op, start: float, outs: Any) -> None:
     if self.profile:
-      jax.block_until_ready(outs)
+      _settle(outs)
       self.records.append(OpRecord(slot, op, start, time.perf_counter() - self.t0))
     self.done.add((slot, op))
 
@@ -410,8 +410,20 @@ def _stretch(outs: Any, began: float, factor: float) -> None:
   and what the host waits in any step). A real slow device would not hold the host's dispatch
   of other devices' ops meanwhile; this one does, which only makes an unmitigated straggler
   cost more wall time."""
-  jax.block_until_ready(outs)
+  _settle(outs)
   time.sleep((factor - 1) * (time.perf_counter() - began))
+
+
+def _settle(outs: Any) -> None:
+  """Waits for an op's outputs (a profiled step's, a slowed worker's). In a job, one computed
+  from a lost process's data fails as it settles (that data arrived as an error array, which
+  flows on as data: `runtime/multiprocess.py`); the attempt's end finds it
+  (`Transport.conclude`) and does not commit, so it is not raised here, where it would end
+  the process instead."""
+  try:
+    jax.block_until_ready(outs)
+  except jax.errors.JaxRuntimeError:
+    pass
 
 
 _make_nan = OnEachDevice(lambda grads: jax.tree.map(lambda g: g * jnp.nan, grads))
