@@ -6,8 +6,9 @@ Per grid (dp pipelines x pp stages x m micro-batches each, zb-h1 base, recycle p
 failure pattern, on a fresh `RunCoordinator` (empty plan caches), the time of:
 
   fail      `RunCoordinator.fail` on the job's planner (process 0): plan the touched
-            pipelines, expand to the grid, predict the step time, log, and publish the
-            decision's digest (`policy/shared.py`; the key-value write itself is left out).
+            pipelines, validate that plan (`validate.Timing`: the planner's times checked),
+            expand to the grid, predict the step time, log, and publish the decision's digest
+            (`policy/shared.py`; the key-value write itself is left out).
   kB        what each other process reads of the key-value store (the digest, base85).
   pub s     of `fail`, the digest: encoding the plan and hashing it.
   follow s  `RunCoordinator.fail` on every other process: the same planning, and the check of
@@ -47,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs.gpt_tiny import get_config  # noqa: E402
 from resilient_jax.config import RunConfig, from_config_dict  # noqa: E402
 from resilient_jax.policy import RunCoordinator  # noqa: E402
-from resilient_jax.schedule import adaptive, codec, expand  # noqa: E402
+from resilient_jax.schedule import adaptive, codec, expand, routing  # noqa: E402
 from resilient_jax.schedule.cost import simulate  # noqa: E402
 from resilient_jax.schedule.plan import StepProgram, step_program  # noqa: E402
 from resilient_jax.schedule.routing import FailureState  # noqa: E402
@@ -119,6 +120,29 @@ def _full(dp: int, pp: int, m: int, coord: RunCoordinator) -> float:
   simulate(sched, coord.costs.op)
   simulate(sched, coord.costs.op)
   return time.perf_counter() - t0
+
+
+def _validation(dp: int, pp: int, m: int) -> None:
+  """Validating the "spread 4" failure's sub-grid plan of the grid with the most ops, by the
+  planner's times (what `fail` does) and by a replay (what `validate` does without them)."""
+  fp = expand.footprint(dp, pp, m, {divmod(n, pp) for n in _patterns(dp, pp)["spread 4"]})
+  cfg = _config(dp, pp, m)
+  op = RunCoordinator(cfg, range(dp * pp), log=lambda _: None).costs.op
+  cap = routing.memory_cap_for_load(max(routing._loads(fp.route).values()), pp, m, "zb-h1")
+  sub, _, timing = adaptive._adaptive_on_route(len(fp.pipelines), pp, m, fp.failed, fp.route,
+                                                op, cap, "zb-h1")
+  rows = []
+  for _ in range(3):
+    gc.collect()
+    c0 = time.process_time()
+    validate(sub, cap, timing)
+    c1 = time.process_time()
+    validate(sub, cap)
+    rows.append((c1 - c0, time.process_time() - c1))
+  cert, replay = (sorted(r[i] for r in rows)[1] for i in range(2))
+  print(f"validating that failure's sub-grid plan ({fp.compute_ops} compute ops) on "
+        f"{dp}x{pp}x{m}, CPU s, median of 3: by the planner's times {cert:.3f}, by a replay "
+        f"{replay:.3f}")
 
 
 def _uptime() -> str:
@@ -194,6 +218,8 @@ def main() -> None:
     print(f"worst replan at {devices} devices: {t:.3f} s CPU, {kv_bytes[devices]} key-value "
           "bytes read per process")
   largest = max(worst)
+  _validation(*max((g for g in GRIDS if g[0] * g[1] <= args.devices), key=lambda g: 3 * g[0] *
+                   g[1] * g[2]))
   print(f"kv_bytes_per_process: {kv_bytes[largest]}")
   print(f"replan_s: {worst[largest]:.3f}")
 

@@ -238,7 +238,7 @@ def test_list_scheduler_makespan_is_the_replays():
     live = _live_workers(dp, pp, failed)
     for order, f_key, limit in _VARIANTS:
       act = [pp - s + 1 for _, s in live] if limit else None
-      raw, span, peak, *_ = _list_schedule(pp, m, route, live, costs, 4, order, f_key, act)
+      raw, _, span, peak, *_ = _list_schedule(pp, m, route, live, costs, 4, order, f_key, act)
       compute = _to_ops(live, raw)
       ops = {w: [*lst, Op(AR), Op(OPT)] for w, lst in compute.items()}
       sched = make_schedule("x", dp, pp, m, ops, route=route)
@@ -433,3 +433,44 @@ def test_optimal_makespan_without_failures():
   assert optimal_makespan(FailureState(1, 2, 2, set()), COSTS) == pytest.approx(
     simulate(plan_adaptive(FailureState(1, 2, 2), COSTS, memory_cap=2), COSTS).makespan, abs=1e-6
   )
+
+
+def test_the_planners_times_certify_its_plan_and_catch_a_broken_one(monkeypatch):
+  """`validate` with the list scheduler's start times (`Timing`) accepts its plan without a
+  replay; the same times with two ops swapped on one worker, or with one backward started before
+  the gradient from the stage above arrives, are refused by name."""
+  import importlib
+
+  from resilient_jax.schedule.adaptive import _adaptive_on_route
+  from resilient_jax.schedule.core import B, make_schedule
+
+  dp, pp, m = 4, 4, 8
+  failed = frozenset({(1, 2)})
+  route = reroute(dp, pp, m, failed)
+  sched, _, timing = _adaptive_on_route(dp, pp, m, failed, route, COSTS, 8, "zb-h1")
+  validate_module = importlib.import_module("resilient_jax.schedule.validate")
+  replays = []
+  monkeypatch.setattr(validate_module, "simulate", lambda *a, **k: replays.append(a))
+  validate(sched, timing=timing)
+  assert replays == []
+  monkeypatch.undo()
+  validate(sched)  # the replay agrees
+
+  w = (0, 2)
+  ops = list(sched.ops[w])
+  i = next(k for k in range(len(ops) - 3) if ops[k].kind != ops[k + 1].kind)
+  ops[i], ops[i + 1] = ops[i + 1], ops[i]
+  swapped = make_schedule("x", dp, pp, m, {**sched.ops, w: ops}, route=sched.route)
+  with pytest.raises(ScheduleError, match=r"worker \(0, 2\): .* starts at .*, before"):
+    validate(swapped, timing=timing)
+
+  # Worker (0, 1)'s first B that waited (a gap before it: the gradient from stage 2 was not
+  # there yet) started as soon as the op before it ended: the list is the same, the time a lie.
+  w = (0, 1)
+  ops, starts = sched.ops[w], list(timing.starts[w])
+  k = next(j for j, op in enumerate(ops) if op.kind == B
+           and starts[j] > starts[j - 1] + timing.duration(w, ops[j - 1]) + 1e-9)
+  starts[k] = starts[k - 1] + timing.duration(w, ops[k - 1])
+  bad = type(timing)({**timing.starts, w: starts}, timing.duration, timing.comm)
+  with pytest.raises(ScheduleError, match=rf"worker \(0, 1\): {ops[k]} .*before the gradient"):
+    validate(sched, timing=bad)

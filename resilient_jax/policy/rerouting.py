@@ -12,11 +12,11 @@ at 16k workers), and two cheaper forms stand in:
 * the runtime's schedule (`plan`) plans the pipelines the failure touches and expands that plan
   to the grid (`schedule/expand.py`): the same lists as the full grid's plan, built per worker on
   use, cached by the failure's footprint (placement-free, like the pattern). What is validated
-  is what changed, the footprint's sub-grid plan, when it has at most `VALIDATE_MAX_OPS` compute
-  ops (one failure on 2048 x 8 x 16 touches 18 pipelines, 6.9k ops, ~0.06 s; four on 1024 x 16
-  x 32 touch 49 pipelines, 75k ops, ~0.7 s, which is left unvalidated); the expansion itself
-  is checked against whole plans in tests on grids small enough to plan whole; the full grid
-  is never simulated.
+  is what changed, the footprint's sub-grid plan: recycle's by the list scheduler's own start
+  times (`validate.Timing`, a certificate checked in a few lookups an op: ~0.1 s for the 75k
+  ops four failures on 1024 x 16 x 32 touch, where a replay takes ~0.7 s), naive's by a replay
+  when it has at most `VALIDATE_MAX_OPS` compute ops. The expansion itself is checked against
+  whole plans in tests on grids small enough to plan whole; the full grid is never simulated.
 
 When every worker of a stage has failed no re-routing can go on: the policy then runs as
 checkpoint-restart until the stage has a live worker again.
@@ -54,8 +54,8 @@ DEFAULT_EXACT_OPS = 12_000
 planning 12k ops takes well under a second."""
 VALIDATE_MAX_OPS = 20_000
 """The runtime validates a plan of at most this many compute ops before it runs it; of a larger,
-expanded one (built per worker on use), the failure's sub-grid plan within the same bound
-(`_expanded`). Tests validate the planners on small grids."""
+expanded one (built per worker on use), the failure's sub-grid plan (`_expanded`). Tests
+validate the planners on small grids."""
 
 
 class PlannerPolicy(InPlacePolicy):
@@ -201,17 +201,17 @@ class PlannerPolicy(InPlacePolicy):
     key = (fp.key, grid.base, grid.memory_cap, op)
     if key not in self._footprints:
       self.plans += 1
+      # Validated where it changed: the sub-grid is all that changed (every untouched pipeline
+      # runs the spare's lists, planned and validated with it), and a closed grid of its own.
+      # The adaptive plan by its planner's times (a few lookups an op); the naive one, which
+      # has none, by a replay (~10 us an op), within the same bound as a whole plan.
       sub, makespan = adaptive.plan_on_route(
         self.planner, len(fp.pipelines), grid.pp, grid.m, fp.failed, fp.route, op,
         memory_cap=grid.memory_cap, base=grid.base,
+        check=self.planner == "adaptive" or fp.compute_ops <= VALIDATE_MAX_OPS,
       )
       if makespan is None:  # the naive planner does not time its lists
         makespan = simulate(sub, op).makespan
-      # Validated where it changed, within the same bound as a whole plan: the sub-grid is all
-      # that changed (every untouched pipeline runs the spare's lists, planned and validated
-      # with it), and a closed grid of its own. A validation replays every op (~10 us each).
-      if fp.compute_ops <= VALIDATE_MAX_OPS:
-        validate(sub, memory_cap=grid.memory_cap)
       self._footprints[key] = (sub, makespan)
     sub, makespan = self._footprints[key]
     return expand.expand(sub, fp, grid.base), makespan

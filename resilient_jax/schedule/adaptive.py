@@ -47,7 +47,7 @@ from resilient_jax.schedule.routing import (
   reroute,
   speed_scaled,
 )
-from resilient_jax.schedule.validate import peak_inflight, validate
+from resilient_jax.schedule.validate import Timing, peak_inflight, validate
 
 __all__ = ["POLICIES", "plan", "plan_adaptive", "plan_naive", "plan_on_route"]
 
@@ -171,15 +171,15 @@ def plan_adaptive_timed(
   costs.check_stages(pp)
   cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base,
                                                                      speeds)
-  best: tuple[tuple[float, int], Schedule, float] | None = None
+  best: tuple[tuple[float, int], Schedule, float, Timing | None] | None = None
   for shed in _SHEDS if speeds else (0,):
-    schedule, makespan = _adaptive_on_route(dp, pp, m, dead, reroute(dp, pp, m, dead, speeds, shed),
-                                            costs, cap, base, speeds)
-    score = (round(makespan, 9), shed)
+    planned = _adaptive_on_route(dp, pp, m, dead, reroute(dp, pp, m, dead, speeds, shed), costs,
+                                 cap, base, speeds)
+    score = (round(planned[1], 9), shed)
     if best is None or score < best[0]:
-      best = (score, schedule, makespan)
-  _, schedule, makespan = best
-  validate(schedule, memory_cap=cap)
+      best = (score, *planned)
+  _, schedule, makespan, timing = best
+  validate(schedule, memory_cap=cap, timing=timing)
   return schedule, makespan
 
 
@@ -187,8 +187,9 @@ def plan_adaptive_timed(
 def _adaptive_on_route(
   dp: int, pp: int, m: int, dead: frozenset[Worker], route: Route, costs: OpCosts, cap: int,
   base: str, speeds: tuple[tuple[Worker, float], ...] = (),
-) -> tuple[Schedule, float]:
-  """`plan_adaptive` on given routes, unvalidated; returns the schedule and its makespan."""
+) -> tuple[Schedule, float, Timing | None]:
+  """`plan_adaptive` on given routes, unvalidated; returns the schedule, its makespan and the
+  list scheduler's start times (None when the base order won), `validate`'s certificate."""
   live = _live_workers(dp, pp, dead)
   speed_of = dict(speeds)
   speed = [speed_of.get(w, 1.0) for w in live] if speeds else None
@@ -208,15 +209,17 @@ def _adaptive_on_route(
       continue
     if f_key == "crit" and crit_is_mb and (order, "mb", limit) in variants:
       continue
-    out, span, peak, feed_was_local, crit_is_mb = _list_schedule(
+    out, starts, span, peak, feed_was_local, crit_is_mb = _list_schedule(
       pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None, speed
     )
     if feed_was_local:
       same_as_local.add((order, limit))
     score = (round(span, 9), peak)
     if best is None or score < best:
-      best, raw, makespan = score, out, span
+      best, raw, makespan, times = score, out, span, starts
   chosen = _to_ops(live, raw)
+  timing: Timing | None = Timing(dict(zip(live, times, strict=True)),
+                                 speed_scaled(costs, speeds), costs.comm)
   if not dead:
     # Without failures the base order itself (backwards split, on the base routes) is a
     # candidate, so that the adaptive plan of a healthy grid, or of one whose stragglers are
@@ -228,8 +231,8 @@ def _adaptive_on_route(
     span = simulate(cand, speed_scaled(costs, speeds), comm=costs.comm).makespan
     score = (round(span, 9), peak)
     if peak <= cap and best is not None and score < best:
-      chosen, makespan, route = base_compute, span, fault_free.route
-  return _finish("adaptive", dp, pp, m, route, chosen), makespan
+      chosen, makespan, route, timing = base_compute, span, fault_free.route, None
+  return _finish("adaptive", dp, pp, m, route, chosen), makespan, timing
 
 
 def plan_on_route(
@@ -243,12 +246,14 @@ def plan_on_route(
   *,
   memory_cap: int | None = None,
   base: str,
+  check: bool = False,
 ) -> tuple[Schedule, float | None]:
-  """What `plan` makes, on routes given by the caller and without `validate`.
+  """What `plan` makes, on routes given by the caller; validated only with `check`.
 
   The runtime plans a failure on the part of the grid it touches (`expand.py`), whose routes are
-  the full grid's `reroute` restricted to it, not `reroute` of the smaller grid; it validates in
-  tests and on small grids only, so validation is the caller's.
+  the full grid's `reroute` restricted to it, not `reroute` of the smaller grid. With `check`
+  the plan is validated, the adaptive one by its planner's times (`validate.Timing`: a few
+  lookups an op, not a replay), the naive one by a replay.
 
   Args:
     policy: "adaptive" or "naive".
@@ -261,6 +266,7 @@ def plan_on_route(
     memory_cap: the in-flight cap for "adaptive"; None: `memory_cap_for_load` of the busiest
       worker under `route`, as `default_memory_cap` would give the full grid.
     base: the fault-free generator.
+    check: validate the plan (within the cap it was planned under).
 
   Returns:
     The schedule and, for "adaptive", its makespan under `costs` (the list scheduler's, equal to
@@ -274,13 +280,19 @@ def plan_on_route(
     raise ValueError(f"unknown policy {policy!r}; choose one of {list(POLICIES)}")
   _check_base(base)
   if policy == "naive":
-    return _finish("naive", dp, pp, m, route, _naive_compute(dp, pp, m, dead, route, base)), None
+    naive = _finish("naive", dp, pp, m, route, _naive_compute(dp, pp, m, dead, route, base))
+    if check:
+      validate(naive)
+    return naive, None
   _check_cap(memory_cap)
   costs.check_stages(pp)
   cap = memory_cap
   if cap is None:
     cap = memory_cap_for_load(max(_loads(route).values()), pp, m, base)
-  return _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base)
+  schedule, makespan, timing = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base)
+  if check:
+    validate(schedule, memory_cap=cap, timing=timing)
+  return schedule, makespan
 
 
 def _naive_compute(

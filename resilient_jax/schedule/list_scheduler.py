@@ -48,6 +48,7 @@ class _Listed(NamedTuple):
   """What `_list_schedule` returns (see there)."""
 
   out: list[list[tuple[int, int]]]
+  starts: list[list[float]]
   makespan: float
   peak: int
   feed_was_local: bool
@@ -90,12 +91,12 @@ def _list_schedule(
 
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
-    `_F`, `_B`, `_W` (see `_to_ops`), the makespan of the step once each worker's AR and OPT are
-    appended, the most micro-batches any worker holds in flight, (for "feed") whether every F
-    it picked was the one "local" picks, i.e. "local" with the same order and limits would make
-    this very plan, and whether "crit" orders every worker's forwards as "mb" does (all of a
-    worker's micro-batches meet the same most loaded worker downstream), i.e. would make the
-    same plan as "mb".
+    `_F`, `_B`, `_W` (see `_to_ops`) and their start times (`validate.Timing`), the makespan
+    of the step once each worker's AR and OPT are appended, the most micro-batches any worker
+    holds in flight, (for "feed") whether every F it picked was the one "local" picks, i.e.
+    "local" with the same order and limits would make this very plan, and whether "crit"
+    orders every worker's forwards as "mb" does (all of a worker's micro-batches meet the same
+    most loaded worker downstream), i.e. would make the same plan as "mb".
 
   Raises:
     ScheduleError: if the ops cannot all be placed (a limit below 1).
@@ -107,7 +108,7 @@ def _list_schedule(
   f_entry = _f_entries(f_key, pp, m, crit)
   act_lim = list(act_cap) if act_cap is not None else [cap] * len(live)
   speed = list(speed) if speed is not None else [1.0] * len(live)
-  out, last_end, peak, feed_was_local = _place(
+  out, starts, last_end, peak, feed_was_local = _place(
     pp, live, costs, cap, act_lim, order, f_key, node_w, f_entry, speed
   )
   scheduled, total = sum(len(ops) for ops in out), 3 * len(node_w)
@@ -120,7 +121,7 @@ def _list_schedule(
     stage_end[s] = max(stage_end.get(s, 0.0), last_end[w])
   makespan = max(stage_end[s] + costs.ar_at(s) + costs.opt_at(s) / speed[w]
                  for w, (_, s) in enumerate(live))
-  return _Listed(out, makespan, peak, feed_was_local, crit_is_mb)
+  return _Listed(out, starts, makespan, peak, feed_was_local, crit_is_mb)
 
 
 def _criticality(pp: int, node_w: list[int], n_w: int) -> tuple[list[int], bool]:
@@ -183,7 +184,7 @@ def _place(
   node_w: list[int],
   f_entry: list[int],
   speed: list[float],
-) -> tuple[list[list[tuple[int, int]]], list[float], int, bool]:
+) -> tuple[list[list[tuple[int, int]]], list[list[float]], list[float], int, bool]:
   """The event loop of `_list_schedule`: idle workers pick, then the next instant's events land.
 
   Args:
@@ -194,7 +195,8 @@ def _place(
     speed: per worker, its speed (its op times are divided by it).
 
   Returns:
-    Per worker its `(kind, mb)` in execution order, per worker the end of its last op, the most
+    Per worker its `(kind, mb)` in execution order and their start times, per worker the end of
+    its last op, the most
     micro-batches any worker held in flight, and (for "feed") whether every F picked was the
     head of its heap.
   """
@@ -212,6 +214,7 @@ def _place(
   supply = [0] * n_w
   last_end = [0.0] * n_w
   out: list[list[tuple[int, int]]] = [[] for _ in range(n_w)]
+  starts: list[list[float]] = [[] for _ in range(n_w)]
   # (time, seq, code): code = (node * 3 + kind) * 2 + is_finish; seq makes ties deterministic
   # (and is unique, so the comparison never reaches the code).
   events: list[tuple[float, int, int]] = []
@@ -256,11 +259,12 @@ def _place(
         active[w] -= 1
       busy[w] = True
       out[w].append((pick, node // pp))
+      starts[w].append(t)
       seq += 1
       push(events, (t + dur[w][pick], seq, (node * 3 + pick) * 2 + 1))
     dirty.clear()
     if not events:
-      return out, last_end, peak, feed_was_local
+      return out, starts, last_end, peak, feed_was_local
     t = events[0][0]
     seq = _land(
       t, events, seq, node_w, f_entry, queues, busy, last_end, inflight, b_need, b_ready, dirty,

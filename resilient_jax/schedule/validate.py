@@ -13,19 +13,30 @@ Memory is counted in micro-batches, per worker, at every point of its op list:
   micro-batch's backward and the warm copy can no longer be needed in this step; an FR after
   that backward is held to the end of the step. `memory_cap` does not count them: they are
   reported apart, as `peak_redundant`.
+
+Deadlock freedom is checked by replaying the schedule (`cost.simulate`, ~10 us an op), or, when
+the planner hands over the start time it gave every compute op (`Timing`: the list scheduler
+times what it places), by checking that certificate: each op starts after the op before it on
+its worker and after every op it depends on ends (plus the transfer time across workers). Times
+that satisfy every dependency, every op taking some time, order the ops (by start), so no
+cycle exists; the check is a few
+dictionary lookups an op, not a replay, which keeps a validator on the recovery path at scale
+(`policy/rerouting.py`). A planner bug that lists ops in an order its own times contradict, or
+that starts an op before its input exists, fails it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
-from resilient_jax.schedule.cost import OpCosts, simulate
+from resilient_jax.schedule.cost import DurationFn, OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
 
 __all__ = [
   "ScheduleError",
+  "Timing",
   "ValidationReport",
   "peak_activations",
   "peak_inflight",
@@ -70,6 +81,32 @@ def _peak(ops: Sequence[Op], release: tuple[str, ...], hold: str = F) -> int:
   return peak
 
 
+def _peaks(ops: Sequence[Op]) -> tuple[int, int, int]:
+  """`peak_inflight`, `peak_activations` and `peak_redundant` of one list, in one pass."""
+  inflight: set[int] = set()
+  active: set[int] = set()
+  redundant: set[int] = set()
+  peaks = [0, 0, 0]
+  for op in ops:
+    kind, mb = op.kind, op.mb
+    if kind == F:
+      inflight.add(mb)
+      active.add(mb)
+      peaks[0] = max(peaks[0], len(inflight))
+      peaks[1] = max(peaks[1], len(active))
+    elif kind == B or kind == BW:
+      active.discard(mb)
+      redundant.discard(mb)
+      if kind == BW:
+        inflight.discard(mb)
+    elif kind == W:
+      inflight.discard(mb)
+    elif kind == FR:
+      redundant.add(mb)
+      peaks[2] = max(peaks[2], len(redundant))
+  return peaks[0], peaks[1], peaks[2]
+
+
 def peak_inflight(ops: Sequence[Op]) -> int:
   """Most micro-batches with F done and W/BW not yet done, over a worker's op list."""
   return _peak(ops, (W, BW))
@@ -83,6 +120,72 @@ def peak_activations(ops: Sequence[Op]) -> int:
 def peak_redundant(ops: Sequence[Op]) -> int:
   """Most redundant-forward outputs held at once: from FR of a micro-batch to its B/BW."""
   return _peak(ops, (B, BW), hold=FR)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """A planner's start times, the certificate `validate` checks instead of replaying.
+
+  Attributes:
+    starts: per worker, the start of each of its compute ops (F, B, W, BW), in list order; its
+      list must end with AR then OPT, which are not timed.
+    duration: how long an op takes on a worker (what the planner used).
+    comm: the transfer time the planner added to every dependency across workers.
+  """
+
+  starts: Mapping[Worker, Sequence[float]]
+  duration: DurationFn
+  comm: float = 0.0
+
+
+_TIMED = frozenset((F, B, W, BW))
+_TAIL = (Op(AR), Op(OPT))
+
+
+def _certified(schedule: Schedule, timing: Timing) -> bool:
+  """Whether `timing` proves `schedule` deadlock free (module docstring); False when it does
+  not cover the schedule (another list shape: the caller replays instead).
+
+  Called after `_check_worker`, which puts each backward after its forward and each W after its
+  B in their worker's list: with times rising along every list, those dependencies hold, and
+  only the ones across workers (a forward's input from the stage below, a backward's gradient
+  from the stage above) are looked up.
+
+  Raises:
+    ScheduleError: when a time contradicts the list order or a dependency.
+  """
+  pp, comm, duration = schedule.pp, timing.comm, timing.duration
+  end: dict[int, float] = {}  # of F (node * 2) and B or BW (node * 2 + 1); node = mb * pp + s
+  for w in schedule.workers:
+    ops, starts = schedule.ops[w], timing.starts.get(w)
+    if starts is None or len(ops) != len(starts) + 2 or tuple(ops[-2:]) != _TAIL:
+      return False
+    prev, s = 0.0, w[1]
+    for op, t in zip(ops, starts, strict=False):  # AR and OPT untimed
+      kind = op.kind
+      if kind not in _TIMED:
+        return False
+      if t < prev * (1 - 1e-12):
+        raise ScheduleError(f"schedule {schedule.name}: worker {w}: {op} starts at {t:.6g}, "
+                            f"before the op before it ends ({prev:.6g})")
+      took = duration(w, op)
+      if not took > 0:  # a zero-length op could close a cycle at one instant
+        return False
+      prev = t + took
+      if kind != W:
+        end[(op.mb * pp + s) * 2 + (kind != F)] = prev
+  for w in schedule.workers:
+    s = w[1]
+    for op, t in zip(schedule.ops[w], timing.starts[w], strict=False):
+      kind, node = op.kind, op.mb * pp + s
+      if kind == F:
+        if s and end[(node - 1) * 2] + comm > t * (1 + 1e-12):
+          raise ScheduleError(f"schedule {schedule.name}: worker {w}: {op} starts at {t:.6g}, "
+                              f"before its input from stage {s - 1} arrives")
+      elif kind != W and s < pp - 1 and end[(node + 1) * 2 + 1] + comm > t * (1 + 1e-12):
+        raise ScheduleError(f"schedule {schedule.name}: worker {w}: {op} starts at {t:.6g}, "
+                            f"before the gradient from stage {s + 1} arrives")
+  return True
 
 
 def _check_route(schedule: Schedule) -> None:
@@ -108,19 +211,25 @@ def _check_route(schedule: Schedule) -> None:
 
 
 def _check_worker(schedule: Schedule, worker: Worker, routed: set[int]) -> None:
-  """Per-worker structure: the right ops, each once, in a runnable local order."""
+  """Per-worker structure: the right ops, each once, in a runnable local order.
+
+  Positions are keyed by `(kind, mb)` tuples, not `Op`s: hashing a tuple is C, an `Op`'s
+  dataclass hash is Python, and the runtime validates on its recovery path."""
   where = f"schedule {schedule.name}: worker {worker}"
-  pos: dict[Op, int] = {}
-  for i, op in enumerate(schedule.ops[worker]):
-    if op in pos:
+  ops = schedule.ops[worker]
+  pos: dict[tuple[str, int], int] = {}
+  for i, op in enumerate(ops):
+    key = (op.kind, op.mb)
+    if key in pos:
       raise ScheduleError(f"{where}: {op} appears twice")
     if op.mb >= 0 and op.mb not in routed:
       raise ScheduleError(
         f"{where}: runs {op} but stage {worker[1]} of mb{op.mb} is not routed here"
       )
-    pos[op] = i
+    pos[key] = i
+  get = pos.get
   for mb in sorted(routed):
-    f, b, w, bw = (pos.get(Op(k, mb)) for k in (F, B, W, BW))
+    f, b, w, bw = get((F, mb)), get((B, mb)), get((W, mb)), get((BW, mb))
     if f is None:
       raise ScheduleError(f"{where}: F{mb} is missing")
     if bw is not None and (b is not None or w is not None):
@@ -131,36 +240,39 @@ def _check_worker(schedule: Schedule, worker: Worker, routed: set[int]) -> None:
       raise ScheduleError(f"{where}: W{mb} is missing")
     first_backward = bw if bw is not None else b
     if first_backward < f:
-      raise ScheduleError(f"{where}: {schedule.ops[worker][first_backward]} runs before F{mb}")
+      raise ScheduleError(f"{where}: {ops[first_backward]} runs before F{mb}")
     if b is not None and w < b:
       raise ScheduleError(f"{where}: W{mb} runs before B{mb}")
-    fr = pos.get(Op(FR, mb))
+    fr = get((FR, mb))
     # On the last stage FR is stage 0's forward, which reads the data, not this stage's output.
     if fr is not None and fr < f and worker[1] < schedule.pp - 1:
       raise ScheduleError(f"{where}: FR{mb} runs before F{mb}, whose output it takes")
-  ar, opt = pos.get(Op(AR)), pos.get(Op(OPT))
+  ar, opt = get((AR, -1)), get((OPT, -1))
   if ar is None:
     raise ScheduleError(f"{where}: AR is missing")
   if opt is None:
     raise ScheduleError(f"{where}: OPT is missing")
-  last_grad = max((i for op, i in pos.items() if op.kind in (W, BW)), default=-1)
+  last_grad = max((i for (kind, _), i in pos.items() if kind in (W, BW)), default=-1)
   if ar < last_grad:
-    raise ScheduleError(f"{where}: AR runs before {schedule.ops[worker][last_grad]}")
+    raise ScheduleError(f"{where}: AR runs before {ops[last_grad]}")
   # FR reads the replica of the successor's weights, which the step's update must not overtake.
-  last_fr = max((i for op, i in pos.items() if op.kind == FR), default=-1)
+  last_fr = max((i for (kind, _), i in pos.items() if kind == FR), default=-1)
   if ar < last_fr:
-    raise ScheduleError(f"{where}: AR runs before {schedule.ops[worker][last_fr]}")
+    raise ScheduleError(f"{where}: AR runs before {ops[last_fr]}")
   if opt < ar:
     raise ScheduleError(f"{where}: OPT runs before AR")
 
 
-def validate(schedule: Schedule, memory_cap: int | None = None) -> ValidationReport:
+def validate(schedule: Schedule, memory_cap: int | None = None, timing: Timing | None = None
+             ) -> ValidationReport:
   """Checks `schedule` and measures its memory.
 
   Args:
     schedule: the schedule to check.
     memory_cap: if given, the most micro-batches any worker may hold in flight (F done, W/BW
       not done) at once.
+    timing: the planner's start times: checked as a certificate of deadlock freedom instead of
+      a replay (module docstring), where they cover the schedule.
 
   Returns:
     The per-worker memory peaks.
@@ -179,11 +291,13 @@ def validate(schedule: Schedule, memory_cap: int | None = None) -> ValidationRep
     _check_worker(schedule, w, routed[w])
   # Local orders are fine; a cross-worker cycle shows up as a deadlock of the replay. Unit
   # costs make every op take time so that the message reflects the order, not a tie.
-  simulate(schedule, OpCosts(f=1.0, b=1.0, w=1.0, ar=1.0, opt=1.0))
+  if timing is None or not _certified(schedule, timing):
+    simulate(schedule, OpCosts(f=1.0, b=1.0, w=1.0, ar=1.0, opt=1.0))
+  peaks = {w: _peaks(schedule.ops[w]) for w in schedule.workers}
   report = ValidationReport(
-    peak_inflight={w: peak_inflight(schedule.ops[w]) for w in schedule.workers},
-    peak_activations={w: peak_activations(schedule.ops[w]) for w in schedule.workers},
-    peak_redundant={w: peak_redundant(schedule.ops[w]) for w in schedule.workers},
+    peak_inflight={w: p[0] for w, p in peaks.items()},
+    peak_activations={w: p[1] for w, p in peaks.items()},
+    peak_redundant={w: p[2] for w, p in peaks.items()},
   )
   if memory_cap is not None:
     for w, peak in report.peak_inflight.items():
