@@ -9,7 +9,9 @@ Prints:
      raw (target <= 1.5x on an idle machine, <= 2x under load), and where the load's time
      goes (waiting for bytes, CRC32 +
      finiteness, placement), next to the load as it was before (orbax restore, then a separate
-     CRC pass). Raw reads and loads are interleaved, `--repeats` times, and medians reported,
+     CRC pass) and to the plainest form of the same work (each array read into a fresh
+     `np.empty` array, then `jax.device_put` onto the devices of the layout that hold it; no
+     verification). Raw reads and loads are interleaved, `--repeats` times, and medians reported,
      all from the same page-cache state: warm (each read follows a full read of the same
      files), or with `--cold` dropped before each (root on Linux; it evicts every process's
      cache, so not the default on a shared machine). The machine's load average is printed.
@@ -30,7 +32,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +85,77 @@ def _crc_alone(arrays: list) -> float:
   return time.perf_counter() - t0
 
 
+def _fresh_and_finite(arrays: list) -> tuple[float, float]:
+  """Seconds, on one thread, of the two passes a verified load makes besides the copy out of the
+  page cache and the CRC32: fresh memory for the same arrays (`reader.aligned_empty`, one
+  write per 4 KiB page, each a fault the kernel answers with a zeroed page), and the
+  finiteness test as the reader runs it (1 MiB slices). With the raw read (the copy) and the
+  CRC32 alone, their sum over the cores is a floor under any verified load into fresh memory."""
+  import numpy as np
+
+  from resilient_jax.checkpoint import reader
+
+  empty = getattr(reader, "aligned_empty", np.empty)  # np.empty: the script on an older tree
+  t0 = time.perf_counter()
+  fresh = [empty(a.shape, a.dtype).reshape(-1).view(np.uint8) for a in arrays]
+  for b in fresh:
+    b[::4096] = 0
+  t_fresh = time.perf_counter() - t0
+  del fresh
+  mask = np.empty(reader.SLICE_BYTES, bool)
+  t0 = time.perf_counter()
+  for a in arrays:
+    if reader.is_floating(a.dtype):
+      flat, step = a.reshape(-1), reader.SLICE_BYTES // a.itemsize
+      for i in range(0, flat.size, step):
+        part = flat[i:i + step]
+        np.isfinite(part, out=mask[:part.size]).all()
+  return t_fresh, time.perf_counter() - t0
+
+
+def _needs(interpreter) -> list[tuple[object, list[tuple[str, str]]]]:
+  """What each local worker of a layout holds: its device and the (group, name) entries of its
+  parameters and optimizer state, as `Interpreter.place` picks them."""
+  import jax
+
+  from resilient_jax.checkpoint import universal
+
+  out = []
+  for slot in interpreter.local_slots:
+    prog = interpreter.program(slot)
+    template = jax.eval_shape(prog.optimizer.init, prog.abstract_params())
+    out.append((interpreter.device(slot), [("params", n) for n in prog.param_names]
+                + [("opt_state", k) for k in universal.flatten_state(template)]))
+  return out
+
+
+def _load_plain(path: Path, needs: list) -> list:
+  """The fastest plain form of the same work, unverified: every array read (one thread, file
+  order) into a fresh `np.empty` array, then `jax.device_put` onto each device of the layout
+  that holds it. No checksum, no finiteness test, no fallback."""
+  import jax
+  import numpy as np
+
+  from resilient_jax.checkpoint import reader, store
+
+  meta = store.read_meta(path)
+  where = reader._chunk_locations(path / "state", meta)
+  host = {}
+  for key in sorted(where, key=lambda k: (str(where[k].file or ""), where[k].offset)):
+    info, w = meta["entries"][key[0]][key[1]], where[key]
+    a = np.empty(info["shape"], info["dtype"])
+    if w.inline is not None:
+      a.reshape(-1).view(np.uint8)[:] = np.frombuffer(w.inline, np.uint8)
+    else:
+      with open(w.file, "rb", buffering=0) as f:
+        f.seek(w.offset)
+        f.readinto(a.reshape(-1).view(np.uint8))
+    host[key] = a
+  out = [jax.device_put([host[k] for k in keys], dev) for dev, keys in needs]
+  jax.block_until_ready(out)
+  return out
+
+
 def _flat(tree: dict, prefix: str = "") -> dict:
   """`store.nest` undone: `{"blocks": {"3": {"w": a}}}` -> `{"blocks.3.w": a}`."""
   out = {}
@@ -112,6 +188,39 @@ def _load_before(path: Path) -> None:
     assert all(np.isfinite(a).all() for a in arrays.values() if reader.is_floating(a.dtype))
 
 
+def _first_load(path: Path) -> None:
+  """A restart's load, run in a fresh process (`--first_load_of`): load + verify, then
+  `jax.device_put` of every array onto both devices (on 2x1 each worker holds the whole model);
+  prints the seconds of each and the page faults, as JSON."""
+  import jax
+  import tensorstore  # noqa: F401  (imported before the clock starts, as a trainer has it)
+
+  from resilient_jax import checkpoint as ckpt
+
+  devices = jax.devices()
+  jax.block_until_ready(jax.device_put(0.0, devices[0]))
+  f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  t0 = time.perf_counter()
+  loaded = ckpt.load(path)
+  t1 = time.perf_counter()
+  arrays = [*loaded.params.values(), *loaded.opt_state.values()]
+  jax.block_until_ready(jax.device_put([a for _ in devices for a in arrays],
+                                       [d for d in devices for _ in arrays]))
+  faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+  print(json.dumps({"load": t1 - t0, "place": time.perf_counter() - t1, "faults": faults}))
+
+
+def _first_loads(path: Path, n: int) -> list[dict]:
+  """`_first_load` in `n` fresh processes, each after a full read of the files (warm cache)."""
+  out = []
+  for _ in range(n):
+    _read_raw(path)
+    proc = subprocess.run([sys.executable, __file__, "--first_load_of", str(path)],
+                          capture_output=True, text=True, timeout=600, check=True)
+    out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  return out
+
+
 def _load_average() -> str:
   return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -127,15 +236,21 @@ def main() -> None:
   parser.add_argument("--workers", type=int, default=None, help="load workers (default: auto)")
   parser.add_argument("--cold", action="store_true",
                       help="drop the page cache before every read (root; evicts everyone's)")
+  parser.add_argument("--first_loads", type=int, default=3,
+                      help="restarts measured: the first load in a fresh process, each")
+  parser.add_argument("--first_load_of", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   runtime_setup.configure_jax(num_cpu_devices=2)
+  if args.first_load_of:
+    _first_load(Path(args.first_load_of))
+    return
 
   import jax
   import numpy as np
 
   from configs.gpt_tiny import get_config
   from resilient_jax import checkpoint as ckpt
-  from resilient_jax.checkpoint import reader
+  from resilient_jax.checkpoint import reader, universal
   from resilient_jax.config import from_config_dict
   from resilient_jax.training.loop import Trainer
 
@@ -205,7 +320,8 @@ def main() -> None:
       else:
         _read_raw(path)
 
-    cpu: dict[str, list[float]] = {"raw": [], "load": []}
+    cpu: dict[str, list[float]] = {"raw": [], "load": [], "reshard": [], "plain": []}
+    needs = _needs(other.interpreter)
 
     def timed(fn, what=None):
       fresh_cache()
@@ -217,30 +333,49 @@ def main() -> None:
 
     print(f"load average before the loads: {_load_average()}")
     runs: dict[str, list[float]] = {k: [] for k in (
-      "raw", "crc_alone", "load", "place", "reshard", "read_s", "verify_s", "locate_s", "before")}
+      "raw", "crc_alone", "load", "place", "reshard", "read_s", "verify_s", "locate_s", "before",
+      "plain", "fresh_alone", "finite_alone", "faults")}
     for rep in range(args.repeats):
       t, nbytes = timed(lambda: _read_raw(path), "raw")
       runs["raw"].append(t)
-      t_load, loaded = timed(lambda: ckpt.load(path, workers=args.workers), "load")
-      t0 = time.perf_counter()
+      fresh_cache()
+      f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      c0, t0 = time.process_time(), time.perf_counter()
+      loaded = ckpt.load(path, workers=args.workers)
+      t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
+      runs["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
       other.interpreter.import_state(loaded.params, loaded.opt_state)
       jax.block_until_ready(list(other.interpreter.params.values()))
-      t_place = time.perf_counter() - t0
+      t_place = time.perf_counter() - t0 - t_load
+      cpu["load"].append(c_load)
+      cpu["reshard"].append(time.process_time() - c0)
       runs["load"].append(t_load)
       runs["place"].append(t_place)
       runs["reshard"].append(t_load + t_place)
       runs["read_s"].append(loaded.timings["read_s"])
       runs["verify_s"].append(loaded.timings["verify_s"])
       runs["locate_s"].append(loaded.timings["locate_s"])
-      runs["crc_alone"].append(_crc_alone([*loaded.params.values(), *loaded.opt_state.values()]))
-      if rep == 0:
-        for name in list(loaded.params)[:3]:
-          np.testing.assert_array_equal(np.asarray(other.interpreter.params[(1, 0)][name]),
-                                        loaded.params[name])
+      arrays = [*loaded.params.values(), *loaded.opt_state.values()]
+      runs["crc_alone"].append(_crc_alone(arrays))
+      t_fresh, t_finite = _fresh_and_finite(arrays)
+      runs["fresh_alone"].append(t_fresh)
+      runs["finite_alone"].append(t_finite)
+      del arrays
+      if rep == 0:  # every worker's state is bitwise the loaded one (placement may alias it)
+        for slot in other.interpreter.local_slots:
+          opt = universal.flatten_state(other.interpreter.opt_state[slot])
+          for group, got in (("params", other.interpreter.params[slot]), ("opt_state", opt)):
+            for name, value in got.items():
+              want = getattr(loaded, group)[name]
+              assert np.asarray(value).tobytes() == want.tobytes(), (slot, group, name)
         direct = f"{loaded.timings['direct']:.0f} of {loaded.timings['entries']:.0f}"
       del loaded
+      t, placed = timed(lambda: _load_plain(path, needs), "plain")
+      runs["plain"].append(t)
+      del placed
       if rep < args.before_repeats:
         runs["before"].append(timed(lambda: _load_before(path))[0])
+    first = _first_loads(path, args.first_loads)
     med = {k: float(np.median(v)) for k, v in runs.items() if v}
     cache = "cold page cache (dropped before each read)" if args.cold else \
         "warm page cache (each read follows a full read of the same files)"
@@ -255,15 +390,35 @@ def main() -> None:
           f"wall (finding the arrays {med['locate_s']:.3f} s); summed over workers: waiting for "
           f"bytes {med['read_s']:.3f} s, CRC32 + finiteness {med['verify_s']:.3f} s; "
           f"{np.median(cpu['load']):.3f} CPU-s")
-    print(f"  place onto 2x1 (import_state):                {med['place']:.3f} s")
-    cpu = med["verify_s"] / max(1e-9, med["read_s"] + med["verify_s"])
-    print(f"  CPU-bound share of the load: CRC32 + finiteness {cpu:.0%} of the workers' time; "
+    print(f"  page faults of the load: {med['faults']:.0f} (4 KiB pages: {nbytes / 4096:.0f})")
+    print(f"  place onto 2x1 (import_state; on CPU it aliases the loaded arrays): "
+          f"{med['place']:.3f} s")
+    floor = med["raw"] + med["fresh_alone"] + med["crc_alone"] + med["finite_alone"]
+    cores = os.cpu_count() or 1
+    print(f"  floor of a verified load into fresh memory, one thread each: copy (the raw read) "
+          f"{med['raw']:.3f} + fresh pages {med['fresh_alone']:.3f} + CRC32 "
+          f"{med['crc_alone']:.3f} + finiteness {med['finite_alone']:.3f} = {floor:.3f} s; "
+          f"over {cores} idle cores {floor / cores:.3f} s = {floor / cores / med['raw']:.2f}x "
+          "the raw read")
+    share = med["verify_s"] / max(1e-9, med["read_s"] + med["verify_s"])
+    print(f"  CPU-bound share of the load: CRC32 + finiteness {share:.0%} of the workers' time; "
           f"placement {med['place'] / med['reshard']:.0%} of the reshard-load")
     if "before" in med:
       print(f"  before (orbax restore, then a CRC pass; median of {len(runs['before'])}): "
             f"{med['before']:.3f} s = {med['before'] / med['raw']:.2f}x the raw read")
-    print(f"reshard-load (load + verify + place onto 2x1) {med['reshard']:.3f} s -> ratio "
-          f"{med['reshard'] / med['raw']:.2f} to the raw read (target <= 1.5 idle, <= 2 loaded)")
+    print(f"  plain load (np.empty + read each array, 1 thread, then jax.device_put onto 2x1; "
+          f"no verification): {med['plain']:.3f} s ({np.median(cpu['plain']):.3f} CPU-s)")
+    if first:
+      total = [f["load"] + f["place"] for f in first]
+      print(f"  first load in a fresh process (a restart; load + verify, then device_put of "
+            f"every array onto both devices), {len(first)} runs: "
+            + ", ".join(f"{f['load']:.3f} + {f['place']:.3f} s" for f in first)
+            + f"; median {np.median(total):.3f} s = {np.median(total) / med['raw']:.2f}x the raw "
+            f"read, page faults {np.median([f['faults'] for f in first]):.0f}")
+    print(f"reshard-load (load + verify + place onto 2x1) {med['reshard']:.3f} s "
+          f"({np.median(cpu['reshard']):.3f} CPU-s) -> ratio {med['reshard'] / med['raw']:.2f} "
+          f"to the raw read (target <= 1.5 idle, <= 2 loaded); "
+          f"{med['reshard'] / med['plain']:.2f} to the plain load")
 
 
 if __name__ == "__main__":
