@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import resource
@@ -85,23 +86,13 @@ def _crc_alone(arrays: list) -> float:
   return time.perf_counter() - t0
 
 
-def _fresh_and_finite(arrays: list) -> tuple[float, float]:
-  """Seconds, on one thread, of the two passes a verified load makes besides the copy out of the
-  page cache and the CRC32: fresh memory for the same arrays (`reader.aligned_empty`, one
-  write per 4 KiB page, each a fault the kernel answers with a zeroed page), and the
-  finiteness test as the reader runs it (1 MiB slices). With the raw read (the copy) and the
-  CRC32 alone, their sum over the cores is a floor under any verified load into fresh memory."""
+def _finite_alone(arrays: list) -> float:
+  """Seconds to test the given in-memory arrays for inf/NaN on one thread, as the reader does
+  (1 MiB slices)."""
   import numpy as np
 
   from resilient_jax.checkpoint import reader
 
-  empty = getattr(reader, "aligned_empty", np.empty)  # np.empty: the script on an older tree
-  t0 = time.perf_counter()
-  fresh = [empty(a.shape, a.dtype).reshape(-1).view(np.uint8) for a in arrays]
-  for b in fresh:
-    b[::4096] = 0
-  t_fresh = time.perf_counter() - t0
-  del fresh
   mask = np.empty(reader.SLICE_BYTES, bool)
   t0 = time.perf_counter()
   for a in arrays:
@@ -110,7 +101,24 @@ def _fresh_and_finite(arrays: list) -> tuple[float, float]:
       for i in range(0, flat.size, step):
         part = flat[i:i + step]
         np.isfinite(part, out=mask[:part.size]).all()
-  return t_fresh, time.perf_counter() - t0
+  return time.perf_counter() - t0
+
+
+def _fresh_alone(shapes: list) -> float:
+  """Seconds, on one thread, to fault in fresh memory for arrays of the given (shape, dtype)s as
+  the reader allocates it (one write per 4 KiB page; the kernel zeroes each page it hands
+  out). With the raw read (the copy), the CRC32 and the finiteness test alone, the parts of a
+  verified load into fresh memory, each one pass over the bytes."""
+  import numpy as np
+
+  from resilient_jax.checkpoint import reader
+
+  empty = getattr(reader, "aligned_empty", np.empty)  # np.empty: the script on an older tree
+  t0 = time.perf_counter()
+  fresh = [empty(shape, dtype).reshape(-1).view(np.uint8) for shape, dtype in shapes]
+  for b in fresh:
+    b[::4096] = 0
+  return time.perf_counter() - t0
 
 
 def _needs(interpreter) -> list[tuple[object, list[tuple[str, str]]]]:
@@ -357,9 +365,8 @@ def main() -> None:
       runs["locate_s"].append(loaded.timings["locate_s"])
       arrays = [*loaded.params.values(), *loaded.opt_state.values()]
       runs["crc_alone"].append(_crc_alone(arrays))
-      t_fresh, t_finite = _fresh_and_finite(arrays)
-      runs["fresh_alone"].append(t_fresh)
-      runs["finite_alone"].append(t_finite)
+      runs["finite_alone"].append(_finite_alone(arrays))
+      shapes = [(a.shape, a.dtype) for a in arrays]
       del arrays
       if rep == 0:  # every worker's state is bitwise the loaded one (placement may alias it)
         for slot in other.interpreter.local_slots:
@@ -370,11 +377,16 @@ def main() -> None:
               assert np.asarray(value).tobytes() == want.tobytes(), (slot, group, name)
         direct = f"{loaded.timings['direct']:.0f} of {loaded.timings['entries']:.0f}"
       del loaded
+      runs["fresh_alone"].append(_fresh_alone(shapes))
+      gc.collect()
       t, placed = timed(lambda: _load_plain(path, needs), "plain")
       runs["plain"].append(t)
       del placed
+      gc.collect()
       if rep < args.before_repeats:
         runs["before"].append(timed(lambda: _load_before(path))[0])
+    del other  # the fresh processes get the memory
+    gc.collect()
     first = _first_loads(path, args.first_loads)
     med = {k: float(np.median(v)) for k, v in runs.items() if v}
     cache = "cold page cache (dropped before each read)" if args.cold else \
