@@ -13,8 +13,8 @@ at 16k workers), and two cheaper forms stand in:
   to the grid (`schedule/expand.py`): the same lists as the full grid's plan, built per worker on
   use, cached by the failure's footprint (placement-free, like the pattern). What is validated
   is what changed, the footprint's sub-grid plan: recycle's by the list scheduler's own start
-  times (`validate.Timing`, a certificate checked in a few lookups an op: ~0.1 s for the 75k
-  ops four failures on 1024 x 16 x 32 touch, where a replay takes ~0.7 s), naive's by a replay
+  times (`validate.Timing`, a certificate checked in a few lookups an op: ~0.13 s for the 75k
+  ops four failures on 1024 x 16 x 32 touch, where a replay takes ~0.6 s), naive's by a replay
   when it has at most `VALIDATE_MAX_OPS` compute ops. The expansion itself is checked against
   whole plans in tests on grids small enough to plan whole; the full grid is never simulated.
 

@@ -172,10 +172,12 @@ def plan_adaptive_timed(
   cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base,
                                                                      speeds)
   best: tuple[tuple[float, int], Schedule, float, Timing | None] | None = None
-  for shed in _SHEDS if speeds else (0,):
-    planned = _adaptive_on_route(dp, pp, m, dead, reroute(dp, pp, m, dead, speeds, shed), costs,
-                                 cap, base, speeds)
-    score = (round(planned[1], 9), shed)
+  # A worker already down to one micro-batch sheds nothing: its routes are planned once.
+  routes = dict.fromkeys(reroute(dp, pp, m, dead, speeds, shed)
+                         for shed in (_SHEDS if speeds else (0,)))
+  for i, route in enumerate(routes):
+    planned = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base, speeds)
+    score = (round(planned[1], 9), i)
     if best is None or score < best[0]:
       best = (score, *planned)
   _, schedule, makespan, timing = best
