@@ -9,6 +9,7 @@ multi-process job that does all of it through the real store is
 `tests/test_multiprocess.py::test_sigkill_matches_in_process_run`.
 """
 
+import json
 import time
 
 import pytest
@@ -257,3 +258,30 @@ def test_a_slow_planner_ends_a_follower_with_the_wait_timeout_exit(monkeypatch):
   code, message = e.value.code
   assert code == EXIT_WAIT_TIMEOUT == 6
   assert "waited more than 1s for process 0's decision step/5/plan/9/1" in message
+
+
+def test_gathering_reads_the_directory_once_a_poll_and_leaves_out_the_dead():
+  """`Cluster.await_keys` (what process 0's `Job.gather` and the leaving barrier wait with): the
+  values of every owner from one directory read, not one read per owner; an owner proven dead
+  before it wrote is left out, one that wrote then died is kept; other keys in the directory
+  (a decision, deeper keys) are not values."""
+
+  class Dir(_Client):
+    dir_reads = 0
+
+    def key_value_dir_get(self, directory):
+      self.dir_reads += 1
+      return [(k, v) for k, v in self.kv.items() if k.startswith(directory + "/")]
+
+  client = Dir()
+  for p in (0, 1, 3):
+    client.key_value_set(f"step/4/x/{p}", json.dumps({"p": p}))
+  client.key_value_set("step/4/x/speeds", json.dumps(None))
+  client.key_value_set("step/4/x/left/2", json.dumps(True))
+  cl = _cluster(client, 0, [])
+  cl.dead = lambda ids: {p for p in ids if p in (2, 3)}
+  assert cl.await_keys("step/4/x", [0, 1, 2, 3], "x") == {0: {"p": 0}, 1: {"p": 1}, 3: {"p": 3}}
+  assert client.dir_reads == 2  # the first read, and the re-read once 2 was found dead
+  client.dir_reads = 0
+  assert cl.await_keys("step/4/x", [0, 1], "x") == {0: {"p": 0}, 1: {"p": 1}}
+  assert client.dir_reads == 1

@@ -453,6 +453,30 @@ class Cluster:
 
     return self.poll(what, check)[0]
 
+  def await_keys(self, directory: str, owners: Iterable[int], what: str) -> dict[int, Any]:
+    """What each of `owners` sets under `directory/OWNER`, once every one is set or its owner
+    proven dead (left out). One directory read a poll rather than `await_key` per owner: the
+    process that gathers from P processes makes O(1) calls to the coordination service once
+    they have written, not P one after another."""
+    wanted = {f"{directory}/{p}": p for p in owners}
+    got: dict[int, Any] = {}
+
+    def read() -> None:
+      for k, v in self._service(self.client.key_value_dir_get, directory):
+        if k in wanted:
+          got[wanted[k]] = json.loads(v)
+
+    def check() -> tuple[dict[int, Any]] | None:
+      read()
+      missing = [p for p in wanted.values() if p not in got]
+      if missing and len(self.dead(missing)) < len(missing):
+        return None
+      if missing:
+        read()  # one may have set its key just before dying
+      return (got,)
+
+    return self.poll(what, check)[0]
+
   def kv_set(self, key: str, value: Any) -> None:
     self._service(self.client.key_value_set, key, json.dumps(value), True)
 

@@ -201,7 +201,7 @@ class Job(Solo):
     cl.kv_set(f"{key}/{cl.process_id}", value)
     if not self.chief:
       return None
-    got = {p: cl.await_key(f"{key}/{p}", p, f"process {p}'s {key}") for p in processes}
+    got = cl.await_keys(key, processes, f"every process's {key}")
     return {p: v for p, v in got.items() if v is not None}
 
   def gather_state(self, step: int, interpreter: Interpreter) -> Any:
@@ -239,11 +239,9 @@ class Job(Solo):
       return
     cl.kv_set(ENDED_KEY, key)  # a relaunched process still waiting to be admitted leaves too
     others = sorted(set(self.layout.processes_of(sorted(live))) - {me})
-    for p in others:
-      cl.await_key(f"{key}/{p}", p, f"process {p} to reach {key}")
+    cl.await_keys(key, others, f"every process to reach {key}")
     cl.kv_set(f"{key}/all", True)
-    for p in others:
-      cl.await_key(f"{key}/left/{p}", p, f"process {p} to leave at {key}")
+    cl.await_keys(f"{key}/left", others, f"every process to leave at {key}")
 
   def forget(self, step: int) -> None:
     # Every participant is past the earlier steps (they all reported on this one), and a
