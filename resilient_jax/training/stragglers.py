@@ -57,7 +57,8 @@ its plan (the log says so).
 Costs per measured step: every op waited for (a process's devices' work serialised, as in any
 profiled step) and O(local ops) host work per process to summarise its records. In a job of P
 processes of L workers: one key-value write of ~20 + 35 L to 20 + 70 L bytes per process (one
-or two backward kinds), P reads on process 0 (O(workers) bytes: ~1 MB at 16k workers), one
+or two backward kinds), one directory read a poll on process 0 (`Cluster.await_keys`:
+O(workers) bytes, ~1 MB at 16k workers), one
 decision of 4 bytes (null) or ~15 per speed in force read by the P - 1 others, who wait for it
 (process 0's gather and decision, then a key-value round trip). Process 0's decision is
 O(workers log dp) (`peer_ratios`: 0.04 s of CPU at 2048 x 8 here, where comparing each worker
