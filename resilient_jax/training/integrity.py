@@ -20,8 +20,8 @@ update; `train.max_nonfinite_steps` covers the non-finite case), or a stage with
 
 Cost per check: one read of every parameter on its own device and a scalar per slot to the
 host; in a job, one key-value write per process and, on process 0, one directory read a poll
-(`Cluster.await_keys`: O(processes) bytes, not O(processes) calls), then one agreed verdict. Nothing grows with the model
-on the network.
+(`Cluster.await_keys`: O(processes) bytes, not O(processes) calls), then one agreed verdict.
+Nothing grows with the model on the network.
 """
 
 from __future__ import annotations
