@@ -17,7 +17,7 @@ import pytest
 from resilient_jax.config import DistributedConfig
 from resilient_jax.exit_codes import EXIT_WAIT_TIMEOUT
 from resilient_jax.policy import NoDevicesLeft, RunCoordinator, StageLost
-from resilient_jax.runtime import cluster as cluster_module
+from resilient_jax.runtime import kvstore as kvstore_module
 from resilient_jax.runtime.cluster import Cluster
 from resilient_jax.runtime.plan_exchange import KVPlanExchange, plan_key
 from resilient_jax.schedule import codec
@@ -251,7 +251,7 @@ def test_a_slow_planner_ends_a_follower_with_the_wait_timeout_exit(monkeypatch):
   def end_process(code, message):
     raise SystemExit((code, message))
 
-  monkeypatch.setattr(cluster_module, "end_process", end_process)
+  monkeypatch.setattr(kvstore_module, "end_process", end_process)
   follower = KVPlanExchange(_cluster(_Client(), 2, []))
   with pytest.raises(SystemExit) as e:
     follower.read(plan_key(5, 9, 1))
