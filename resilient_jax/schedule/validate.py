@@ -68,21 +68,9 @@ class ValidationReport:
     return max(self.peak_redundant.values(), default=0)
 
 
-def _peak(ops: Sequence[Op], release: tuple[str, ...], hold: str = F) -> int:
-  """Most micro-batches held at once: from their `hold` op to their first `release` op."""
-  held: set[int] = set()
-  peak = 0
-  for op in ops:
-    if op.kind == hold:
-      held.add(op.mb)
-      peak = max(peak, len(held))
-    elif op.kind in release:
-      held.discard(op.mb)
-  return peak
-
-
 def _peaks(ops: Sequence[Op]) -> tuple[int, int, int]:
-  """`peak_inflight`, `peak_activations` and `peak_redundant` of one list, in one pass."""
+  """`peak_inflight`, `peak_activations` and `peak_redundant` of one list, in one pass: each
+  counts micro-batches from their F (FR) to their first release (W or BW; B or BW)."""
   inflight: set[int] = set()
   active: set[int] = set()
   redundant: set[int] = set()
@@ -109,17 +97,17 @@ def _peaks(ops: Sequence[Op]) -> tuple[int, int, int]:
 
 def peak_inflight(ops: Sequence[Op]) -> int:
   """Most micro-batches with F done and W/BW not yet done, over a worker's op list."""
-  return _peak(ops, (W, BW))
+  return _peaks(ops)[0]
 
 
 def peak_activations(ops: Sequence[Op]) -> int:
   """Most micro-batches with F done and B/BW not yet done, over a worker's op list."""
-  return _peak(ops, (B, BW))
+  return _peaks(ops)[1]
 
 
 def peak_redundant(ops: Sequence[Op]) -> int:
   """Most redundant-forward outputs held at once: from FR of a micro-batch to its B/BW."""
-  return _peak(ops, (B, BW), hold=FR)
+  return _peaks(ops)[2]
 
 
 @dataclasses.dataclass(frozen=True)
