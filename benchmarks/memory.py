@@ -102,7 +102,8 @@ def temp_bytes(programs, cfg) -> list[tuple[int, int, int]]:
     inputs = jax.tree.leaves((params, x, tokens if prog.info.last else None))
     compiled = [forward_program.lower(*inputs).compile(),
                 prog.backward_input.lower(res, g).compile(),
-                prog.backward_weight.lower(params, saved, handover, params).compile()]
+                prog.backward_weight.lower(params, saved, handover,
+                                           prog.zero_grads(params, device)).compile()]
     out.append(tuple(int(c.memory_analysis().temp_size_in_bytes) for c in compiled))
     x = y
   return out

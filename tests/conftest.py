@@ -51,3 +51,26 @@ def rerouted_run(tmp_path_factory):
   result = trainer.run()
   return types.SimpleNamespace(cfg=cfg, trainer=trainer, result=result, lines=lines,
                                workdir=workdir, params=params)
+
+
+MAPS_TO_CLEAR = 30_000
+"""Memory maps of the suite's process above which the stage programs kept for reuse are
+dropped between test files. On XLA:CPU every loaded executable maps memory of its own (a
+whole-model stage's fused backward ~330 maps, its forward ~150), the suite loads thousands,
+and Linux ends the process at `vm.max_map_count` (65530 here) with a SIGSEGV in the next load.
+Dropped programs are read back from the programs cache when a later test needs them."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():
+  yield
+  try:
+    with open("/proc/self/maps") as f:
+      count = sum(1 for _ in f)
+  except OSError:  # not Linux: no such limit to keep under
+    return
+  if count > MAPS_TO_CLEAR:
+    from resilient_jax.programs.stages import clear_shared_programs
+
+    clear_shared_programs()
+    gc.collect()

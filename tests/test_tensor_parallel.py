@@ -34,10 +34,11 @@ def _stage_outputs(progs, stage, where, tokens, targets, edit=lambda params: par
                      np.random.default_rng(2).normal(size=prog.output_spec.shape)
                      .astype(np.float32), where)
   dx, taps = prog.backward_input(res, g)
-  grads = prog.backward_weight(params, saved, taps, prog.zero_grads(params, where))
+  acc = prog.backward_weight(params, saved, taps, prog.zero_grads(params, where))
   owned = prog.norm_weights(prog.param_names, where)
-  stepped, opt, sumsq = prog.optimizer_step(params, prog.init_opt_state(params, where), grads,
+  stepped, opt, sumsq = prog.optimizer_step(params, prog.init_opt_state(params, where), acc,
                                             owned)
+  grads = {n: acc[n] for n in prog.param_names}  # packed on one device: by name, to compare
   return params, out, dx, grads, stepped, opt, sumsq
 
 

@@ -9,18 +9,23 @@ on its own device, and the compile count does not grow with data parallelism.
   output, or for the last stage the micro-batch's share of the global mean loss; `tokens` are
   the micro-batch's token ids, read by a later stage only where the model's forward computes
   what its blocks take from them (`reads_tokens`). `residuals` are what B reads,
-  `saved` what W reads (`model.split`). A parameter or the stage input among them is the
-  caller's array itself, not a copy, and residuals neither reads are not kept. `seeds`
+  `saved` what W reads (`model.split`), each a `Kept`: on one device the residuals F computed
+  packed into a buffer per dtype (`programs.packing`; JAX's call costs host time per array, and
+  a stage has hundreds of residuals), a parameter or the stage input among them the caller's
+  array itself, not a copy; residuals neither reads are not kept. `seeds`
   (`(step, sample id)` per sample) are read only by a model that draws random numbers.
 - `backward_input(residuals, g) -> (dx, handover)`: the input gradient and the values W needs
-  of B's work (the cotangents flowing back through the stage); the first stage has no input
-  gradient (dx is None) and its B is empty: the whole backward is W's, off the critical path.
+  of B's work (the cotangents flowing back through the stage, packed on one device); the first
+  stage has no input gradient (dx is None) and its B is empty: the whole backward is W's, off
+  the critical path.
 - `backward_weight(params, saved, handover, acc) -> acc + grads`: the rest of the backward,
   no recomputation of B's. Accumulates into `acc` (donated) so a deferred W adds no extra op.
+  On one device `acc` is packed (`zero_grads` makes it; `acc[name]` reads one gradient).
 - `backward_fused(residuals, saved, params, g, acc)`: B then W in one program (GPipe, 1F1B).
 - `optimizer_step(params, opt_state, grads, owned, scale=None) -> (params, opt_state, sumsq)`:
   this stage's optax update, of the gradients times `scale` (the global clip factor) when given,
   and the sum of squares of the gradients whose `owned` weight is 1 (its share of the norm).
+  The optimizer sees the gradients unpacked: its own names and shapes.
 
 Each program traces under a named scope of its op (`F`, `B`, `W`, `BW`, `OPT`): its compiled ops
 carry the name, so a `jax.profiler` trace shows which kind of op a device was running; the stage
@@ -64,7 +69,9 @@ from resilient_jax.model.staging import (
   loss_terms,
   variable_names,
 )
+from resilient_jax.programs import packing
 from resilient_jax.programs.compiled import OnEachDevice
+from resilient_jax.programs.residuals import Call, Residuals
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -121,6 +128,8 @@ class StagePrograms:
   ):
     self.info = info
     self.tp = tp
+    self.packed = tp == 1
+    """Whether residuals and gradients travel packed (`programs.packing`): on one device."""
     self.remat = remat
     self.optimizer = optimizer
     names = variable_names(model) if names is None else names
@@ -249,24 +258,23 @@ class StagePrograms:
     return closed, out_tree
 
   def _build_forward(self, closed: jcore.ClosedJaxpr, out_tree: Any) -> None:
-    """F as one compiled program returning only what B and W read (`_trimmed_outputs`), and
-    `forward`, which puts the caller's own arrays back where F's outputs forward them."""
+    """F as one compiled program returning only what B and W read, and `forward`, which puts
+    the caller's own arrays back where F's outputs forward them (`programs.residuals`)."""
     split, info = self.split, self.info
     n_out = len(jax.tree.leaves(out_tree))
-    kept, sources = _trimmed_outputs(
-      closed.jaxpr, n_out, set(split.b_residuals) | set(split.w_residuals))
+    self._kept = kept = Residuals(closed, n_out, split.b_residuals, split.w_residuals,
+                                  self.param_names, self.packed)
     forward_all = jcore.jaxpr_as_fun(closed)
-
-    def stage_forward(*inputs):
-      outs = forward_all(*inputs)
-      return [outs[k] for k in kept]
-
-    forward_program = OnEachDevice(_scoped("F", stage_forward))
     out_def = jax.tree.structure(out_tree)
     n_params = len(self.param_names)
-    held = {src for src in sources[n_out:]
+
+    def stage_forward(*inputs):
+      return kept.outputs(forward_all(*inputs))
+
+    forward_program = OnEachDevice(_scoped("F", stage_forward))
+    held = {src for src in kept.sources[n_out:]
             if src is not None and (src[0] == "kept" or src[1] >= n_params)}
-    avals = {("kept", j): closed.out_avals[k] for j, k in enumerate(kept)}
+    avals = {("kept", j): closed.out_avals[k] for j, k in enumerate(kept.kept)}
     avals.update({("input", i): a for i, a in enumerate(closed.in_avals)})
     self.activation_bytes: int = sum(
       int(np.prod(avals[src].shape)) * avals[src].dtype.itemsize for src in held)
@@ -278,41 +286,60 @@ class StagePrograms:
       inputs = jax.tree.leaves((params, x, targets if info.last else None,
                                 seeds if self.uses_rng else None,
                                 tokens if self.reads_tokens else None))
-      outs = forward_program(*inputs)
-      leaves = [None if src is None else outs[src[1]] if src[0] == "kept" else inputs[src[1]]
-                for src in sources]
-      out = jax.tree.unflatten(out_def, leaves[:n_out])
-      res = leaves[n_out:]
-      return (out, tuple(res[i] for i in split.b_residuals),
-              tuple(res[i] for i in split.w_residuals))
+      out, residuals, saved = kept.kept_for(inputs, params, *forward_program(*inputs))
+      return jax.tree.unflatten(out_def, out), residuals, saved
 
     self.forward: Callable = forward
     self._forward_program = forward_program
 
   def _build_backward_and_optimizer(self) -> None:
     """B, W, BW and OPT, and the optimizer-state and zero-gradient initializers, each compiled
-    once for the stage and loaded on every replica's device."""
+    once for the stage and loaded on every replica's device.
+
+    On one device the gradients are `packing.Packed` (one buffer per dtype: W and BW then pass
+    two arrays for them, not one per parameter, and the reduction sums the buffer as it is) and
+    `owned` one weight per parameter in a vector; OPT unpacks them inside its trace, so the
+    optimizer sees the parameters' own shapes and names."""
     split, optimizer, tp = self.split, self.optimizer, self.tp
     pin = self._pin  # outputs constrained to the sub-mesh split (identity when tp is 1)
+    names = self.param_names
+    grad_layout = packing.Layout.of(self._abstract)
 
-    def backward_input(residuals, g):
-      dx, handover = split.backward_input(residuals, [g])
-      return (dx[0] if dx else None), tuple(handover)
+    def accumulate(acc, grads):
+      if not self.packed:
+        return pin({n: acc[n] + g for n, g in zip(names, grads, strict=True)}, self.param_specs)
+      return jax.tree.map(jnp.add, acc, packing.Packed(grad_layout, grad_layout.pack(grads)))
 
-    def weight_grads(params, saved, handover, acc):
-      del params  # W reads what it needs of the parameters among the residuals
-      grads = split.backward_weight(saved, handover)
-      return pin({n: acc[n] + g for n, g in zip(self.param_names, grads, strict=True)},
-                 self.param_specs)
+    def input_grads(kept, g, params=None):
+      dx, handover = split.backward_input(self._kept.read("b", kept, params), [g])
+      return (dx[0] if dx else None), list(handover)
 
-    def backward_fused(residuals, saved, params, g, acc):
-      dx, handover = backward_input(residuals, g)
-      return dx, weight_grads(params, saved, handover, acc)
+    def accumulated(kept, handover, acc, params=None):
+      return accumulate(acc, split.backward_weight(self._kept.read("w", kept, params), handover))
+
+    def backward_input(kept, g):
+      dx, handover = input_grads(kept, g)
+      if self.packed and handover:  # what W reads of B's work, as one buffer per dtype
+        layout = packing.Layout.of_avals(handover)
+        return dx, packing.Packed(layout, layout.pack(handover))
+      return dx, tuple(handover)
+
+    def weight_grads(kept, handover, acc):
+      if isinstance(handover, packing.Packed):
+        handover = handover.layout.unpack(handover.buffers)
+      return accumulated(kept, list(handover), acc)
+
+    def backward_fused(kept_b, kept_w, params, g, acc):
+      dx, handover = input_grads(kept_b, g, params)
+      return dx, accumulated(kept_w, handover, acc, params)
 
     def optimizer_step(params, opt_state, grads, owned, scale=None):
       # The sum of squares of the gradients `owned` weighs 1 (this slot's share of the global
       # norm) in the same program, so the gradients are read once; a traced weight, not a
       # static name list, so every replica of a stage shares one compiled program.
+      if isinstance(grads, packing.Packed):
+        grads = grads.unpacked()
+        owned = {n: owned[i] for i, n in enumerate(names)}
       sumsq = sum(owned[n] * jnp.sum(jnp.square(g.astype(jnp.float32))) for n, g in grads.items())
       if scale is not None:  # the global-norm clip factor (`Interpreter`)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -321,11 +348,22 @@ class StagePrograms:
               pin(opt_state, self.opt_specs), sumsq)
 
     scoped = functools.partial(_scoped, tp=tp)
-    self.backward_input: Callable = OnEachDevice(scoped("B", backward_input))
-    self.backward_weight: Callable = OnEachDevice(scoped("W", weight_grads),
-                                                  donate_argnums=(3,))
-    self.backward_fused: Callable = OnEachDevice(scoped("BW", backward_fused),
-                                                 donate_argnums=(4,))
+    b_program = OnEachDevice(scoped("B", backward_input))
+    w_program = OnEachDevice(scoped("W", weight_grads), donate_argnums=(2,))
+    bw_program = OnEachDevice(scoped("BW", backward_fused), donate_argnums=(4,))
+    self._backward_programs = [b_program, w_program, bw_program]
+    self.backward_input: Callable = Call(b_program, lambda kept, g: (kept, g))
+    """`backward_input(residuals, g) -> (dx, handover)` (see the module's docstring)."""
+    self.backward_weight: Callable = Call(
+      w_program, lambda params, kept, handover, acc: (kept, handover, acc))
+    """`backward_weight(params, saved, handover, acc) -> acc + grads`; W reads what it needs of
+    the parameters among its residuals (`Kept.params`)."""
+    self.backward_fused: Callable = Call(
+      bw_program, lambda kept_b, kept_w, params, g, acc: (
+        kept_b._replace(params={}), kept_w._replace(params={}),
+        {**kept_b.params, **kept_w.params}, g, acc))
+    """`backward_fused(residuals, saved, params, g, acc) -> (dx, acc + grads)`: the
+    parameters both halves read passed once."""
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
     self.optimizer_step: Callable = OnEachDevice(scoped("OPT", optimizer_step))
@@ -335,9 +373,12 @@ class StagePrograms:
       lambda p: pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1)
     # Kept arguments on one device too: its zeros then come back committed to the slot's
     # device, made there, instead of on the default device and copied (`zero_grads` runs for
-    # every slot at every step, and placing a whole tree cost milliseconds of host time).
-    self._zeros = OnEachDevice(_on_submesh(
-      lambda p: pin(jax.tree.map(jnp.zeros_like, p), self.param_specs), tp), keep_unused=True)
+    # every slot at every step, and placing a whole tree cost milliseconds of host time). On
+    # one device it reads one parameter (to be placed with it) and makes the packed buffers.
+    zeros = (lambda _: packing.Packed(grad_layout, [jnp.zeros((n,), d) for n, d in zip(
+      grad_layout.sizes, grad_layout.groups, strict=True)])) if self.packed else \
+      _on_submesh(lambda p: pin(jax.tree.map(jnp.zeros_like, p), self.param_specs), tp)
+    self._zeros = OnEachDevice(zeros, keep_unused=True)
 
   def _pin(self, tree: Any, specs: Any) -> Any:
     """`tree` constrained to `specs` on a sub-mesh; unchanged when `tp` is 1."""
@@ -346,9 +387,12 @@ class StagePrograms:
   def compiled_programs(self) -> list[OnEachDevice]:
     """The stage's jitted programs (each compiled once, loaded on every other device); one
     replaced by a wrapper of its own (a test poisoning a step) is not among them."""
-    programs = [self._forward_program, self.backward_input, self.backward_weight,
-                self.backward_fused, self.optimizer_step, self._init_opt, self._zeros]
-    return [p for p in programs if isinstance(p, OnEachDevice)]
+    programs = [self._forward_program, *self._backward_programs, self.optimizer_step,
+                self._init_opt, self._zeros]
+    calls = {id(c.program) for c in (self.backward_input, self.backward_weight,
+                                     self.backward_fused) if isinstance(c, Call)}
+    return [p for p in programs if isinstance(p, OnEachDevice)
+            and (p not in self._backward_programs or id(p) in calls)]
 
   def abstract_params(self) -> dict[str, jax.ShapeDtypeStruct]:
     return dict(self._abstract)
@@ -388,15 +432,21 @@ class StagePrograms:
   def init_opt_state(self, params: Params, where: Where) -> Any:
     return jax.device_put(self._init_opt(params), self.opt_shardings(where))
 
-  def norm_weights(self, owned: Iterable[str], where: Where) -> dict[str, jax.Array]:
-    """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm."""
+  def norm_weights(self, owned: Iterable[str], where: Where) -> Any:
+    """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm (one
+    vector in `param_names` order on one device, a weight per name on a sub-mesh)."""
     names = set(owned)
+    if self.packed:
+      return jax.device_put(np.array([n in names for n in self.param_names], np.float32), where)
     return {n: jax.device_put(jnp.float32(n in names), where) for n in self.param_names}
 
-  def zero_grads(self, params: Params, where: Where) -> Params:
-    """Zeros shaped and placed as `params` (which live at `where`), made on their device."""
-    zeros = self._zeros(params)  # on one device: committed there already
-    return zeros if self.tp == 1 else jax.device_put(zeros, self.param_shardings(where))
+  def zero_grads(self, params: Params, where: Where) -> Any:
+    """Zero gradients for `params` (which live at `where`), made on their device: packed
+    (`packing.Packed`) on one device, shaped and split as `params` on a sub-mesh."""
+    if self.packed:  # one parameter says where; committed there already
+      return self._zeros(next(iter(params.values())) if params else
+                         jax.device_put(np.float32(0), where))
+    return jax.device_put(self._zeros(params), self.param_shardings(where))
 
 
 def _weight_sum(terms: Callable, logits: jax.ShapeDtypeStruct, tokens: Array, targets: Array
@@ -405,46 +455,6 @@ def _weight_sum(terms: Callable, logits: jax.ShapeDtypeStruct, tokens: Array, ta
   stand-in logits that XLA drops (the weights do not read them)."""
   zeros = jnp.zeros((*targets.shape, logits.shape[-1]), logits.dtype)
   return terms(zeros, targets, tokens)[1].sum()
-
-
-def _trimmed_outputs(
-  jaxpr: jcore.Jaxpr, n_out: int, res_live: set[int]
-) -> tuple[list[int], list[tuple[str, int] | None]]:
-  """Which of F's outputs its compiled program returns, and where every other one comes from.
-
-  What F hands to B and W is trimmed once, on F's jaxpr, rather than copied out of a jit as is:
-  a parameter or the stage input among the residuals would come back as a fresh copy per
-  micro-batch (the residuals of `x @ kernel` include the kernel), and residuals neither B nor W
-  reads are not kept.
-
-  Args:
-    jaxpr: F's jaxpr: outputs are the stage output's `n_out` leaves, then the residuals.
-    n_out: leaves of the stage output.
-    res_live: the residuals B or W reads (positions among the residuals).
-
-  Returns:
-    The positions of the outputs the trimmed program returns (each distinct variable once), and
-    per output leaf of F: None (not kept), `("input", i)` (input leaf i itself) or `("kept", j)`
-    (output j of the trimmed program).
-  """
-  in_index = {v: i for i, v in enumerate(jaxpr.invars)}
-  kept: list[int] = []
-  first_at: dict[Any, int] = {}
-  sources: list[tuple[str, int] | None] = []
-  for k, v in enumerate(jaxpr.outvars):
-    is_var = isinstance(v, jcore.Var)
-    if k >= n_out and k - n_out not in res_live:
-      sources.append(None)
-    elif is_var and v in in_index:
-      sources.append(("input", in_index[v]))
-    elif is_var and v in first_at:
-      sources.append(("kept", first_at[v]))
-    else:
-      if is_var:
-        first_at[v] = len(kept)
-      sources.append(("kept", len(kept)))
-      kept.append(k)
-  return kept, sources
 
 
 def _scoped(name: str, fn: Callable, tp: int = 1) -> Callable:

@@ -177,7 +177,9 @@ class Interpreter(StateHandover):
     for n, hs in holders.items():
       by_holders.setdefault(tuple(hs), []).append(n)
     ordered = sorted(by_holders.items())
-    return [ReductionGroup(i, hs, tuple(sorted(ns))) for i, (hs, ns) in enumerate(ordered)]
+    return [ReductionGroup(i, hs, tuple(sorted(ns)),
+                           all(len(self.program(h).param_names) == len(ns) for h in hs))
+            for i, (hs, ns) in enumerate(ordered)]
 
   # ---------------------------------------------------------------- state
 
@@ -367,7 +369,7 @@ class Interpreter(StateHandover):
         for group in self.groups:  # the gradient all-reduce's own programs
           if slot in group.holders and len({self.device(h) for h in group.holders}) > 1:
             zero = prog.zero_grads(params, dev)
-            outs += self.transport.prepare_reduce({dev: {n: zero[n] for n in group.names}})
+            outs += self.transport.prepare_reduce({dev: group.part(zero)})
     self.transport.wait(outs, "the warm-up of the split backward")
 
   # ---------------------------------------------------------------- one step

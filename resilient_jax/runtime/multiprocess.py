@@ -238,7 +238,7 @@ class ProcessTransport(Transport):
       self._failed("gradients", err)
       # Fresh zeros, not `zeros_like(v)`: that dispatch would queue behind v's pending inputs
       # (its sharding is known without waiting).
-      local = {d: {n: jnp.zeros(v.shape, v.dtype, device=v.sharding) for n, v in g.items()}
+      local = {d: jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype, device=v.sharding), g)
                for d, g in local.items()}
     procs = list(dict.fromkeys(_process_of(d) for d in devices))
     if len(procs) == 1:  # every member is here

@@ -11,6 +11,7 @@ reproducible, are `runtime/dispatch.py`'s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from jax.profiler import TraceAnnotation
 
 from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.programs.compiled import OnEachDevice
+from resilient_jax.programs.packing import Packed
 from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.inbox import expect_inputs, transfer_in
 from resilient_jax.runtime.records import OpRecord, StepResult
@@ -70,6 +72,32 @@ class ReductionGroup:
   index: int
   holders: tuple[Slot, ...]
   names: tuple[str, ...]
+  whole: bool = False
+  """Whether `names` are all of every holder's parameters: its gradients are then reduced as
+  they are held (packed: `programs.packing`), not sliced out by name and written back."""
+
+  def part(self, grads: Any) -> Any:
+    """This group's share of a holder's gradients (of packed ones, sliced out in one program)."""
+    if self.whole:
+      return grads
+    if isinstance(grads, Packed):
+      return _select(self.names)(grads)
+    return {n: grads[n] for n in self.names}
+
+  def merged(self, grads: Any, reduced: Any) -> Any:
+    """A holder's gradients with this group's share replaced by `reduced`."""
+    if self.whole:
+      return reduced
+    return _merge(grads, reduced) if isinstance(grads, Packed) else {**grads, **reduced}
+
+
+@functools.cache
+def _select(names: tuple[str, ...]) -> OnEachDevice:
+  return OnEachDevice(lambda g: {n: g[n] for n in names})
+
+
+_merge = OnEachDevice(lambda grads, reduced: grads.replace(reduced))
+"""Packed gradients with some names' reduced values written in (one program a layout)."""
 
 
 class StepRun:
@@ -209,7 +237,7 @@ class StepRun:
     if op.kind == W:
       self.acc[slot] = prog.backward_weight(ip.params[slot], self.saved.pop(key),
                                             self.taps.pop(key), self.grads_of(slot))
-      return list(self.acc[slot].values())[:1]
+      return jax.tree.leaves(self.acc[slot])[:1]
     if op.kind not in (B, BW):
       raise ValueError(f"not a compute op: {op}")
     if incoming is None:  # the last stage: the loss's own gradient, placed from the host
@@ -226,7 +254,7 @@ class StepRun:
       return [dx]
     if op.kind == B:
       return list(jax.tree.leaves(self.taps[key]))[:1]
-    return list(self.acc[slot].values())[:1]
+    return jax.tree.leaves(self.acc[slot])[:1]
 
   def optimize(self, slot: Slot) -> tuple[Params, jax.Array]:
     """The slot's optimistic optimizer step: unclipped, checked against the global norm when
@@ -271,20 +299,18 @@ class StepRun:
     began = time.perf_counter() - self.t0
     for h in group.holders:
       self.ar_start.setdefault(h, began)  # an AR's record starts with its first collective
-    per_dev: dict[Where, Params] = {}
+    per_dev: dict[Where, Any] = {}
     for h in group.holders:
       if h in ip.params:
-        dev, g = ip.device(h), self.grads_of(h)
-        part = {n: g[n] for n in group.names}
-        per_dev[dev] = {n: per_dev[dev][n] + v for n, v in part.items()} if dev in per_dev \
-          else part
+        dev, part = ip.device(h), group.part(self.grads_of(h))
+        per_dev[dev] = jax.tree.map(jnp.add, per_dev[dev], part) if dev in per_dev else part
     devices = tuple(sorted({ip.device(h) for h in group.holders}, key=where_key))
     nodes = sorted({sp.slots[h].node for h in group.holders})
     if len(devices) > 1:
       per_dev = self.tp.reduce(group.index, nodes, devices, per_dev)
     for h in group.holders:
       if h in ip.params:
-        self.acc[h] = {**self.grads_of(h), **per_dev[ip.device(h)]}
+        self.acc[h] = group.merged(self.grads_of(h), per_dev[ip.device(h)])
 
   def complete(self, g: ReductionGroup) -> list[Slot]:
     """Finishes the AR of every local holder of `g` whose groups are now all reduced (at

@@ -38,9 +38,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from resilient_jax.model.sharding import Where, as_mesh, target
 from resilient_jax.programs.compiled import OnEachDevice
+from resilient_jax.programs.packing import Layout, Packed
 
 Params = dict[str, jax.Array]
 ACT, GRAD, STATE = 0, 1, 2
@@ -172,7 +174,7 @@ class Transport:
     for g in local.values():
       flat = flatten(g)
       outs.append(_add(flat, flat))
-      outs.extend(unflatten(flat).values())
+      outs.extend(jax.tree.leaves(unflatten(flat)))
     return outs
 
   def _gather(
@@ -226,11 +228,29 @@ def _in_ar_scope(fn: Callable) -> Callable:
 
 
 def _reduce_programs(local: PerDevice) -> tuple[Callable, Callable]:
-  """`_flatten` and `_unflatten` for gradients laid out as `local`."""
+  """`_flatten` and `_unflatten` for gradients laid out as `local`: a dict by name, or packed
+  (`programs.packing`; one float32 buffer is reduced as it is, no program either way)."""
   some = next(iter(local.values()))
+  if isinstance(some, Packed):
+    return _packed_programs(some.layout)
   names = tuple(sorted(some))
   layout = tuple((some[n].shape, some[n].dtype) for n in names)
   return _flatten(names), _unflatten(names, layout)
+
+
+@functools.cache
+def _packed_programs(layout: Layout) -> tuple[Callable, Callable]:
+  """`_reduce_programs` of packed gradients: their buffers as one float32 buffer and back."""
+  if layout.groups == (np.dtype(np.float32),):
+    return (lambda g: g.buffers[0]), (lambda flat: Packed(layout, (flat,)))
+
+  def split(flat: jax.Array) -> Packed:
+    bounds = np.cumsum((0, *layout.sizes))
+    return Packed(layout, tuple(flat[a:b].astype(d) for a, b, d in
+                                zip(bounds[:-1], bounds[1:], layout.groups, strict=True)))
+
+  return (OnEachDevice(_in_ar_scope(lambda g: jnp.concatenate(
+    [b.astype(jnp.float32) for b in g.buffers]))), OnEachDevice(_in_ar_scope(split)))
 
 
 @functools.cache

@@ -1,0 +1,103 @@
+"""Packed arrays (`programs/packing.py`) and what the stage programs pass packed."""
+
+from __future__ import annotations
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from resilient_jax.programs.packing import Layout, Packed
+
+
+def _tree() -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(0)
+  return {
+    "b.kernel": rng.standard_normal((3, 4)).astype(np.float32),
+    "a.scale": rng.standard_normal((5,)).astype(np.float32),
+    "c.table": rng.standard_normal((2, 2)).astype(jnp.bfloat16),
+    "d.step": np.array(7, np.int32),
+    "e.empty": np.zeros((0, 3), np.float32),
+  }
+
+
+def test_a_packed_tree_reads_back_every_array_bitwise_in_one_buffer_per_dtype():
+  tree = _tree()
+  packed = Packed.from_dict(tree)
+  assert [b.dtype for b in packed.buffers] == [np.float32, jnp.bfloat16, np.int32]
+  assert [b.shape for b in packed.buffers] == [(17,), (4,), (1,)]
+  assert list(packed) == sorted(tree) and len(packed) == 5 and "d.step" in packed
+  for name, value in tree.items():
+    got = np.asarray(packed[name])
+    assert got.shape == value.shape and got.dtype == value.dtype
+    np.testing.assert_array_equal(got, value)
+  # Inside a trace as outside: a program takes and returns it, one argument per buffer.
+  doubled = jax.jit(lambda p: Packed.from_dict({n: v * 2 for n, v in p.unpacked().items()}))(
+    packed)
+  np.testing.assert_array_equal(np.asarray(doubled["b.kernel"]), tree["b.kernel"] * 2)
+  assert len(jax.tree.leaves(doubled)) == 3
+  # `jax.tree.map` maps the buffers: a zero, a scale.
+  zeros = jax.tree.map(jnp.zeros_like, packed)
+  assert zeros.layout == packed.layout and not np.asarray(zeros["a.scale"]).any()
+
+
+def test_replace_writes_some_names_and_keeps_the_rest():
+  tree = _tree()
+  packed = Packed.from_dict(tree)
+  new = packed.replace({"a.scale": np.arange(5, dtype=np.float32),
+                        "c.table": np.ones((2, 2), jnp.bfloat16)})
+  np.testing.assert_array_equal(np.asarray(new["a.scale"]), np.arange(5))
+  np.testing.assert_array_equal(np.asarray(new["c.table"]).astype(np.float32), np.ones((2, 2)))
+  for name in ("b.kernel", "d.step"):
+    np.testing.assert_array_equal(np.asarray(new[name]), tree[name])
+  with pytest.raises(KeyError):
+    packed["missing"]
+
+
+def test_a_layout_is_equal_by_value_and_survives_a_pickle():
+  """A layout is part of a program's argument structure, which is kept with its executable on
+  disk and read back by another process."""
+  tree = _tree()
+  layout = Layout.of(tree)
+  again = pickle.loads(pickle.dumps(layout))
+  assert again == layout and hash(again) == hash(layout)
+  assert Layout.of({**tree, "a.scale": tree["a.scale"][:4]}) != layout
+  assert jax.tree.structure(Packed.from_dict(tree)) == jax.tree.structure(
+    Packed(again, Packed.from_dict(tree).buffers))
+
+
+def test_a_stage_passes_its_residuals_and_gradients_packed():
+  """A whole-model stage on one device: F hands B and W a few buffers, not one array per
+  residual, the gradients are one buffer per dtype, and the packed backward's gradients are
+  JAX's own gradient of the stage's loss."""
+  from resilient_jax.model.staging import loss_terms
+  from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.recipe import make_model, make_optimizer, optimizer_key
+  from tests.helpers import assert_close, tiny_config
+
+  cfg = tiny_config(mesh__dp=1, mesh__pp=1)
+  model = make_model(cfg)
+  (prog,) = build_stage_programs(
+    model, cfg.partition, cfg.microbatch_size, cfg.model.seq_len,
+    make_optimizer(cfg), cfg.step_batch, optimizer_key=optimizer_key(cfg))
+  device = jax.devices()[0]
+  params = prog.initial_params(device)
+  x = jax.device_put(jnp.ones((cfg.microbatch_size, cfg.model.seq_len), jnp.int32), device)
+  loss, res, saved = prog.forward(params, x, x)
+  n_res = len(set(prog.split.b_residuals) | set(prog.split.w_residuals))
+  packed = jax.tree.leaves((res.packs, saved.packs))
+  assert n_res > 20 and 0 < len(packed) <= 6, (n_res, len(packed))
+  assert len(jax.tree.leaves((res.arrays, saved.arrays))) <= 2  # the tokens, if read
+  zeros = prog.zero_grads(params, device)
+  assert isinstance(zeros, Packed) and len(jax.tree.leaves(zeros)) == 1
+  g = jax.device_put(jnp.float32(1.0), device)
+  _, grads = prog.backward_fused(res, saved, params, g, zeros)
+  # The same gradients from JAX's own differentiation of the stage's loss.
+  terms = loss_terms(model)
+  expected = jax.grad(
+    lambda p: terms(prog.apply_stage(p, x), x, x)[0].sum() * prog.loss_scale)(params)
+  assert_close(loss, terms(prog.apply_stage(params, x), x, x)[0].sum() * prog.loss_scale)
+  for name in prog.param_names:
+    assert_close(grads[name], expected[name], err_msg=name)
