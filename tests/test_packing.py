@@ -88,7 +88,11 @@ def test_a_stage_passes_its_residuals_and_gradients_packed():
   loss, res, saved = prog.forward(params, x, x)
   n_res = len(set(prog.split.b_residuals) | set(prog.split.w_residuals))
   packed = jax.tree.leaves((res.packs, saved.packs))
-  assert n_res > 20 and 0 < len(packed) <= 6, (n_res, len(packed))
+  # The 4 blocks' residuals repeat: 2 chunks of 2 blocks (at equal cover the longer period,
+  # fewer arrays), one chunk before and after them, a buffer per dtype of each.
+  chunks = [c for pack in (*res.packs, *saved.packs) if pack for c in pack]
+  assert n_res > 100 and len(chunks) == 4 and len(packed) <= 8, (n_res, len(packed))
+  assert len({c.layout for c in chunks[1:-1]}) == 1  # the blocks' chunks: one layout
   assert len(jax.tree.leaves((res.arrays, saved.arrays))) <= 2  # the tokens, if read
   zeros = prog.zero_grads(params, device)
   assert isinstance(zeros, Packed) and len(jax.tree.leaves(zeros)) == 1
@@ -101,3 +105,12 @@ def test_a_stage_passes_its_residuals_and_gradients_packed():
   assert_close(loss, terms(prog.apply_stage(params, x), x, x)[0].sum() * prog.loss_scale)
   for name in prog.param_names:
     assert_close(grads[name], expected[name], err_msg=name)
+
+
+def test_repeats_cuts_a_run_of_repeating_keys_into_one_chunk_per_repeat():
+  from resilient_jax.programs.packing import repeats
+
+  assert repeats(list("xyabcabcabcz")) == [range(0, 2), range(2, 5), range(5, 8), range(8, 11),
+                                           range(11, 12)]
+  assert repeats(list("abcd")) == [range(0, 4)] and repeats([]) == []
+  assert repeats(list("abab")) == [range(0, 2), range(2, 4)]

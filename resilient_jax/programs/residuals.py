@@ -5,9 +5,12 @@ F's compiled program returns only what B and W read (`trimmed_outputs`); the cal
 On one device the residuals F computes travel packed (`programs.packing`: JAX's call costs host
 time per array, and a whole-model stage of the tiny GPT has 161 of them), in three packs so
 each half of a split backward frees its own: those only B reads, those both read, those only W
-reads. On a sub-mesh every residual stays an array of its own (packing would re-split them).
+reads; each pack is cut where the model's blocks repeat (`packing.repeats`, so identical blocks
+keep identical, shared kernels). On a sub-mesh every residual stays an array of its own
+(packing would re-split them).
 
-Growth: per micro-batch, O(dtypes) arrays cross each program call instead of O(residuals);
+Growth: per micro-batch, O(dtypes x repeats) arrays cross each program call instead of
+O(residuals);
 bytes kept are the residuals' own (a residual that is also the stage's output is the output
 array itself, not a packed copy).
 """
@@ -27,10 +30,11 @@ PACKS = {"b": ("b", "s"), "w": ("s", "w")}
 
 
 class Kept(NamedTuple):
-  """What F keeps for B (`residuals`) or W (`saved`): packed residuals (`PACKS`, None where
-  empty), residuals passed as themselves, and the parameters among them (the caller's own)."""
+  """What F keeps for B (`residuals`) or W (`saved`): packed residuals (`PACKS`, each a tuple of
+  chunks, None where empty), residuals passed as themselves, and the parameters among them (the
+  caller's own)."""
 
-  packs: tuple[packing.Packed | None, ...]
+  packs: tuple[tuple[packing.Packed, ...] | None, ...]
   arrays: tuple[Any, ...]
   params: dict[str, Any]
 
@@ -64,9 +68,15 @@ class Residuals:
     if packed:
       for j in sorted(readers):
         self.packs["s" if len(readers[j]) == 2 else next(iter(readers[j]))].append(j)
-    packed_at = {j: (p, i) for p, js in self.packs.items() for i, j in enumerate(js)}
-    self.layouts = {p: packing.Layout.of_avals([closed.out_avals[self.kept[j]] for j in js])
-                    for p, js in self.packs.items()}
+    aval = lambda j: closed.out_avals[self.kept[j]]  # noqa: E731
+    self.chunks = {p: [[js[i] for i in c]
+                       for c in packing.repeats([(a.shape, a.dtype) for a in map(aval, js)])]
+                   for p, js in self.packs.items()}
+    """Each pack cut where its residuals repeat (`packing.repeats`): a buffer per chunk, dtype."""
+    packed_at = {j: (p, c, i) for p, chunks in self.chunks.items()
+                 for c, js in enumerate(chunks) for i, j in enumerate(js)}
+    self.layouts = {p: [packing.Layout.of_avals([aval(j) for j in js]) for js in chunks]
+                    for p, chunks in self.chunks.items()}
     self.plain = sorted(out_kept | (set(range(len(self.kept))) - set(packed_at)))
     """Kept outputs F returns as arrays."""
     self._plain_at = {j: i for i, j in enumerate(self.plain)}
@@ -88,15 +98,16 @@ class Residuals:
 
     self._recipes = {"b": recipe(b_residuals), "w": recipe(w_residuals)}
 
-  def outputs(self, outs: Sequence[Any]) -> tuple[list[Any], dict[str, packing.Packed]]:
+  def outputs(self, outs: Sequence[Any]) -> tuple[list[Any], dict[str, tuple]]:
     """Inside F's trace: of all F's outputs, the arrays it returns and the packs."""
     vals = {j: outs[k] for j, k in enumerate(self.kept)}
     return ([vals[j] for j in self.plain],
-            {p: packing.Packed(self.layouts[p], self.layouts[p].pack([vals[j] for j in js]))
-             for p, js in self.packs.items() if js})
+            {p: tuple(packing.Packed(lay, lay.pack([vals[j] for j in js]))
+                      for lay, js in zip(self.layouts[p], chunks, strict=True))
+             for p, chunks in self.chunks.items() if chunks})
 
   def kept_for(self, inputs: Sequence[Any], params: dict[str, Any], plain: Sequence[Any],
-               packs: dict[str, packing.Packed]) -> tuple[list[Any], Kept, Kept]:
+               packs: dict[str, tuple]) -> tuple[list[Any], Kept, Kept]:
     """After F's call: the stage output's leaves, and what B and W keep (`Kept`)."""
     value = lambda src: plain[self._plain_at[src[1]]] if src[0] == "kept" else inputs[src[1]]  # noqa: E731
 
@@ -114,7 +125,7 @@ class Residuals:
     out = []
     for step in self._recipes[half][0]:
       if step[0] == "pack":
-        out.append(kept.packs[PACKS[half].index(step[1])][step[2]])
+        out.append(kept.packs[PACKS[half].index(step[1])][step[2]][step[3]])
       elif step[0] == "param":
         out.append(params[step[1]])
       else:
