@@ -23,6 +23,8 @@ warm-up steps that compile, and medians are printed:
   - caller CPU ms/op: CPU time of the calling thread over the whole `run_step` (dispatch,
     then concluding the step), per op: the one figure a library without dispatch modes gives,
     to compare with it (with dispatch threads it leaves their CPU time out);
+  - arrays/op: arrays passed into and out of the library's compiled programs per op, counted
+    in one more step (JAX's call of a program costs about a microsecond of host time per array);
   - mode/serial (the last mode given): the ratio of the medians, and the median of the
     per-round ratios.
 
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
       rows[n].append(run(n, t))
   load_after = os.getloadavg()
 
+  arrays = {n: arrays_per_op(trainers[n], args.warmup + args.steps + 1) for n in names}
   cfg = next(iter(trainers.values())).cfg
   print(f"{cfg.model.name}: d_model={cfg.model.d_model}, layers={cfg.model.num_layers}, "
         f"micro-batches per pipeline {cfg.pipeline.microbatches}; library "
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.steps} timed steps per variant after {args.warmup} warm-up")
   print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
   print(f"{'grid':5} {'mode':9} {'ops':>4} {'dispatch wall ms/op':>20} {'dispatch CPU ms/op':>19} "
-        f"{'(mean)':>7} {'step ms':>8} {'caller CPU ms/op':>17}")
+        f"{'(mean)':>7} {'step ms':>8} {'caller CPU ms/op':>17} {'arrays/op':>9}")
   for dp, pp in grids:
     g = f"{dp}x{pp}"
     ops = sum(len(s.ops) for s in trainers[f"{g} {modes[0]}"].interpreter.step_program
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{statistics.median(x[2] for x in r) / ops * 1e3:19.3f} "
             f"{statistics.mean(x[2] for x in r) / ops * 1e3:7.3f} "
             f"{statistics.median(x[3] for x in r) * 1e3:8.1f} "
-            f"{statistics.median(x[4] for x in r) / ops * 1e3:17.3f}")
+            f"{statistics.median(x[4] for x in r) / ops * 1e3:17.3f} "
+            f"{arrays[f'{g} {mode}'] / ops:9.1f}")
     if len(modes) > 1:
       b = rows[f"{g} {modes[-1]}"]
       for mode in modes[:-1]:
@@ -159,6 +163,31 @@ def main(argv: list[str] | None = None) -> None:
           print(f"{'':5} {mode}/{modes[-1]} {what}: {med:.3f} (per round {per_round:.3f})")
       equal = all([x[0] for x in rows[f"{g} {m}"]] == [x[0] for x in b] for m in modes)
       print(f"{'':5} losses bitwise equal across modes: {equal}")
+
+
+def arrays_per_op(trainer, step: int) -> int:
+  """Arrays passed into and out of the library's compiled programs in one more step (JAX's call
+  costs host time per array)."""
+  import jax
+
+  try:
+    from resilient_jax.programs import compiled
+  except ImportError:  # --tree: an older checkout
+    return 0
+  seen = [0]
+  real = compiled.OnEachDevice.__call__
+
+  def counting(self, *a):
+    out = real(self, *a)
+    seen[0] += len(jax.tree.leaves(a)) + len(jax.tree.leaves(out))
+    return out
+
+  compiled.OnEachDevice.__call__ = counting
+  try:
+    trainer.run_step(step)
+  finally:
+    compiled.OnEachDevice.__call__ = real
+  return seen[0]
 
 
 if __name__ == "__main__":
