@@ -5,19 +5,20 @@ result array (measured here: 243 us for 200 arrays against 5 us for one buffer o
 bytes). A stage's forward hands its backward every residual as an array of its own (161 for the
 tiny GPT's whole model, 4 layers), and its gradient accumulator is one array per parameter; with
 eight workers in one process the host then spends most of an op's time passing arrays. Packed,
-each is one buffer per dtype (`Layout`): the programs unpack them inside the trace, where a slice
-and a reshape cost XLA nothing or one copy, and pack their results (a concatenation, which XLA
-writes in place or copies once).
+the small ones share a buffer per dtype and each large one is a buffer of its own
+(`PACK_MAX_BYTES`, `Layout`): the programs unpack them inside the trace (a slice and a reshape:
+a copy, or nothing for a buffer of its own) and pack their results (a concatenation).
 
 `Packed` is a read-only mapping of names to arrays and a pytree whose leaves are its buffers:
 `jax.tree.map` over it maps the buffers (zeros, NaN injection, a scale), a program takes and
 returns it, and `packed[name]` slices one array out (inside a trace as outside; outside, each is
 an op of its own: for tests, tied-weight reductions and other rare readers, not per-op paths).
 
-Growth: a program's host cost falls from O(arrays) to O(dtypes x chunks) per call; packing
-adds no program (it happens inside the stage programs) and no bytes kept beyond the arrays' own
-(buffers are the concatenation, residuals read by both halves of a split backward are packed
-apart so each half frees its own when it ends).
+Growth: a program's host cost falls from O(arrays) to O(dtypes x chunks + large arrays) per
+call; packing adds no program (it happens inside the stage programs) and no bytes kept beyond
+the arrays' own (buffers are the concatenation, residuals read by both halves of a split
+backward are packed apart so each half frees its own when it ends); the scratch it adds is the
+small arrays' bytes, at most `PACK_MAX_BYTES` each.
 
 The cost is compile time. XLA:CPU compiles every distinct kernel (~7 ms each at backend
 optimization level 0, ~14 ms at the default) and reuses one kernel for identical ones; a slice
@@ -40,10 +41,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+PACK_MAX_BYTES = 64 * 1024
+"""Arrays up to this size share their dtype's buffer; a larger one is a buffer of its own
+(packing it costs no copy: a reshape). Passing an array costs the host ~2.5 us (out of one
+program, into the next); packing costs a copy in and out of the buffer and the buffer itself as
+scratch memory, which for a large array is more than the host time it saves (64 KiB copied
+twice is ~10 us of one CPU core; measured on an 8-layer, d_model=128 stage, packing every
+residual took the forward's scratch memory from 1 MB to 25 MB and the stage's peak up 20%).
+Small arrays are what a host-bound step passes in the hundreds (a tiny model's every residual;
+a large model's norms' statistics and biases)."""
+
 
 class Layout:
-  """Where each named array lies in its dtype's buffer: built once per set of shapes, compared
-  by value (it is part of a program's argument structure, kept with its executable on disk)."""
+  """Where each named array lies in its buffer (one per dtype for the arrays up to
+  `PACK_MAX_BYTES`, one each for larger ones): built once per set of shapes, compared by value
+  (it is part of a program's argument structure, kept with its executable on disk)."""
 
   __slots__ = ("names", "shapes", "dtypes", "groups", "where", "sizes", "_key", "_hash")
 
@@ -52,16 +64,18 @@ class Layout:
     self.names = tuple(names)
     self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
     self.dtypes = tuple(np.dtype(d) for d in dtypes)
-    groups: list[np.dtype] = []
-    for d in self.dtypes:
-      if d not in groups:
-        groups.append(d)
-    self.groups = tuple(groups)
+    keys: list[Any] = []  # a buffer's dtype (shared), or (dtype, array index) (its own)
+    for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
+      key = dtype if math.prod(shape) * dtype.itemsize <= PACK_MAX_BYTES else (dtype, i)
+      keys.append(key)
+    buffers = list(dict.fromkeys(keys))
+    self.groups = tuple(k if isinstance(k, np.dtype) else k[0] for k in buffers)
     """The buffers' dtypes, in the order of their first array."""
-    at = [0] * len(groups)
+    at = [0] * len(buffers)
     where = []
-    for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
-      g = groups.index(dtype)
+    index = {k: g for g, k in enumerate(buffers)}
+    for shape, key in zip(self.shapes, keys, strict=True):
+      g = index[key]
       size = math.prod(shape)
       where.append((g, at[g], size))
       at[g] += size
