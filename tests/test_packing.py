@@ -127,3 +127,26 @@ def test_an_array_over_the_pack_limit_is_a_buffer_of_its_own():
   assert [b.shape for b in packed.buffers] == [(5,), (big.size,)]
   np.testing.assert_array_equal(np.asarray(packed["b.big"]), big)
   np.testing.assert_array_equal(np.asarray(packed["c.small"]), tree["c.small"])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_the_reduction_sums_packed_gradients_of_several_buffers(dtype):
+  """Gradients packed into a small-arrays buffer and a large array's own (or bfloat16) are
+  summed over three devices as the named arrays would be, every device holding the same sum."""
+  from resilient_jax.programs.packing import PACK_MAX_BYTES
+  from resilient_jax.runtime.transport import Transport
+
+  devices = jax.devices()[:3]
+  rng = np.random.default_rng(1)
+  big = (PACK_MAX_BYTES // np.dtype(dtype).itemsize + 7,)
+  parts = [{"a": rng.standard_normal((3, 2)).astype(dtype), "b": rng.standard_normal(big)
+            .astype(dtype), "c": rng.standard_normal((4,)).astype(dtype)} for _ in devices]
+  local = {d: jax.device_put(Packed.from_dict(p), d) for d, p in zip(devices, parts, strict=True)}
+  assert len(jax.tree.leaves(local[devices[0]])) == 2
+  out = Transport(dict(enumerate(devices))).reduce(0, [0, 1, 2], tuple(devices), local)
+  for name in ("a", "b", "c"):
+    want = sum(p[name].astype(np.float32) for p in parts).astype(dtype)
+    got = [np.asarray(out[d][name]) for d in devices]
+    np.testing.assert_allclose(got[0].astype(np.float32), want.astype(np.float32), rtol=1e-2)
+    for g in got[1:]:
+      np.testing.assert_array_equal(g, got[0])
