@@ -88,14 +88,15 @@ def test_a_stage_passes_its_residuals_and_gradients_packed():
   loss, res, saved = prog.forward(params, x, x)
   n_res = len(set(prog.split.b_residuals) | set(prog.split.w_residuals))
   packed = jax.tree.leaves((res.packs, saved.packs))
-  # The 4 blocks' residuals repeat: 2 chunks of 2 blocks (at equal cover the longer period,
-  # fewer arrays), one chunk before and after them, a buffer per dtype of each.
+  # The 4 blocks' residuals repeat: a chunk per block, one before and after them, a buffer per
+  # dtype of each.
   chunks = [c for pack in (*res.packs, *saved.packs) if pack for c in pack]
-  assert n_res > 100 and len(chunks) == 4 and len(packed) <= 8, (n_res, len(packed))
+  assert n_res > 100 and len(chunks) == 6 and len(packed) <= 12, (n_res, len(packed))
   assert len({c.layout for c in chunks[1:-1]}) == 1  # the blocks' chunks: one layout
   assert len(jax.tree.leaves((res.arrays, saved.arrays))) <= 2  # the tokens, if read
-  zeros = prog.zero_grads(params, device)
-  assert isinstance(zeros, Packed) and len(jax.tree.leaves(zeros)) == 1
+  zeros = prog.zero_grads(params, device)  # a buffer per block, one for the rest
+  assert isinstance(zeros, Packed) and len(jax.tree.leaves(zeros)) == 5
+  assert len({zeros.layout.sizes[:4]}) == 1 and len(set(zeros.layout.sizes[:4])) == 1
   g = jax.device_put(jnp.float32(1.0), device)
   _, grads = prog.backward_fused(res, saved, params, g, zeros)
   # The same gradients from JAX's own differentiation of the stage's loss.
@@ -114,6 +115,8 @@ def test_repeats_cuts_a_run_of_repeating_keys_into_one_chunk_per_repeat():
                                            range(11, 12)]
   assert repeats(list("abcd")) == [range(0, 4)] and repeats([]) == []
   assert repeats(list("abab")) == [range(0, 2), range(2, 4)]
+  # At equal cover the shorter period: more chunks, each block's kernels shared.
+  assert repeats(list("aaaa")) == [range(i, i + 1) for i in range(4)]
 
 
 def test_an_array_over_the_pack_limit_is_a_buffer_of_its_own():

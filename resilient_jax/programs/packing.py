@@ -24,10 +24,11 @@ The cost is compile time. XLA:CPU compiles every distinct kernel (~7 ms each at 
 optimization level 0, ~14 ms at the default) and reuses one kernel for identical ones; a slice
 at another offset is another kernel, so a backward reading all its residuals out of one buffer
 compiled 3.2x as long (the tiny GPT's whole-model BW: 1.97 s against 0.61 s unpacked, at the
-default level). Residuals are therefore packed per repeat of the model's blocks (`repeats`:
-identical blocks read identical offsets of identically laid-out chunks, and their kernels stay
-shared): 1.09 s. The rest of the difference is paid once per program and process (the library
-keeps compiled programs on disk), the host time saved at every op.
+default level; its OPT, reading gradients out of one buffer, 2.10 s against 0.81 s). Residuals
+and gradients are therefore packed per repeat of the model's blocks (`repeats`: identical
+blocks read identical offsets of identically laid-out chunks, and their kernels stay shared):
+BW 0.79 s, OPT 1.10 s. The rest of the difference is paid once per program and process (the
+library keeps compiled programs on disk), the host time saved at every op.
 """
 
 from __future__ import annotations
@@ -57,19 +58,22 @@ class Layout:
   `PACK_MAX_BYTES`, one each for larger ones): built once per set of shapes, compared by value
   (it is part of a program's argument structure, kept with its executable on disk)."""
 
-  __slots__ = ("names", "shapes", "dtypes", "groups", "where", "sizes", "_key", "_hash")
+  __slots__ = ("names", "shapes", "dtypes", "chunks", "groups", "where", "sizes", "_key",
+               "_hash")
 
   def __init__(self, names: Sequence[Any], shapes: Sequence[tuple[int, ...]],
-               dtypes: Sequence[Any]):
+               dtypes: Sequence[Any], chunks: Sequence[int] | None = None):
     self.names = tuple(names)
     self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
     self.dtypes = tuple(np.dtype(d) for d in dtypes)
-    keys: list[Any] = []  # a buffer's dtype (shared), or (dtype, array index) (its own)
+    self.chunks = tuple(chunks) if chunks is not None else (0,) * len(self.names)
+    """Each array's chunk (`repeats`): a shared buffer holds one chunk's arrays of one dtype."""
+    keys: list[Any] = []  # a buffer's (chunk, dtype) (shared), or (dtype, array index) (its own)
     for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
-      key = dtype if math.prod(shape) * dtype.itemsize <= PACK_MAX_BYTES else (dtype, i)
-      keys.append(key)
+      small = math.prod(shape) * dtype.itemsize <= PACK_MAX_BYTES
+      keys.append((self.chunks[i], dtype, -1) if small else (-1, dtype, i))
     buffers = list(dict.fromkeys(keys))
-    self.groups = tuple(k if isinstance(k, np.dtype) else k[0] for k in buffers)
+    self.groups = tuple(k[1] for k in buffers)
     """The buffers' dtypes, in the order of their first array."""
     at = [0] * len(buffers)
     where = []
@@ -83,15 +87,23 @@ class Layout:
     """Per array: its buffer, its offset there and its element count."""
     self.sizes = tuple(at)
     """Each buffer's element count."""
-    self._key = (self.names, self.shapes, tuple(str(d) for d in self.dtypes))
+    self._key = (self.names, self.shapes, tuple(str(d) for d in self.dtypes), self.chunks)
     self._hash = hash(self._key)
 
   @classmethod
   def of(cls, tree: Mapping[Any, Any]) -> Layout:
-    """The layout of a mapping of arrays (or shape/dtype structs), in sorted-name order."""
+    """The layout of a mapping of arrays (or shape/dtype structs), in sorted-name order, its
+    small arrays' buffers cut where their shapes and dtypes repeat (a model's blocks:
+    `repeats`), so that a program reading them reads identical offsets of identical buffers
+    for identical blocks, and XLA compiles their kernels once."""
     names = tuple(sorted(tree))
-    return _layout(names, tuple(tuple(tree[n].shape) for n in names),
-                   tuple(str(np.dtype(tree[n].dtype)) for n in names))
+    shapes = tuple(tuple(tree[n].shape) for n in names)
+    dtypes = tuple(str(np.dtype(tree[n].dtype)) for n in names)
+    chunks = [0] * len(names)
+    for c, span in enumerate(repeats(list(zip(shapes, dtypes, strict=True)))):
+      for i in span:
+        chunks[i] = c
+    return _layout(names, shapes, dtypes, tuple(chunks))
 
   @classmethod
   def of_avals(cls, avals: Sequence[Any]) -> Layout:
@@ -106,7 +118,7 @@ class Layout:
     return self._hash
 
   def __reduce__(self) -> tuple[Any, ...]:
-    return (Layout, (self.names, self.shapes, tuple(str(d) for d in self.dtypes)))
+    return (Layout, (self.names, self.shapes, tuple(str(d) for d in self.dtypes), self.chunks))
 
   def __repr__(self) -> str:
     return f"Layout({len(self.names)} arrays in {len(self.groups)} buffers)"
@@ -138,8 +150,8 @@ class Layout:
 
 
 @functools.cache
-def _layout(names: tuple, shapes: tuple, dtypes: tuple) -> Layout:
-  return Layout(names, shapes, dtypes)
+def _layout(names: tuple, shapes: tuple, dtypes: tuple, chunks: tuple | None = None) -> Layout:
+  return Layout(names, shapes, dtypes, chunks)
 
 
 @functools.cache
@@ -200,19 +212,20 @@ class Packed(Mapping):
 
 
 def repeats(keys: Sequence[Any]) -> list[range]:
-  """`keys` (the residuals' shapes and dtypes, in F's order) cut into chunks: a run repeating
-  one sequence k >= 2 times (a model's blocks) one chunk per repeat, what is before and after
-  it a chunk each; all of it one chunk if nothing repeats.
+  """`keys` (arrays' shapes and dtypes, in order: a stage's residuals in F's order, its
+  parameters by name) cut into chunks: a run repeating one sequence k >= 2 times (a model's
+  blocks) one chunk per repeat, what is before and after it a chunk each; all of it one chunk
+  if nothing repeats.
 
   Why: XLA:CPU compiles each distinct kernel once (~7-14 ms each here) and reuses it for every
-  identical one. B and W of identical blocks read residuals at the same offsets of
-  identically laid-out chunks, so their kernels stay identical, as they were unpacked; slices
-  of one buffer for the whole stage made every block's kernels distinct (the tiny GPT's
-  whole-model backward compiled in 0.88 s against 0.37 s). Arrays passed per call grow with
-  the repeats (a chunk per block), not with the residuals (~40 a block).
+  identical one. A program reading identical blocks' arrays at the same offsets of
+  identically laid-out chunks keeps their kernels identical, as they were unpacked; slices of
+  one buffer for the whole stage made every block's kernels distinct. Arrays passed per call
+  grow with the repeats (a chunk per block), not with the arrays (~40 residuals a block).
 
-  The longest-covering repeat (at equal cover the longer period), found per period in
-  O(n) with NumPy: O(n^2) for n residuals, once per stage at build.
+  The longest-covering repeat (at equal cover the shorter period: a chunk per block rather
+  than per pair of blocks shares the most kernels), found per period in O(n) with NumPy:
+  O(n^2) for n arrays, once per stage at build.
   """
   n = len(keys)
   ids = np.unique(np.array([hash(k) for k in keys], np.int64), return_inverse=True)[1]
@@ -226,7 +239,7 @@ def repeats(keys: Sequence[Any]) -> list[range]:
       continue
     i = int(np.argmax(runs))
     k = int(runs[i]) // period + 1
-    if (k * period, period) > best[:2]:
+    if k * period > best[0]:
       best = (k * period, period, int(starts[i]), k)
   cover, period, start, k = best
   if cover == 0:

@@ -352,24 +352,21 @@ class StagePrograms:
     w_program = OnEachDevice(scoped("W", weight_grads), donate_argnums=(2,))
     bw_program = OnEachDevice(scoped("BW", backward_fused), donate_argnums=(4,))
     self._backward_programs = [b_program, w_program, bw_program]
+    # The module docstring's signatures; W reads the parameters among its residuals
+    # (`Kept.params`), BW those both halves read, once.
     self.backward_input: Callable = Call(b_program, lambda kept, g: (kept, g))
-    """`backward_input(residuals, g) -> (dx, handover)` (see the module's docstring)."""
     self.backward_weight: Callable = Call(
       w_program, lambda params, kept, handover, acc: (kept, handover, acc))
-    """`backward_weight(params, saved, handover, acc) -> acc + grads`; W reads what it needs of
-    the parameters among its residuals (`Kept.params`)."""
     self.backward_fused: Callable = Call(
       bw_program, lambda kept_b, kept_w, params, g, acc: (
         kept_b._replace(params={}), kept_w._replace(params={}),
         {**kept_b.params, **kept_w.params}, g, acc))
-    """`backward_fused(residuals, saved, params, g, acc) -> (dx, acc + grads)`: the
-    parameters both halves read passed once."""
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
     self.optimizer_step: Callable = OnEachDevice(scoped("OPT", optimizer_step))
     # On a sub-mesh they run there and make their outputs split (`keep_unused`); on one device
     # they stay the programs they were (their outputs are placed afterwards).
-    self._init_opt = OnEachDevice(_on_submesh(
+    self.opt_initializer = OnEachDevice(_on_submesh(  # run once a stage at a fresh start
       lambda p: pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1)
     # Kept arguments on one device too: its zeros then come back committed to the slot's
     # device, made there, instead of on the default device and copied (`zero_grads` runs for
@@ -388,7 +385,7 @@ class StagePrograms:
     """The stage's jitted programs (each compiled once, loaded on every other device); one
     replaced by a wrapper of its own (a test poisoning a step) is not among them."""
     programs = [self._forward_program, *self._backward_programs, self.optimizer_step,
-                self._init_opt, self._zeros]
+                self.opt_initializer, self._zeros]
     calls = {id(c.program) for c in (self.backward_input, self.backward_weight,
                                      self.backward_fused) if isinstance(c, Call)}
     return [p for p in programs if isinstance(p, OnEachDevice)
@@ -430,7 +427,7 @@ class StagePrograms:
   # Outputs that do not depend on input values come back uncommitted; placing them on the
   # worker's device keeps every later call on the same compiled program.
   def init_opt_state(self, params: Params, where: Where) -> Any:
-    return jax.device_put(self._init_opt(params), self.opt_shardings(where))
+    return jax.device_put(self.opt_initializer(params), self.opt_shardings(where))
 
   def norm_weights(self, owned: Iterable[str], where: Where) -> Any:
     """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm (one
