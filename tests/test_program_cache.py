@@ -40,6 +40,20 @@ def test_an_unread_arguments_shape_is_in_the_key(cache):
     assert counts == built, rows
 
 
+def test_which_arguments_a_program_reads_is_in_the_key(cache):
+  """Two programs reading the first or the second of two equal-shaped buffers have the same
+  text once jit drops the unread one: the second must not load the first's executable, which
+  would read the wrong buffer (packed gradients of two stages whose block sits in another
+  chunk did: `programs/packing.py`)."""
+  dev = jax.devices()[0]
+  a, b = (jax.device_put(jnp.full(3, v), dev) for v in (1.0, 5.0))
+  first, counts = _fresh_run(lambda x, y: x * 2.0, a, b)
+  np.testing.assert_array_equal(np.asarray(first), [2.0] * 3)
+  second, counts = _fresh_run(lambda x, y: y * 2.0, a, b)
+  np.testing.assert_array_equal(np.asarray(second), [10.0] * 3)
+  assert counts == (1, 0)  # compiled, not read from the first's file
+
+
 def test_an_entry_from_a_host_with_other_features_is_rebuilt(cache, monkeypatch):
   """A program kept by a host with other instruction-set features (AVX-512 here, none there) is
   compiled again, not loaded; the first host's entry stays for it."""

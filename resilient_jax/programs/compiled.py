@@ -366,11 +366,17 @@ def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any],
 
   The key holds what the executable's callers depend on and its text may not show: every
   argument's shape, dtype and donation (jit drops an argument the program never
-  reads from the text, and the executable still checks the shape it was compiled for), the
-  outputs', and on a sub-mesh how each argument is split (`layouts`); and what makes it run
-  correctly on a host (`host_features`).
+  reads from the text, and the executable still checks the shape it was compiled for), which
+  arguments it reads, the outputs', and on a sub-mesh how each argument is split (`layouts`);
+  and what makes it run correctly on a host (`host_features`).
   """
   if not _cache_dir:
+    return None
+  # Which arguments the program reads: jit drops the others from the text, so two programs
+  # reading different arguments of the same shapes (the second of two equal buffers, not the
+  # first) can have the same text. Unknown (another JAX's internals): nothing is kept.
+  kept = getattr(getattr(lowered, "_lowering", None), "compile_args", {}).get("kept_var_idx")
+  if kept is None:
     return None
   device = jax.devices()[0]
   key = hashlib.sha256()
@@ -379,8 +385,8 @@ def _disk_path(lowered: jax.stages.Lowered, options: dict[str, Any],
   text = _RESULT_INFO.sub("", lowered.as_text())
   args = [(a.shape, str(a.dtype), a.donated) for a in jax.tree.leaves(lowered.args_info)]
   outs = [(o.shape, str(o.dtype)) for o in jax.tree.leaves(lowered.out_info)]
-  for part in (text, _scopes(lowered), repr(args), repr(outs), repr(layouts), jax.__version__,
-               jaxlib.__version__, device.platform, device.device_kind,
+  for part in (text, _scopes(lowered), repr(args), repr(sorted(kept)), repr(outs), repr(layouts),
+               jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
                device.client.platform_version, host_features(device),
                os.environ.get("XLA_FLAGS", ""), *compile_options):
     key.update(part.encode())

@@ -366,7 +366,7 @@ class StagePrograms:
     self.optimizer_step: Callable = OnEachDevice(scoped("OPT", optimizer_step))
     # On a sub-mesh they run there and make their outputs split (`keep_unused`); on one device
     # they stay the programs they were (their outputs are placed afterwards).
-    self.opt_initializer = OnEachDevice(_on_submesh(  # run once a stage at a fresh start
+    self._init_opt = OnEachDevice(_on_submesh(
       lambda p: pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1)
     # Kept arguments on one device too: its zeros then come back committed to the slot's
     # device, made there, instead of on the default device and copied (`zero_grads` runs for
@@ -385,7 +385,7 @@ class StagePrograms:
     """The stage's jitted programs (each compiled once, loaded on every other device); one
     replaced by a wrapper of its own (a test poisoning a step) is not among them."""
     programs = [self._forward_program, *self._backward_programs, self.optimizer_step,
-                self.opt_initializer, self._zeros]
+                self._init_opt, self._zeros]
     calls = {id(c.program) for c in (self.backward_input, self.backward_weight,
                                      self.backward_fused) if isinstance(c, Call)}
     return [p for p in programs if isinstance(p, OnEachDevice)
@@ -427,7 +427,7 @@ class StagePrograms:
   # Outputs that do not depend on input values come back uncommitted; placing them on the
   # worker's device keeps every later call on the same compiled program.
   def init_opt_state(self, params: Params, where: Where) -> Any:
-    return jax.device_put(self.opt_initializer(params), self.opt_shardings(where))
+    return jax.device_put(self._init_opt(params), self.opt_shardings(where))
 
   def norm_weights(self, owned: Iterable[str], where: Where) -> Any:
     """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm (one

@@ -111,17 +111,10 @@ class Interpreter(StateHandover):
     if state is not None:
       self.place(plan, state)
       return
-    # A stage's replicas start from the same parameters, so from the same optimizer state: it
-    # is made once per stage and copied to the others (a copy costs far less than loading the
-    # initializer's program on every device, 15-45 ms each on XLA:CPU).
-    first: dict[int, Any] = {}
     for slot in self.local_slots:
       prog, dev = self.program(slot), self.device(slot)
       self.params[slot] = prog.initial_params(dev)
-      if id(prog) in first:
-        self.opt_state[slot] = jax.device_put(first[id(prog)], prog.opt_shardings(dev))
-      else:
-        self.opt_state[slot] = first[id(prog)] = prog.init_opt_state(self.params[slot], dev)
+      self.opt_state[slot] = prog.init_opt_state(self.params[slot], dev)
     if replicas:
       self.refresh_replicas()
 
@@ -135,10 +128,8 @@ class Interpreter(StateHandover):
     ]
     self.groups = self._reduction_groups()
     for slot in self.local_slots:  # each stage program, once built, loads on its replicas ahead
-      prog = self.program(slot)
-      for program in prog.compiled_programs():
-        if program is not prog.opt_initializer:  # runs once a stage (`__init__`)
-          program.expect(self.device(slot))
+      for program in self.program(slot).compiled_programs():
+        program.expect(self.device(slot))
     self.dispatch_lists: dict[Slot, DispatchList] = local_dispatch_lists(self, self.local_slots)
     # Each name's reduced gradient is the same on all its holders: its first holder counts it
     # into the global norm.
