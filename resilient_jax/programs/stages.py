@@ -10,8 +10,8 @@ on its own device, and the compile count does not grow with data parallelism.
   the micro-batch's token ids, read by a later stage only where the model's forward computes
   what its blocks take from them (`reads_tokens`). `residuals` are what B reads,
   `saved` what W reads (`model.split`), each a `Kept`: on one device the residuals F computed
-  packed into a buffer per dtype (`programs.packing`; JAX's call costs host time per array, and
-  a stage has hundreds of residuals), a parameter or the stage input among them the caller's
+  packed into a few buffers (`programs.packing`; JAX's call costs host time per array, and a
+  stage has hundreds of residuals), a parameter or the stage input among them the caller's
   array itself, not a copy; residuals neither reads are not kept. `seeds`
   (`(step, sample id)` per sample) are read only by a model that draws random numbers.
 - `backward_input(residuals, g) -> (dx, handover)`: the input gradient and the values W needs
@@ -296,10 +296,10 @@ class StagePrograms:
     """B, W, BW and OPT, and the optimizer-state and zero-gradient initializers, each compiled
     once for the stage and loaded on every replica's device.
 
-    On one device the gradients are `packing.Packed` (one buffer per dtype: W and BW then pass
-    two arrays for them, not one per parameter, and the reduction sums the buffer as it is) and
-    `owned` one weight per parameter in a vector; OPT unpacks them inside its trace, so the
-    optimizer sees the parameters' own shapes and names."""
+    On one device the gradients are `packing.Packed` (a buffer per block and dtype, one per
+    large array: W and BW pass a few arrays for them, not one per parameter) and `owned` one
+    weight per parameter in a vector; OPT unpacks them inside its trace, so the optimizer sees
+    the parameters' own shapes and names."""
     split, optimizer, tp = self.split, self.optimizer, self.tp
     pin = self._pin  # outputs constrained to the sub-mesh split (identity when tp is 1)
     names = self.param_names
