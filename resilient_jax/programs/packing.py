@@ -117,9 +117,6 @@ class Layout:
   def __hash__(self) -> int:
     return self._hash
 
-  def __reduce__(self) -> tuple[Any, ...]:
-    return (Layout, (self.names, self.shapes, tuple(str(d) for d in self.dtypes), self.chunks))
-
   def __repr__(self) -> str:
     return f"Layout({len(self.names)} arrays in {len(self.groups)} buffers)"
 
