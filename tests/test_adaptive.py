@@ -246,6 +246,36 @@ def test_list_scheduler_makespan_is_the_replays():
       assert validate(sched, memory_cap=4).max_peak_inflight == peak
 
 
+def test_a_variant_stopped_when_it_cannot_win_changes_no_plan(monkeypatch):
+  # The planner stops a variant once some worker's remaining ops, back to back, end after the
+  # best makespan so far. The plans it makes must be those it makes trying every variant whole.
+  from resilient_jax.schedule import adaptive
+
+  cases = [(8, 8, 16, f, COSTS) for f in _cases(8, 8)]
+  cases += [(4, 4, 8, f, UNEVEN) for f in _cases(4, 4)]
+  cases += [(6, 4, 8, f, COSTS) for f in _cases(6, 4)]
+  stopped, whole = [], adaptive._list_schedule
+
+  def counting(*args, **kwargs):
+    listed = whole(*args, **kwargs)
+    if listed.makespan == math.inf:
+      stopped.append(args[7])
+      # and a stopped pass would indeed have lost
+      assert whole(*args).makespan > kwargs["beat"]
+    return listed
+
+  def never_stopped(*args, beat=math.inf):
+    return whole(*args)
+
+  for dp, pp, m, failed, costs in cases:
+    state = FailureState(dp, pp, m, failed)
+    monkeypatch.setattr(adaptive, "_list_schedule", counting)
+    fast = plan_adaptive(state, costs)
+    monkeypatch.setattr(adaptive, "_list_schedule", never_stopped)
+    assert plan_adaptive(state, costs) == fast
+  assert len(stopped) >= 5  # the stop is taken, not only allowed
+
+
 def test_naive_does_not_deadlock_when_damaged_pipelines_swap_work():
   # Pipeline 0 lost stage 1 (its stage-1 work goes to pipeline 1) and pipeline 1 lost stage 2
   # (its stage-2 work goes to pipeline 0): "own list, then the orphans" deadlocks here.

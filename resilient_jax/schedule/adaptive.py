@@ -212,8 +212,8 @@ def _adaptive_on_route(
     if f_key == "crit" and crit_is_mb and (order, "mb", limit) in variants:
       continue
     out, starts, span, peak, feed_was_local, crit_is_mb = _list_schedule(
-      pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None, speed
-    )
+      pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None, speed,
+      beat=math.inf if best is None else best[0])
     if feed_was_local:
       same_as_local.add((order, limit))
     score = (round(span, 9), peak)

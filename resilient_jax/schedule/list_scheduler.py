@@ -13,6 +13,7 @@ Nothing here imports JAX.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -23,6 +24,9 @@ from resilient_jax.schedule.routing import Route
 
 _F, _B, _W = 0, 1, 2
 _KIND = (F, B, W)
+_TIE = 1e-8
+"""Makespans within this of each other may round equal (`adaptive`'s score rounds to 1e-9 s):
+a pass is never stopped for a makespan that could tie."""
 
 # Variants tried by `plan_adaptive`, best on GPT-like profiles first: (order in which an idle
 # worker considers the kinds, which ready F goes first, limit on Fs not yet back-propagated).
@@ -66,6 +70,7 @@ def _list_schedule(
   f_key: str,
   act_cap: Sequence[int] | None = None,
   speed: Sequence[float] | None = None,
+  beat: float = math.inf,
 ) -> _Listed:
   """Event-driven list scheduling of F, B and W over the cost model.
 
@@ -88,6 +93,10 @@ def _list_schedule(
     act_cap: per worker (in `live` order), most micro-batches between F and B; None: no limit.
     speed: per worker (in `live` order), its speed: its ops but the AR take `1 / speed` of the
       cost model's time (`routing.speed_scaled`, as `simulate` is then given); None: all 1.
+    beat: the makespan to beat (the best variant's so far): the pass stops as soon as some
+      worker's ops still to run, back to back from the op it starts, plus its stage's AR and
+      OPT, end later (by more than `_TIE`), so its makespan would: it then returns a makespan
+      of infinity and half a plan. A plan that is finished is the same as without `beat`.
 
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
@@ -96,7 +105,9 @@ def _list_schedule(
     holds in flight, (for "feed") whether every F it picked was the one "local" picks, i.e.
     "local" with the same order and limits would make this very plan, and whether "crit"
     orders every worker's forwards as "mb" does (all of a worker's micro-batches meet the same
-    most loaded worker downstream), i.e. would make the same plan as "mb".
+    most loaded worker downstream), i.e. would make the same plan as "mb". Stopped by `beat`,
+    the makespan is infinite and `feed_was_local` says whether "local" would have made the
+    same picks up to there (and so would stop there too).
 
   Raises:
     ScheduleError: if the ops cannot all be placed (a limit below 1).
@@ -108,9 +119,12 @@ def _list_schedule(
   f_entry = _f_entries(f_key, pp, m, crit)
   act_lim = list(act_cap) if act_cap is not None else [cap] * len(live)
   speed = list(speed) if speed is not None else [1.0] * len(live)
+  tail = [costs.ar_at(s) + costs.opt_at(s) / v for (_, s), v in zip(live, speed, strict=True)]
   out, starts, last_end, peak, feed_was_local = _place(
-    pp, live, costs, cap, act_lim, order, f_key, node_w, f_entry, speed
-  )
+    pp, live, costs, cap, act_lim, order, f_key, node_w, f_entry, speed,
+    [beat + _TIE - x for x in tail])
+  if last_end is None:  # stopped: it would not beat `beat`
+    return _Listed(out, starts, math.inf, peak, feed_was_local, crit_is_mb)
   scheduled, total = sum(len(ops) for ops in out), 3 * len(node_w)
   if scheduled != total:
     # Cannot happen with limits >= 1 (the last stage always drains), but never return half a plan.
@@ -184,7 +198,8 @@ def _place(
   node_w: list[int],
   f_entry: list[int],
   speed: list[float],
-) -> tuple[list[list[tuple[int, int]]], list[list[float]], list[float], int, bool]:
+  deadline: list[float],
+) -> tuple[list[list[tuple[int, int]]], list[list[float]], list[float] | None, int, bool]:
   """The event loop of `_list_schedule`: idle workers pick, then the next instant's events land.
 
   Args:
@@ -193,16 +208,23 @@ def _place(
     node_w: the worker (index in `live`) of every node `mb * pp + stage`.
     f_entry: every node's entry in a queue of ready forwards (`_f_entries`).
     speed: per worker, its speed (its op times are divided by it).
+    deadline: per worker, the latest its last op may end without losing to `beat` (see
+      `_list_schedule`).
 
   Returns:
     Per worker its `(kind, mb)` in execution order and their start times, per worker the end of
     its last op, the most
     micro-batches any worker held in flight, and (for "feed") whether every F picked was the
-    head of its heap.
+    head of its heap. Where a worker's remaining ops, back to back, pass its deadline, it stops
+    there, and the ends are None.
   """
   n_w, n_nodes = len(live), len(node_w)
   dur = [(costs.f_at(s) / v, costs.b_at(s) / v, costs.w_at(s) / v)
          for (_, s), v in zip(live, speed, strict=True)]
+  # Per worker, the time its ops not yet started take back to back.
+  left = [0.0] * n_w
+  for w in node_w:
+    left[w] += sum(dur[w])
   # B of a node waits for its own F and, below the last stage, for the B of the stage above.
   b_need = [1 if i % pp == pp - 1 else 2 for i in range(n_nodes)]
   b_ready = [0.0] * n_nodes
@@ -257,6 +279,9 @@ def _place(
           supply[node_w[node + 1]] += 1
       elif pick == _B:
         active[w] -= 1
+      if t + left[w] > deadline[w]:  # cannot beat the makespan to beat
+        return out, starts, None, peak, feed_was_local
+      left[w] -= dur[w][pick]
       busy[w] = True
       out[w].append((pick, node // pp))
       starts[w].append(t)
