@@ -119,10 +119,17 @@ def _list_schedule(
   f_entry = _f_entries(f_key, pp, m, crit)
   act_lim = list(act_cap) if act_cap is not None else [cap] * len(live)
   speed = list(speed) if speed is not None else [1.0] * len(live)
-  tail = [costs.ar_at(s) + costs.opt_at(s) / v for (_, s), v in zip(live, speed, strict=True)]
+  dur = [(costs.f_at(s) / v, costs.b_at(s) / v, costs.w_at(s) / v)
+         for (_, s), v in zip(live, speed, strict=True)]
+  # Per worker, the time its ops not yet started take back to back, and the latest its last
+  # op may end and still beat `beat` (its stage's AR and OPT follow).
+  left = [0.0] * len(live)
+  for w in node_w:
+    left[w] += sum(dur[w])
+  deadline = [beat + _TIE - costs.ar_at(s) - costs.opt_at(s) / v
+              for (_, s), v in zip(live, speed, strict=True)]
   out, starts, last_end, peak, feed_was_local = _place(
-    pp, live, costs, cap, act_lim, order, f_key, node_w, f_entry, speed,
-    [beat + _TIE - x for x in tail])
+    pp, live, dur, costs.comm, cap, act_lim, order, f_key, node_w, f_entry, left, deadline)
   if last_end is None:  # stopped: it would not beat `beat`
     return _Listed(out, starts, math.inf, peak, feed_was_local, crit_is_mb)
   scheduled, total = sum(len(ops) for ops in out), 3 * len(node_w)
@@ -190,41 +197,34 @@ def _f_entries(f_key: str, pp: int, m: int, crit: list[int]) -> list[int]:
 def _place(
   pp: int,
   live: Sequence[Worker],
-  costs: OpCosts,
+  dur: list[tuple[float, float, float]],
+  comm: float,
   cap: int,
   act_lim: list[int],
   order: tuple[int, ...],
   f_key: str,
   node_w: list[int],
   f_entry: list[int],
-  speed: list[float],
+  left: list[float],
   deadline: list[float],
 ) -> tuple[list[list[tuple[int, int]]], list[list[float]], list[float] | None, int, bool]:
   """The event loop of `_list_schedule`: idle workers pick, then the next instant's events land.
 
   Args:
-    pp, live, costs, cap, order, f_key: as for `_list_schedule`.
+    pp, live, cap, order, f_key: as for `_list_schedule`.
+    dur, comm: per worker, its F, B and W times (at its speed); the transfer time.
     act_lim: per worker, most micro-batches between F and B.
     node_w: the worker (index in `live`) of every node `mb * pp + stage`.
     f_entry: every node's entry in a queue of ready forwards (`_f_entries`).
-    speed: per worker, its speed (its op times are divided by it).
-    deadline: per worker, the latest its last op may end without losing to `beat` (see
-      `_list_schedule`).
+    left, deadline: per worker, its ops' time back to back (consumed as they start), and the
+      latest its last op may end without losing to `_list_schedule`'s `beat`.
 
   Returns:
     Per worker its `(kind, mb)` in execution order and their start times, per worker the end of
-    its last op, the most
-    micro-batches any worker held in flight, and (for "feed") whether every F picked was the
-    head of its heap. Where a worker's remaining ops, back to back, pass its deadline, it stops
-    there, and the ends are None.
+    its last op (None when stopped by a deadline), the most micro-batches any worker held in
+    flight, and (for "feed") whether every F picked was the head of its heap.
   """
   n_w, n_nodes = len(live), len(node_w)
-  dur = [(costs.f_at(s) / v, costs.b_at(s) / v, costs.w_at(s) / v)
-         for (_, s), v in zip(live, speed, strict=True)]
-  # Per worker, the time its ops not yet started take back to back.
-  left = [0.0] * n_w
-  for w in node_w:
-    left[w] += sum(dur[w])
   # B of a node waits for its own F and, below the last stage, for the B of the stage above.
   b_need = [1 if i % pp == pp - 1 else 2 for i in range(n_nodes)]
   b_ready = [0.0] * n_nodes
@@ -291,10 +291,8 @@ def _place(
     if not events:
       return out, starts, last_end, peak, feed_was_local
     t = events[0][0]
-    seq = _land(
-      t, events, seq, node_w, f_entry, queues, busy, last_end, inflight, b_need, b_ready, dirty,
-      pp, costs.comm,
-    )
+    seq = _land(t, events, seq, node_w, f_entry, queues, busy, last_end, inflight, b_need,
+                b_ready, dirty, pp, comm)
 
 
 def _feed_pick(fq: list[int], supply: list[int], node_w: list[int], pp: int) -> tuple[int, bool]:
