@@ -13,6 +13,16 @@ milliseconds per reduction (wall, every process waiting for the slowest). A ring
 2 (dp - 1) / dp of the gradient each way (1.75 at dp = 8); a gather of every member's buffer
 moves dp - 1 (7 at dp = 8). Host time on this 2-core machine is dominated by dp processes
 sharing the cores; bytes are the figure that carries to a cluster.
+
+Then (unless `--no_local`) the reduction among the devices of one process (`Transport.reduce`,
+8 simulated CPU devices, k = 2, 4, 8 of them members): each device's bytes sent and received
+per reduction over the gradient's bytes (`Transport.device_bytes`, the busiest device), spread
+(`Transport.spread`: a piece summed on each member, what GPUs and TPUs do) and summed on the
+first member (CPU devices' default), and the calling thread's CPU milliseconds per reduction of
+each (its dispatch: the devices' copies and sums run on XLA's threads, and on CPU devices a
+copy between devices may run in the caller), the two interleaved, medians. Spread, every device
+moves 2 (k - 1) / k of the gradient (1.75 at k = 8); on the first, k - 1 each way (7 at k = 8).
+It ends with `device_bytes_ratio_k8: X`.
 """
 
 from __future__ import annotations
@@ -79,6 +89,50 @@ cl.finish(0)
 """
 
 
+_LOCAL = r"""
+import json, statistics, sys, time
+sys.path.insert(0, {tree!r})
+import jax
+import numpy as np
+from resilient_jax.programs.packing import Packed
+from resilient_jax.runtime.transport import Transport
+devices = jax.devices()
+rows = {{}}
+for k in {ks!r}:
+  members = devices[:k]
+  rng = np.random.default_rng(k)
+  local = {{d: jax.device_put(Packed.from_dict({{"g": rng.standard_normal({floats}).astype(
+    np.float32)}}), d) for d in members}}
+  times = {{True: [], False: []}}
+  moved = {{}}
+  for rep in range({repeats} + 1):
+    for spread in (True, False) if rep % 2 else (False, True):
+      t = Transport(dict(enumerate(members)))
+      t.spread = spread
+      t.begin(1, 0)
+      c0 = time.thread_time()
+      out = t.reduce(0, list(range(k)), tuple(members), local)
+      times[spread].append(time.thread_time() - c0)
+      jax.block_until_ready([o.buffers for o in out.values()])
+      moved[spread] = t.device_bytes()
+  rows[k] = {{str(sp): dict(bytes=moved[sp], ms=1e3 * statistics.median(times[sp][1:]))
+             for sp in (True, False)}}
+print(json.dumps(rows))
+"""
+
+
+def measure_local(ks: list[int], floats: int, repeats: int, tree: str) -> dict:
+  """The reduction among `k` devices of one process, spread and on the first member."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={max(ks)}",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _LOCAL.format(tree=tree, ks=ks, floats=floats,
+                                                            repeats=repeats)],
+                       cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+  if out.returncode != 0:
+    raise SystemExit(f"local reduction: exited {out.returncode}: {out.stderr.strip()[-1500:]}")
+  return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -115,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--floats", type=int, default=1 << 20, help="gradient size (float32)")
   p.add_argument("--repeats", type=int, default=10, help="timed reductions per dp")
   p.add_argument("--tree", default=ROOT, help="import resilient_jax from this checkout")
+  p.add_argument("--local", default="2,4,8", help="members of the reduction in one process")
+  p.add_argument("--no_local", action="store_true", help="skip the reduction in one process")
   args = p.parse_args(argv)
   load = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
   print(f"gradient {args.floats} float32 ({4 * args.floats / 2**20:.1f} MiB) per member, "
@@ -131,6 +187,20 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
   for dp, r in results.items():
     print(f"bytes_ratio_dp{dp}: {max(r['sent_ratio'], r['received_ratio']):.3f}")
+  if not args.no_local:
+    ks = [int(x) for x in args.local.split(",")]
+    local = measure_local(ks, args.floats, args.repeats, args.tree)
+    print(f"in one process, busiest device per reduction: {'k':>3} {'spread sent/grad':>17} "
+          f"{'received/grad':>14} {'host ms':>8} {'first sent/grad':>16} {'received/grad':>14} "
+          f"{'host ms':>8}")
+    for k, r in local.items():
+      sp, fi = r["True"], r["False"]
+      print(f"{'':>43}{k:>3} {sp['bytes'][0] / (4 * args.floats):>17.3f} "
+            f"{sp['bytes'][1] / (4 * args.floats):>14.3f} {sp['ms']:>8.2f} "
+            f"{fi['bytes'][0] / (4 * args.floats):>16.3f} "
+            f"{fi['bytes'][1] / (4 * args.floats):>14.3f} {fi['ms']:>8.2f}")
+    for k, r in local.items():
+      print(f"device_bytes_ratio_k{k}: {max(r['True']['bytes']) / (4 * args.floats):.3f}")
   print(f"({time.perf_counter() - t0:.0f} s)")
 
 

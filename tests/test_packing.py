@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from resilient_jax.programs.packing import Layout, Packed
+from resilient_jax.programs.packing import PACK_MAX_BYTES, Layout, Packed
 
 
 def _tree() -> dict[str, np.ndarray]:
@@ -152,3 +152,36 @@ def test_the_reduction_sums_packed_gradients_of_several_buffers(dtype):
     np.testing.assert_allclose(got[0].astype(np.float32), want.astype(np.float32), rtol=1e-2)
     for g in got[1:]:
       np.testing.assert_array_equal(g, got[0])
+
+
+def test_a_reduction_in_one_process_spreads_its_bytes_over_the_devices():
+  """Four local members, spread: each piece of the buffer is summed on its own member (in the
+  members' order: numpy's float32 sum in that order, to the bit, on every member), and every
+  device sends and receives 2 (k - 1) / k of the buffer; summed on the first member (what CPU
+  devices, one memory, do by default), the same sum, and the first receives and sends k - 1
+  whole buffers."""
+  from resilient_jax.runtime.transport import Transport
+
+  devices = jax.devices()[:4]
+  rng = np.random.default_rng(2)
+  parts = [{"a": rng.standard_normal((37,)).astype(np.float32),
+            "b": rng.standard_normal((PACK_MAX_BYTES // 4 + 5,)).astype(np.float32)}
+           for _ in devices]
+  local = {d: jax.device_put(Packed.from_dict(p), d) for d, p in zip(devices, parts, strict=True)}
+  elements = 37 + PACK_MAX_BYTES // 4 + 5
+  piece = -(-elements // 4) * 4  # bytes of one of the 4 pieces (the buffer zero-padded)
+  for spread, most in ((True, (2 * 3 * piece, 2 * 3 * piece)),
+                       (False, (3 * elements * 4, 3 * elements * 4))):
+    transport = Transport(dict(enumerate(devices)))
+    transport.spread = spread
+    transport.begin(1, 0)
+    out = transport.reduce(0, [0, 1, 2, 3], tuple(devices), local)
+    for name in ("a", "b"):
+      want = ((parts[0][name] + parts[1][name]) + parts[2][name]) + parts[3][name]
+      for d in devices:
+        np.testing.assert_array_equal(np.asarray(out[d][name]), want)
+    # spread: under two buffers whatever the member count; on the first: k - 1 in and out
+    assert transport.device_bytes() == most, spread
+    transport.begin(2, 0)
+    assert transport.device_bytes() == (0, 0)
+  assert Transport(dict(enumerate(devices))).pieces_for(devices) == 1  # CPU devices: one memory

@@ -367,9 +367,11 @@ class Interpreter(StateHandover):
         _, grads = prog.backward_fused(res, saved, params, g, prog.zero_grads(params, dev))
         outs.append(prog.optimizer_step(params, self.opt_state[slot], grads, self.owned[slot]))
         for group in self.groups:  # the gradient all-reduce's own programs
-          if slot in group.holders and len({self.device(h) for h in group.holders}) > 1:
+          members = {self.device(h) for h in group.holders}
+          if slot in group.holders and len(members) > 1:
             zero = prog.zero_grads(params, dev)
-            outs += self.transport.prepare_reduce({dev: group.part(zero)})
+            mine = len({self.device(h) for h in group.holders if h in self.params})
+            outs += self.transport.prepare_reduce({dev: group.part(zero)}, mine)
     self.transport.wait(outs, "the warm-up of the split backward")
 
   # ---------------------------------------------------------------- one step

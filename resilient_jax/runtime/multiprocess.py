@@ -10,7 +10,8 @@ one process moves with `jax.device_put`, between processes over the transfer ser
   an id derived from (step, attempt, micro-batch, stage, kind), so a stale attempt's data can
   never be mistaken for the current one's; the consumer pulls it asynchronously at the start of
   the attempt and computes on it once it has arrived (`runtime.inbox`);
-* a reduction whose holders span processes sums each process's members there, then runs a ring
+* a reduction whose holders span processes sums each process's members there (a
+  reduce-scatter among its devices, `Transport.scatter_sum`), then runs a ring
   (reduce-scatter, all-gather) over the member processes on the same transfers
   (`ProcessTransport._ring`): 2 (P - 1) / P buffers in and out per process at any P;
 * the end of the attempt is agreed: every process installs its new state on a commit, or every
@@ -42,7 +43,6 @@ reads, so it follows a decision as soon as it is written. Every wait has the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 
 from resilient_jax.model.sharding import Where, target, worker_mesh
-from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.runtime import placement as placement_lib
 from resilient_jax.runtime.cluster import Cluster
 from resilient_jax.runtime.inbox import Inbox
@@ -67,8 +66,9 @@ from resilient_jax.runtime.transport import (
   Transfer,
   Transport,
   _add,
-  _in_ar_scope,
+  _owners,
   _reduce_programs,
+  pieces,
 )
 from resilient_jax.schedule import ring
 
@@ -243,20 +243,27 @@ class ProcessTransport(Transport):
     procs = list(dict.fromkeys(_process_of(d) for d in devices))
     if len(procs) == 1:  # every member is here
       return super().reduce(index, nodes, devices, local)
-    flatten, unflatten = _reduce_programs(local)
+    # This process's members sum their pieces among themselves (`scatter_sum`), the first
+    # collects the local sum and runs the ring with the other processes, hands each piece of
+    # the total back to its owner, and the members gather them (`all_gather`).
     mine = [d for d in devices if d in local]
-    first = mine[0]
-    partial = None
-    for d in mine:
-      flat = flatten(local[d])
-      flat = flat if d == first else jax.device_put(flat, first)
-      partial = flat if partial is None else _add(partial, flat)
-    total = self._ring(index, procs, partial, first)
+    k, first = self.pieces_for(mine), mine[0]
+    cut, join, length = _reduce_programs(local, k)
+    sums = self.scatter_sum(mine, {d: cut(local[d]) for d in mine})
+    owners = _owners(mine, k)
+    moved = iter(self.move([(x, o, first) for x, o in zip(sums, owners, strict=True)
+                            if o != first]))
+    cut_flat, join_flat = pieces(length, k)
+    total = self._ring(index, procs, join_flat(*(x if o == first else next(moved)
+                                                 for x, o in zip(sums, owners, strict=True))),
+                       first)
     if total is None:
       return local
-    out = {first: unflatten(total)}
-    for d in mine[1:]:
-      out[d] = unflatten(jax.device_put(total, d))
+    back = cut_flat(total)
+    moved = iter(self.move([(x, first, o) for x, o in zip(back, owners, strict=True)
+                            if o != first]))
+    out = self.all_gather(mine, [x if o == first else next(moved)
+                                 for x, o in zip(back, owners, strict=True)], join)
     err = self.cluster.wait(list(out.values()), what, procs)
     if err is not None:
       self._failed(what, err)
@@ -280,7 +287,8 @@ class ProcessTransport(Transport):
     me, n = self.cluster.process_id, len(procs)
     r = procs.index(me)
     prev = procs[(r - 1) % n]
-    own = list(_cut(self.cluster.num_processes)(partial))
+    cut, join = pieces(partial.shape[0], self.cluster.num_processes)
+    own = list(cut(partial))
     chunks = list(own)
     spec = jax.ShapeDtypeStruct(own[0].shape, own[0].dtype)
     owned = ring.owned(len(own), n)  # the chunks of each position
@@ -300,15 +308,21 @@ class ProcessTransport(Transport):
         return None
       for c, x in zip(owned[recv], got, strict=True):
         chunks[c] = x if gather else _add(x, own[c])
-    return _join(partial.shape[0])(*chunks)
+    return join(*chunks)
 
-  def prepare_reduce(self, local: PerDevice) -> list[jax.Array]:
-    """`Transport.prepare_reduce`, and the ring's own programs (cut, add, join)."""
-    outs = super().prepare_reduce(local)
-    flatten, _ = _reduce_programs(local)
-    flat = flatten(next(iter(local.values())))
-    pieces = _cut(self.cluster.num_processes)(flat)
-    outs += [_add(pieces[0], pieces[0]), _join(flat.shape[0])(*pieces)]
+  def prepare_reduce(self, local: PerDevice, members: int) -> list[jax.Array]:
+    """`Transport.prepare_reduce`, and the programs around the ring (the local sum's pieces
+    joined and cut again; the ring's own cut, add and join)."""
+    outs = super().prepare_reduce(local, members)
+    k = self.pieces_for(list(local))
+    cut, _, length = _reduce_programs(local, k)
+    own = cut(next(iter(local.values())))
+    cut_flat, join_flat = pieces(length, k)
+    flat = join_flat(*own)
+    outs += list(cut_flat(flat))
+    cut_ring, join_ring = pieces(flat.shape[0], self.cluster.num_processes)
+    chunks = cut_ring(flat)
+    outs += [_add(chunks[0], chunks[0]), join_ring(*chunks)]
     return outs
 
   def _ring_id(self, index: int, hop: int) -> int:
@@ -341,6 +355,7 @@ class ProcessTransport(Transport):
       "sumsq": "0.0" if doomed else repr(float(sum(jax.device_get(list(grad_sumsq))))),
       "stop": self.stop_requested,
       "bytes": [cl.bytes_offered - self._bytes0[0], cl.bytes_pulled - self._bytes0[1]],
+      "device_bytes": list(self.device_bytes()),
     }
     base = _attempt_key(self.step, self.attempt)
     if cl.process_id in self.participants:  # a process the plan left idle only follows
@@ -358,8 +373,11 @@ class ProcessTransport(Transport):
     total = sum(float(st["sumsq"]) for st in statuses.values())
     stop = any(st.get("stop") for st in statuses.values())
     sent, received = zip(*(st.get("bytes", (0, 0)) for st in statuses.values()), strict=True)
+    dev_sent, dev_received = zip(*(st.get("device_bytes", (0, 0)) for st in statuses.values()),
+                                 strict=True)
     return Outcome(True, mb_losses, detected_at=detected, remote=True, grad_sumsq=total,
-                   stop=stop, net_bytes=(max(sent), max(received)))
+                   stop=stop, net_bytes=(max(sent), max(received)),
+                   device_bytes=(max(dev_sent), max(dev_received)))
 
   def wait(self, tree: Any, what: str) -> None:
     self.cluster.wait(tree, what, self.participants)
@@ -498,24 +516,6 @@ class ProcessTransport(Transport):
   def holds_any(self, nodes: Sequence[int]) -> bool:
     """Whether this process holds one of `nodes`."""
     return any(self.is_local(n) for n in nodes)
-
-
-@functools.cache
-def _cut(k: int) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
-  """One program that cuts a flat buffer into `k` equal chunks (zero-padded at the end)."""
-
-  def cut(flat: jax.Array) -> tuple[jax.Array, ...]:
-    size = -(-flat.shape[0] // k)
-    padded = jnp.pad(flat, (0, size * k - flat.shape[0]))
-    return tuple(padded[i * size:(i + 1) * size] for i in range(k))
-
-  return OnEachDevice(_in_ar_scope(cut))
-
-
-@functools.cache
-def _join(length: int) -> Callable[..., jax.Array]:
-  """The inverse of `_cut`: the chunks joined, the padding dropped."""
-  return OnEachDevice(_in_ar_scope(lambda *chunks: jnp.concatenate(chunks)[:length]))
 
 
 def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[int, Any]]:

@@ -80,6 +80,9 @@ class StepResult:
   built: Built = Built()
   net_bytes: tuple[int, int] = (0, 0)
   """The most bytes one process of a job sent, and received, in the step (`Outcome`)."""
+  device_bytes: tuple[int, int] = (0, 0)
+  """The most bytes one device sent, and received, to and from its process's other devices in
+  the step's gradient reductions (`Outcome`)."""
   loss_factor: float = 1.0
   """What the summed micro-batch losses were scaled by (`StagePrograms.loss_factor`): the
   samples' weight in a mean over several batches is its inverse."""

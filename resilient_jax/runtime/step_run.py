@@ -414,6 +414,7 @@ class StepRun:
       clipped=clipped,
       stop=outcome.stop,
       net_bytes=outcome.net_bytes,
+      device_bytes=outcome.device_bytes,
       loss_factor=factor,
     )
 

@@ -9,22 +9,27 @@ below move activations and gradient buffers the same way for both.
 live in other processes.
 
 A reduction (the data-parallel gradient sum): each member lays its stage's gradients out as one
-flat float32 buffer; within a process one device receives the other local members' buffers (a
-device copy) and adds them in the members' order, and the process's other members get copies
-of that sum, so every replica holds bitwise the same sum. Across processes
-(`runtime.multiprocess.ProcessTransport`) each process first sums its own members this way, then
-the member processes run a ring (reduce-scatter, all-gather) over the transfer server: 2 (P - 1)
-/ P buffers in and out per process, flat in the number of processes P, as the simulator's cost
-model prices it. Growth per reduction: bytes per process O(1) in dp; 2 (P - 1) sequential
-transfers (latency O(P)); host work O(local members + P) dispatches.
+float32 buffer cut into k equal pieces, k its process's members (one program); piece c is
+summed on member c mod k, from every member's copy in the members' order (one program), and
+every member then copies the pieces it does not own and joins them (one program): a
+reduce-scatter and an all-gather among the devices of a process, each sending and receiving
+(k - 1) / k buffers per phase, so no device carries more than its share however many the process
+holds. Each piece is summed once and only copied after, so every replica holds bitwise the same
+sum. Across processes (`runtime.multiprocess.ProcessTransport`) the first member collects its
+process's sum and the member processes run a ring (reduce-scatter, all-gather) over the
+transfer server: 2 (P - 1) / P buffers in and out per process, flat in the number of processes
+P, as the simulator's cost model prices it; it hands the total back piece by piece. Growth per
+reduction: bytes per process O(1) in dp, and per device O(1) in the devices of a process (the
+first member of a multi-process group: about 2 more buffers, the ring's); 2 (P - 1) sequential
+transfers (latency O(P)); host work O(k^2 + P) dispatches (the copies of the two phases, each a
+single `device_put` call). `device_bytes` counts every device's bytes (`metrics.jsonl`:
+`device_bytes_out`, `device_bytes_in`).
 It is not an XLA collective over the group, for three reasons: a new group after a failure
-compiles nothing (the programs are per stage, `compiled.OnEachDevice`, and the ring's chunking is
-fixed for the job); a member frozen inside a collective could not be abandoned (it holds its
-device's queue), while a pull from a member declared dead is cut off like any other transfer;
-and one buffer per member keeps the host's work per reduction to a few dispatches instead of one
-global array per parameter. Within one process the local sum still lands on one device (D - 1
-copies in and out at D local members): fine for simulated CPU devices, and the part a real
-multi-GPU host would rather give to a device collective (not built).
+compiles only the few small programs above for its new k (never a stage program); a member
+frozen inside a collective could not be abandoned (it holds its device's queue), while a pull
+from a member declared dead is cut off like any other transfer; and one buffer per member keeps
+the host's work per reduction to dispatches per piece instead of one global array per
+parameter.
 """
 
 from __future__ import annotations
@@ -79,6 +84,9 @@ class Outcome:
   net_bytes: tuple[int, int] = (0, 0)
   """The most bytes one process sent, and received, over the network in the attempt (the
   largest of every process's count: what the busiest link carried)."""
+  device_bytes: tuple[int, int] = (0, 0)
+  """The most bytes one device sent, and received, to and from the other devices of its
+  process in the attempt's reductions (`Transport.device_bytes`; the largest in any process)."""
 
 
 class Transport:
@@ -91,6 +99,12 @@ class Transport:
 
   remote_collectives = False
   """Whether a reduction may wait on other processes (then groups run in one global order)."""
+  spread: bool | None = None
+  """Whether a reduction spreads its sums over this process's members (a piece each) or sums
+  on the first (one piece); None: spread unless the devices are CPUs. Either way the same
+  bytes are copied in all; spreading keeps every device's share at 2 (k - 1) / k buffers,
+  which matters where each device has its own link (GPUs, TPUs), and costs k times the
+  dispatches, which is all it would change for CPU devices (one memory)."""
   stop_requested = False
   """Set (by a signal handler) to stop the job after the step in flight; an attempt that
   commits carries it to every process in `Outcome.stop`."""
@@ -99,6 +113,7 @@ class Transport:
     self.placements = dict(devices)
     self.devices: dict[int, Where] = {n: target(p) for n, p in self.placements.items()}
     self._box: dict[Key, jax.Array] = {}
+    self._moved: dict[Where, list[int]] = {}  # per device, bytes sent and received (`move`)
 
   def is_local(self, node: int) -> bool:
     """Whether `node`'s device belongs to this process."""
@@ -116,6 +131,7 @@ class Transport:
     """Starts an attempt at `step` on `nodes`: transfers and agreements are named after it."""
     del step, attempt, nodes
     self._box.clear()
+    self._moved.clear()
 
   def send(self, key: Key, value: jax.Array, consumer: int) -> None:
     """Offers an activation or gradient to the node that consumes it."""
@@ -148,41 +164,72 @@ class Transport:
     """Sums `local` (one dict per device this process holds) over `devices` (every member, in
     one order on every member); `index` names the group. Returns one sum per local device, or
     `local` itself when a member's gradients cannot be had (the attempt is then doomed)."""
-    flatten, unflatten = _reduce_programs(local)
-    parts = self._gather(index, nodes, devices, {d: flatten(g) for d, g in local.items()})
-    if parts is None:
-      return local
-    # One local device sums, in the members' order (every process uses the same order, so all
-    # replicas hold bitwise the same sum); this process's other devices get copies of it: 2D
-    # dispatches for D local members rather than D^2.
-    first, *others = local
-    total = None
-    for member in devices:
-      part = jax.device_put(parts[member], first)
-      total = part if total is None else _add(total, part)
-    out = {first: unflatten(total)}
-    for d in others:
-      out[d] = unflatten(jax.device_put(total, d))
-    return out
+    del index, nodes
+    mine = [d for d in devices if d in local]
+    cut, join, _ = _reduce_programs(local, self.pieces_for(mine))
+    return self.all_gather(mine, self.scatter_sum(mine, {d: cut(local[d]) for d in mine}), join)
 
-  def prepare_reduce(self, local: PerDevice) -> list[jax.Array]:
-    """Builds the programs `reduce` runs on gradients laid out as `local` (flatten, add,
-    unflatten) by running them once on it; returns their outputs to wait on. A process
-    relaunched into a running job builds them before its first step, which would otherwise."""
-    flatten, unflatten = _reduce_programs(local)
+  def pieces_for(self, mine: Sequence[Where]) -> int:
+    """How many pieces a reduction among this process's members `mine` cuts its buffer into:
+    one each when it spreads (`spread`), else one."""
+    spread = self.spread
+    if spread is None:
+      first = mine[0]
+      device = first if isinstance(first, jax.Device) else next(iter(first.device_set))
+      spread = device.platform != "cpu"
+    return len(mine) if spread else 1
+
+  def scatter_sum(self, mine: list[Where], pieces: dict[Where, tuple[jax.Array, ...]]
+                  ) -> list[jax.Array]:
+    """The reduce-scatter among this process's members `mine`: each cut its buffer into the
+    same k `pieces` (`pieces_for`); piece c is summed on its owner `mine[c % len(mine)]`, from
+    every member's copy in `mine`'s order (one program), and only copied after that, so every
+    member ends with bitwise the same sum. Returns piece c's sum (on its owner) for each c."""
+    k = len(pieces[mine[0]])
+    owners = _owners(mine, k)
+    moved = iter(self.move([(pieces[d][c], d, owners[c]) for c in range(k) for d in mine
+                            if d != owners[c]]))
+    add = _sum(len(mine))
+    return [add(*(pieces[d][c] if d == owners[c] else next(moved) for d in mine))
+            for c in range(k)]
+
+  def all_gather(self, mine: list[Where], sums: list[jax.Array], join: Callable) -> PerDevice:
+    """The all-gather after `scatter_sum`: every member copies each piece from its owner and
+    joins them (`join`: pieces -> the gradients' own layout)."""
+    owners = _owners(mine, len(sums))
+    moved = iter(self.move([(x, o, d) for d in mine for x, o in zip(sums, owners, strict=True)
+                            if o != d]))
+    return {d: join(*(x if o == d else next(moved) for x, o in zip(sums, owners, strict=True)))
+            for d in mine}
+
+  def move(self, moves: Sequence[tuple[jax.Array, Where, Where]]) -> list[jax.Array]:
+    """Copies each (array, from, to) to its device, in one call, counting every device's bytes
+    sent and received (`device_bytes`)."""
+    for x, src, dst in moves:
+      self._moved.setdefault(src, [0, 0])[0] += x.nbytes
+      self._moved.setdefault(dst, [0, 0])[1] += x.nbytes
+    return jax.device_put([x for x, _, _ in moves], [dst for _, _, dst in moves]) \
+      if moves else []
+
+  def device_bytes(self) -> tuple[int, int]:
+    """The most bytes one of this process's devices sent, and received, to and from its other
+    devices in the attempt's reductions."""
+    return (max((v[0] for v in self._moved.values()), default=0),
+            max((v[1] for v in self._moved.values()), default=0))
+
+  def prepare_reduce(self, local: PerDevice, members: int) -> list[jax.Array]:
+    """Builds the programs `reduce` runs on gradients laid out as `local` among `members` of
+    this process (cut, sum, join) by running them once on it; returns their outputs to wait
+    on. A process relaunched into a running job builds them before its first step, which
+    would otherwise."""
+    k = self.pieces_for(list(local))
+    cut, join, _ = _reduce_programs(local, k)
     outs = []
     for g in local.values():
-      flat = flatten(g)
-      outs.append(_add(flat, flat))
-      outs.extend(jax.tree.leaves(unflatten(flat)))
+      pieces = cut(g)
+      outs.append(_sum(members)(*[pieces[0]] * members))
+      outs.extend(jax.tree.leaves(join(*pieces)))
     return outs
-
-  def _gather(
-    self, index: int, nodes: Sequence[int], devices: Devices, flats: dict[jax.Device, jax.Array]
-  ) -> dict[jax.Device, jax.Array] | None:
-    """Every member's flat gradient buffer (`flats` are this process's); None if one is lost."""
-    del index, nodes, devices
-    return flats
 
   def conclude(
     self, losses: Mapping[int, jax.Array], new_params: Sequence[Any], grad_sumsq: Sequence[Any]
@@ -192,7 +239,8 @@ class Transport:
     values, shares = jax.device_get((dict(losses), list(grad_sumsq)))
     jax.block_until_ready(list(new_params))
     return Outcome(True, {mb: float(v) for mb, v in values.items()}, detected_at=time.time(),
-                   grad_sumsq=float(sum(shares)), stop=self.stop_requested)
+                   grad_sumsq=float(sum(shares)), stop=self.stop_requested,
+                   device_bytes=self.device_bytes())
 
   def wait(self, tree: Any, what: str) -> None:
     """Blocks (bounded, across processes) until `tree` is computed."""
@@ -227,52 +275,80 @@ def _in_ar_scope(fn: Callable) -> Callable:
   return scoped
 
 
-def _reduce_programs(local: PerDevice) -> tuple[Callable, Callable]:
-  """`_flatten` and `_unflatten` for gradients laid out as `local`: a dict by name, or packed
-  (`programs.packing`; one float32 buffer is reduced as it is, no program either way)."""
+def _reduce_programs(local: PerDevice, k: int) -> tuple[Callable, Callable, int]:
+  """`(cut, join, length)` for gradients laid out as `local` (a dict by name, or packed:
+  `programs.packing`): `cut` lays them out as one float32 buffer of `length` elements in `k`
+  equal pieces (zero-padded), `join` takes the pieces back to the gradients' own layout; one
+  program each."""
   some = next(iter(local.values()))
   if isinstance(some, Packed):
-    return _packed_programs(some.layout)
-  names = tuple(sorted(some))
-  layout = tuple((some[n].shape, some[n].dtype) for n in names)
-  return _flatten(names), _unflatten(names, layout)
+    form: Form = some.layout
+  else:
+    names = tuple(sorted(some))
+    form = (names, tuple((some[n].shape, some[n].dtype) for n in names))
+  return (*pieces(form, k), _flat(form)[2])
+
+
+Form = Layout | tuple | int
+"""What `pieces` cuts: packed gradients' `Layout`, (names, their (shape, dtype)s) of a dict of
+gradients, or the length of a flat float32 buffer."""
 
 
 @functools.cache
-def _packed_programs(layout: Layout) -> tuple[Callable, Callable]:
-  """`_reduce_programs` of packed gradients: their buffers as one float32 buffer and back."""
-  if layout.groups == (np.dtype(np.float32),):
-    return (lambda g: g.buffers[0]), (lambda flat: Packed(layout, (flat,)))
+def pieces(form: Form, k: int) -> tuple[Callable, Callable]:
+  """`(cut, join)`: one program that lays `form` out as one float32 buffer (zero-padded to a
+  multiple of `k`) cut into `k` equal pieces, and one that joins the pieces back into `form`.
+  A flat buffer, or packed gradients in one float32 buffer, in one piece need neither (no
+  program)."""
+  flatten, unflatten, length = _flat(form)
+  if k == 1 and isinstance(form, int):
+    return (lambda flat: (flat,)), (lambda flat: flat)
+  if k == 1 and isinstance(form, Layout) and form.groups == (np.dtype(np.float32),):
+    return (lambda g: (g.buffers[0],)), (lambda flat: Packed(form, (flat,)))
+  size = -(-length // k)
 
-  def split(flat: jax.Array) -> Packed:
-    bounds = np.cumsum((0, *layout.sizes))
-    return Packed(layout, tuple(flat[a:b].astype(d) for a, b, d in
-                                zip(bounds[:-1], bounds[1:], layout.groups, strict=True)))
+  def cut(g: Any) -> tuple[jax.Array, ...]:
+    flat = jnp.pad(flatten(g), (0, size * k - length))
+    return tuple(flat[i * size:(i + 1) * size] for i in range(k))
 
-  return (OnEachDevice(_in_ar_scope(lambda g: jnp.concatenate(
-    [b.astype(jnp.float32) for b in g.buffers]))), OnEachDevice(_in_ar_scope(split)))
+  def join(*parts: jax.Array) -> Any:
+    return unflatten(jnp.concatenate(parts)[:length])
+
+  return OnEachDevice(_in_ar_scope(cut)), OnEachDevice(_in_ar_scope(join))
+
+
+def _flat(form: Form) -> tuple[Callable, Callable, int]:
+  """(flatten, unflatten, length) of `form` as one float32 buffer, traced inside `pieces`'s
+  programs."""
+  if isinstance(form, int):
+    return (lambda flat: flat), (lambda flat: flat), form
+  if isinstance(form, Layout):
+    bounds = np.cumsum((0, *form.sizes))
+    return ((lambda g: jnp.concatenate([b.astype(jnp.float32) for b in g.buffers])),
+            (lambda flat: Packed(form, tuple(flat[a:b].astype(d) for a, b, d in zip(
+              bounds[:-1], bounds[1:], form.groups, strict=True)))), int(bounds[-1]))
+  names, shapes = form
+  bounds = np.cumsum((0, *(math.prod(shape) for shape, _ in shapes)))
+
+  def unflatten(flat: jax.Array) -> dict[str, jax.Array]:
+    return {n: flat[a:b].reshape(shape).astype(dtype) for n, a, b, (shape, dtype) in zip(
+      names, bounds[:-1], bounds[1:], shapes, strict=True)}
+
+  return (lambda g: jnp.concatenate([g[n].astype(jnp.float32).ravel() for n in names])), \
+    unflatten, int(bounds[-1])
+
+
+def _owners(mine: list[Where], k: int) -> list[Where]:
+  """The member that sums piece c, for each of `k` pieces: `mine[c % len(mine)]`."""
+  return [mine[c % len(mine)] for c in range(k)]
 
 
 @functools.cache
-def _flatten(names: tuple[str, ...]) -> Callable[[Mapping[str, jax.Array]], jax.Array]:
-  """One program that lays a stage's gradients out as one float32 buffer."""
-  return OnEachDevice(_in_ar_scope(
-    lambda g: jnp.concatenate([g[n].astype(jnp.float32).ravel() for n in names])))
+def _sum(n: int) -> Callable[..., jax.Array]:
+  """One program that adds its `n` arguments in order (the argument itself for one)."""
+  if n == 1:
+    return lambda x: x
+  return OnEachDevice(_in_ar_scope(lambda *xs: functools.reduce(jnp.add, xs)))
 
 
-@functools.cache
-def _unflatten(names: tuple[str, ...], layout: tuple) -> Callable:
-  """The inverse of `_flatten` for gradients of these shapes and dtypes."""
-
-  def split(flat: jax.Array) -> dict[str, jax.Array]:
-    out, at = {}, 0
-    for n, (shape, dtype) in zip(names, layout, strict=True):
-      size = math.prod(shape)
-      out[n] = flat[at:at + size].reshape(shape).astype(dtype)
-      at += size
-    return out
-
-  return OnEachDevice(_in_ar_scope(split))
-
-
-_add = OnEachDevice(_in_ar_scope(jnp.add))
+_add = _sum(2)

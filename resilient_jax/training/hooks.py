@@ -67,6 +67,8 @@ def metrics_row(run: Run, step: int, result: StepResult, ids: np.ndarray, lr: fl
   if utilization is not None:
     row["mfu"] = round(utilization, 4)
   row.update({k: True for k in ("skipped", "clipped") if getattr(result, k)})
+  if any(result.device_bytes):
+    row["device_bytes_out"], row["device_bytes_in"] = result.device_bytes
   row.update(run.group.row(result))
   return row
 
