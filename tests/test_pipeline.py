@@ -143,6 +143,30 @@ def test_data_parallel_replicas_stay_identical(tmp_path):
         np.testing.assert_array_equal(np.asarray(replicas[0][name]), np.asarray(other[name]))
 
 
+def test_a_spread_reduction_trains_the_same_network(tmp_path, monkeypatch):
+  """Each replica summing its own piece of a stage's gradients (the reduction of GPUs and
+  TPUs, forced here on CPU devices) trains what one device trains, the replicas bitwise alike,
+  and no device sends or receives more than 2 (dp - 1) / dp of its stage's gradients a step
+  (`device_bytes_*` in the metrics; summed on one device it would be dp - 1 of them)."""
+  from resilient_jax.runtime.transport import Transport
+
+  monkeypatch.setattr(Transport, "spread", True)
+  cfg = tiny_config(mesh__dp=4, mesh__pp=2, pipeline__schedule="zb-h1")
+  result = train(cfg, tmp_path, log=lambda _: None)
+  assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
+  ex = result.interpreter
+  floats = []
+  for stage in range(2):
+    replicas = [ex.params[(d, stage)] for d in range(4)]
+    floats.append(sum(v.size for v in replicas[0].values()))
+    for name in replicas[0]:
+      for other in replicas[1:]:
+        np.testing.assert_array_equal(np.asarray(replicas[0][name]), np.asarray(other[name]))
+  most = 2 * 3 * -(-max(floats) // 4) * 4  # 3 of the 4 pieces out and in, each zero-padded
+  for row in result.metrics:
+    assert (row["device_bytes_out"], row["device_bytes_in"]) == (most, most), row
+
+
 def test_workdir_outputs(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, pipeline__schedule="zb-h1")
   clear_shared_programs()  # an earlier trainer's programs would leave nothing to build

@@ -199,19 +199,20 @@ def test_the_cost_model_prices_the_ring_the_runtime_runs():
   `ProcessTransport._ring` walks), at P = 2..8 members and K = P..8 pieces (the job's process
   count): replayed on numbers, the hops sum every piece once and leave every member bitwise
   the same sums; the bytes each member sends are what the cost model counts (2 (P - 1) / P of
-  the buffer at K = P); the runtime's own cut (`_cut`) makes pieces of the size priced; and the
-  priced time is the textbook ring where the pieces divide evenly, slower where they do not."""
+  the buffer at K = P); the runtime's own cut (`transport.pieces`) makes pieces of the size
+  priced; and the priced time is the textbook ring where the pieces divide evenly, slower where
+  they do not."""
   import jax
   import numpy as np
 
-  from resilient_jax.runtime.multiprocess import _cut
+  from resilient_jax.runtime.transport import pieces as cut_and_join
   from resilient_jax.schedule import ring
 
   elements, bw, lat = 1001, 1e9, 1e-5
   flat = jax.device_put(np.arange(elements, dtype=np.float32), jax.devices()[0])
   rng = np.random.default_rng(0)
   for k in range(2, 9):
-    cut = _cut(k)(flat)
+    cut = cut_and_join(elements, k)[0](flat)
     assert [c.shape[0] for c in cut] == [ring.piece_elements(elements, k)] * k
     np.testing.assert_array_equal(np.concatenate(cut)[:elements], np.asarray(flat))
     for n in range(2, k + 1):
