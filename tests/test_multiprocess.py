@@ -281,6 +281,16 @@ assert want == 32 and (cl.bytes_offered - sent, cl.bytes_pulled - received) == (
 assert sorted(summed, key=where_key) == sorted(grads, key=where_key)
 for g in summed.values():
   assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
+assert transport.device_bytes() == (32, 32)  # one whole buffer between the two workers here
+# Spread (GPUs' and TPUs' way): each of the 2 workers sums half; the second's half goes to the
+# first for the ring and comes back, then each sends its half: 3 halves each way on the first.
+transport.spread = True
+transport.begin(2, 0, nodes)
+summed = transport.reduce(0, nodes, members, grads)
+assert not transport.doomed, transport.doomed
+for g in summed.values():
+  assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
+assert transport.device_bytes() == (48, 48), transport.device_bytes()
 print("reduced", flush=True)
 if pid == 0:
   cl.await_key("pulled", 1, "the pulls")
