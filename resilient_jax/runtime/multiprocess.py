@@ -314,7 +314,7 @@ class ProcessTransport(Transport):
     """`Transport.prepare_reduce`, and the programs around the ring (the local sum's pieces
     joined and cut again; the ring's own cut, add and join)."""
     outs = super().prepare_reduce(local, members)
-    k = self.pieces_for(list(local))
+    k = members if self._spreads(next(iter(local))) else 1
     cut, _, length = _reduce_programs(local, k)
     own = cut(next(iter(local.values())))
     cut_flat, join_flat = pieces(length, k)

@@ -9,21 +9,23 @@ below move activations and gradient buffers the same way for both.
 live in other processes.
 
 A reduction (the data-parallel gradient sum): each member lays its stage's gradients out as one
-float32 buffer cut into k equal pieces, k its process's members (one program); piece c is
-summed on member c mod k, from every member's copy in the members' order (one program), and
-every member then copies the pieces it does not own and joins them (one program): a
-reduce-scatter and an all-gather among the devices of a process, each sending and receiving
-(k - 1) / k buffers per phase, so no device carries more than its share however many the process
-holds. Each piece is summed once and only copied after, so every replica holds bitwise the same
-sum. Across processes (`runtime.multiprocess.ProcessTransport`) the first member collects its
-process's sum and the member processes run a ring (reduce-scatter, all-gather) over the
-transfer server: 2 (P - 1) / P buffers in and out per process, flat in the number of processes
-P, as the simulator's cost model prices it; it hands the total back piece by piece. Growth per
-reduction: bytes per process O(1) in dp, and per device O(1) in the devices of a process (the
-first member of a multi-process group: about 2 more buffers, the ring's); 2 (P - 1) sequential
-transfers (latency O(P)); host work O(k^2 + P) dispatches (the copies of the two phases, each a
-single `device_put` call). `device_bytes` counts every device's bytes (`metrics.jsonl`:
-`device_bytes_out`, `device_bytes_in`).
+float32 buffer cut into k equal pieces, k its process's members (one program); piece c is summed
+on member c mod k, from every member's copy in the members' order (one program), and every
+member then copies the pieces it does not own and joins them (one program): a reduce-scatter and
+an all-gather among the devices of a process, each sending and receiving (k - 1) / k buffers per
+phase, so no device carries more than its share however many the process holds. That is for
+devices with links of their own (GPUs, TPUs: `Transport.spread`); CPU devices share one memory,
+where spreading copies the same bytes in all with k times the dispatches, so there k is 1 and
+the first member sums. Each piece is summed once and only copied after, so every replica holds
+bitwise the same sum. Across processes (`runtime.multiprocess.ProcessTransport`) the first
+member collects its process's sum and the member processes run a ring (reduce-scatter,
+all-gather) over the transfer server: 2 (P - 1) / P buffers in and out per process, flat in the
+number of processes P, as the simulator's cost model prices it; it hands the total back piece by
+piece. Growth per reduction: bytes per process O(1) in dp, and per device O(1) in the devices of
+a process (the first member of a multi-process group: about 2 more buffers, the ring's);
+2 (P - 1) sequential transfers (latency O(P)); host work O(k^2 + P) dispatches (the copies of the two
+phases, each a single `device_put` call). `device_bytes` counts every device's bytes
+(`metrics.jsonl`: `device_bytes_out`, `device_bytes_in`).
 It is not an XLA collective over the group, for three reasons: a new group after a failure
 compiles only the few small programs above for its new k (never a stage program); a member
 frozen inside a collective could not be abandoned (it holds its device's queue), while a pull
@@ -172,12 +174,13 @@ class Transport:
   def pieces_for(self, mine: Sequence[Where]) -> int:
     """How many pieces a reduction among this process's members `mine` cuts its buffer into:
     one each when it spreads (`spread`), else one."""
-    spread = self.spread
-    if spread is None:
-      first = mine[0]
-      device = first if isinstance(first, jax.Device) else next(iter(first.device_set))
-      spread = device.platform != "cpu"
-    return len(mine) if spread else 1
+    return len(mine) if self._spreads(mine[0]) else 1
+
+  def _spreads(self, where: Where) -> bool:
+    if self.spread is not None:
+      return self.spread
+    device = where if isinstance(where, jax.Device) else next(iter(where.device_set))
+    return device.platform != "cpu"
 
   def scatter_sum(self, mine: list[Where], pieces: dict[Where, tuple[jax.Array, ...]]
                   ) -> list[jax.Array]:
@@ -222,7 +225,7 @@ class Transport:
     this process (cut, sum, join) by running them once on it; returns their outputs to wait
     on. A process relaunched into a running job builds them before its first step, which
     would otherwise."""
-    k = self.pieces_for(list(local))
+    k = members if self._spreads(next(iter(local))) else 1
     cut, join, _ = _reduce_programs(local, k)
     outs = []
     for g in local.values():
