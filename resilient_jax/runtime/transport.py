@@ -23,8 +23,8 @@ all-gather) over the transfer server: 2 (P - 1) / P buffers in and out per proce
 number of processes P, as the simulator's cost model prices it; it hands the total back piece by
 piece. Growth per reduction: bytes per process O(1) in dp, and per device O(1) in the devices of
 a process (the first member of a multi-process group: about 2 more buffers, the ring's);
-2 (P - 1) sequential transfers (latency O(P)); host work O(k^2 + P) dispatches (the copies of the two
-phases, each a single `device_put` call). `device_bytes` counts every device's bytes
+2 (P - 1) sequential transfers (latency O(P)); host work O(k^2 + P) dispatches (the copies of
+the two phases, each a single `device_put` call). `device_bytes` counts every device's bytes
 (`metrics.jsonl`: `device_bytes_out`, `device_bytes_in`).
 It is not an XLA collective over the group, for three reasons: a new group after a failure
 compiles only the few small programs above for its new k (never a stage program); a member
