@@ -124,14 +124,13 @@ def _fresh_alone(shapes: list) -> float:
 def _needs(interpreter) -> list[tuple[object, list[tuple[str, str]]]]:
   """What each local worker of a layout holds: its device and the (group, name) entries of its
   parameters and optimizer state, as `Interpreter.place` picks them."""
-  import jax
 
   from resilient_jax.checkpoint import universal
 
   out = []
   for slot in interpreter.local_slots:
     prog = interpreter.program(slot)
-    template = jax.eval_shape(prog.optimizer.init, prog.abstract_params())
+    template = prog.opt_template
     out.append((interpreter.device(slot), [("params", n) for n in prog.param_names]
                 + [("opt_state", k) for k in universal.flatten_state(template)]))
   return out

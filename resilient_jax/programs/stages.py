@@ -165,10 +165,11 @@ class StagePrograms:
     axes = sharding.logical_axes(model, names)
     self.param_specs = sharding.partition_specs({n: axes[n] for n in shapes}, shapes, self.tp)
     """Each parameter's split over the worker's sub-mesh (all replicated when `tp` is 1)."""
-    opt_template = jax.eval_shape(self.optimizer.init, self.abstract_params())
-    self.opt_specs = universal.unflatten_state(opt_template, {
+    self.opt_template = jax.eval_shape(self.optimizer.init, self.abstract_params())
+    """The optimizer state's structure, shapes and dtypes."""
+    self.opt_specs = universal.unflatten_state(self.opt_template, {
       k: sharding.opt_entry_spec(k, v.shape, self.param_specs, shapes)
-      for k, v in universal.flatten_state(opt_template).items()})
+      for k, v in universal.flatten_state(self.opt_template).items()})
 
   def _stage_function(self, model: Any, global_batch: int) -> tuple[Callable, tuple]:
     """What the stage computes, `apply(params, x, targets, seeds, tokens)`: its slice of the
@@ -413,13 +414,13 @@ class StagePrograms:
     return jax.tree.map(lambda s: sharding.sharding_of(where, s), self.opt_specs,
                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
-  def place_param(self, name: str, value: Any, where: Where) -> jax.Array:
-    return jax.device_put(value, sharding.sharding_of(where, self.param_specs[name]))
+  def param_sharding(self, name: str, where: Where) -> Where:
+    return sharding.sharding_of(where, self.param_specs[name])
 
-  def place_opt_entry(self, key: str, value: Any, where: Where) -> jax.Array:
-    """An optimizer entry (universal key) on the worker at `where`."""
-    spec = sharding.opt_entry_spec(key, value.shape, self.param_specs, self._shapes)
-    return jax.device_put(value, sharding.sharding_of(where, spec))
+  def opt_entry_sharding(self, key: str, shape: tuple[int, ...], where: Where) -> Where:
+    """Where an optimizer entry (universal key) of `shape` lives on the worker at `where`."""
+    return sharding.sharding_of(
+      where, sharding.opt_entry_spec(key, shape, self.param_specs, self._shapes))
 
   def initial_params(self, where: Where) -> Params:
     return jax.device_put(self._initial, self.param_shardings(where))

@@ -46,7 +46,7 @@ class StateHandover:
 
       prog = self.programs(split)[stage]
       params = prog.abstract_params()
-      opt = universal.flatten_state(jax.eval_shape(prog.optimizer.init, params))
+      opt = universal.flatten_state(prog.opt_template)
       shapes = {n: v.shape for n, v in params.items()}
 
       def spec(value: Any, split: PartitionSpec) -> jax.ShapeDtypeStruct:

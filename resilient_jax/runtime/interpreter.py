@@ -224,10 +224,11 @@ class Interpreter(StateHandover):
     if dead and self.transport.remote_collectives:
       sources += self._handover(old, set(dead), sources, tag)
     params: dict[Slot, Params] = {}
-    opt: dict[Slot, Any] = {}
+    entries: dict[Slot, dict[str, Any]] = {}
+    copies: list[tuple[dict[str, Any], str, Any, Where]] = []  # (into, key, value, where)
     copied = 0
 
-    def pick(key: str, dev: Where, table: int, prog: StagePrograms) -> jax.Array:
+    def pick(key: str, dev: Where, table: int, prog: StagePrograms, into: dict) -> None:
       nonlocal copied
       held = [src for src in sources if key in src[table]]
       if not held:
@@ -235,20 +236,31 @@ class Interpreter(StateHandover):
         raise KeyError(f"{what} {key!r} has no surviving replica")
       local = next((src for src in held if src[0] == dev), None)
       if local is not None:
-        return local[table][key]
+        into[key] = local[table][key]
+        return
       value = held[0][table][key]
       if held[0][0] is not None:
         copied += value.nbytes
-      put = prog.place_param if table == 1 else prog.place_opt_entry
-      return put(key, value, dev)
+      copies.append((into, key, value, prog.param_sharding(key, dev) if table == 1 else
+                     prog.opt_entry_sharding(key, value.shape, dev)))
 
     for slot in self.local_slots:
       prog, dev = self.program(slot), self.device(slot)
-      params[slot] = {n: pick(n, dev, 1, prog) for n in prog.param_names}
-      template = jax.eval_shape(prog.optimizer.init, prog.abstract_params())
-      entries = {k: pick(k, dev, 2, prog) for k in universal.flatten_state(template)}
-      opt[slot] = universal.unflatten_state(template, entries, what="optimizer state")
-    self.params, self.opt_state = params, opt
+      params[slot] = dict.fromkeys(prog.param_names)
+      for n in prog.param_names:
+        pick(n, dev, 1, prog, params[slot])
+      entries[slot] = dict.fromkeys(universal.flatten_state(prog.opt_template))
+      for k in entries[slot]:
+        pick(k, dev, 2, prog, entries[slot])
+    # Every copy in one call: a call per array cost tens of microseconds each (a stage's
+    # parameters and optimizer state are hundreds to thousands of arrays).
+    placed = jax.device_put([c[2] for c in copies], [c[3] for c in copies]) if copies else []
+    for (into, key, _, _), value in zip(copies, placed, strict=True):
+      into[key] = value
+    self.params = params
+    self.opt_state = {slot: universal.unflatten_state(self.program(slot).opt_template, e,
+                                                      what="optimizer state")
+                      for slot, e in entries.items()}
     self.refresh_replicas(tag, channel=1)
     return copied
 
@@ -292,10 +304,9 @@ class Interpreter(StateHandover):
         continue
       _, params, entries = arrived
       prog = self.programs(p.split)[p.replica]
-      template = jax.eval_shape(prog.optimizer.init, prog.abstract_params())
       self.replicas[slot] = (
         {n: params[n] for n in prog.param_names},
-        universal.unflatten_state(template, entries, what="replica state"),
+        universal.unflatten_state(prog.opt_template, entries, what="replica state"),
       )
 
   def export_state(self, slots: Sequence[Slot] | None = None,
