@@ -283,7 +283,8 @@ for g in summed.values():
   assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
 assert transport.device_bytes() == (32, 32)  # one whole buffer between the two workers here
 # Spread (GPUs' and TPUs' way): each of the 2 workers sums half; the second's half goes to the
-# first for the ring and comes back, then each sends its half: 3 halves each way on the first.
+# first for the ring and comes back, and the first sends the second its half: the first sends
+# 3 halves and receives 2, the second sends 2 and receives 3.
 transport.spread = True
 transport.begin(2, 0, nodes)
 summed = transport.reduce(0, nodes, members, grads)

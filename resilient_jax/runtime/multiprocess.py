@@ -245,7 +245,8 @@ class ProcessTransport(Transport):
       return super().reduce(index, nodes, devices, local)
     # This process's members sum their pieces among themselves (`scatter_sum`), the first
     # collects the local sum and runs the ring with the other processes, hands each piece of
-    # the total back to its owner, and the members gather them (`all_gather`).
+    # the total back to its owner, and the others gather them (`all_gather`; the first holds
+    # the whole total already).
     mine = [d for d in devices if d in local]
     k, first = self.pieces_for(mine), mine[0]
     cut, join, length = _reduce_programs(local, k)
@@ -263,7 +264,8 @@ class ProcessTransport(Transport):
     moved = iter(self.move([(x, first, o) for x, o in zip(back, owners, strict=True)
                             if o != first]))
     out = self.all_gather(mine, [x if o == first else next(moved)
-                                 for x, o in zip(back, owners, strict=True)], join)
+                                 for x, o in zip(back, owners, strict=True)], join,
+                          whole={first: back})
     err = self.cluster.wait(list(out.values()), what, procs)
     if err is not None:
       self._failed(what, err)

@@ -196,13 +196,17 @@ class Transport:
     return [add(*(pieces[d][c] if d == owners[c] else next(moved) for d in mine))
             for c in range(k)]
 
-  def all_gather(self, mine: list[Where], sums: list[jax.Array], join: Callable) -> PerDevice:
+  def all_gather(self, mine: list[Where], sums: list[jax.Array], join: Callable,
+                 whole: Mapping[Where, Sequence[jax.Array]] | None = None) -> PerDevice:
     """The all-gather after `scatter_sum`: every member copies each piece from its owner and
-    joins them (`join`: pieces -> the gradients' own layout)."""
+    joins them (`join`: pieces -> the gradients' own layout); a member of `whole` holds every
+    piece already (those given) and copies none."""
+    whole = whole or {}
     owners = _owners(mine, len(sums))
-    moved = iter(self.move([(x, o, d) for d in mine for x, o in zip(sums, owners, strict=True)
-                            if o != d]))
-    return {d: join(*(x if o == d else next(moved) for x, o in zip(sums, owners, strict=True)))
+    moved = iter(self.move([(x, o, d) for d in mine if d not in whole
+                            for x, o in zip(sums, owners, strict=True) if o != d]))
+    return {d: join(*whole[d]) if d in whole else
+            join(*(x if o == d else next(moved) for x, o in zip(sums, owners, strict=True)))
             for d in mine}
 
   def move(self, moves: Sequence[tuple[jax.Array, Where, Where]]) -> list[jax.Array]:
