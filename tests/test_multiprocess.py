@@ -282,16 +282,18 @@ assert sorted(summed, key=where_key) == sorted(grads, key=where_key)
 for g in summed.values():
   assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
 assert transport.device_bytes() == (32, 32)  # one whole buffer between the two workers here
-# Spread (GPUs' and TPUs' way): each of the 2 workers sums half; the second's half goes to the
-# first for the ring and comes back, and the first sends the second its half: the first sends
-# 3 halves and receives 2, the second sends 2 and receives 3.
+# Spread (GPUs' and TPUs' way): each of the 2 workers sums half and runs that half's ring with
+# its peer in the other process, then they swap totals: half a buffer each way per phase on
+# each device, and the process's network bytes as one ring's.
 transport.spread = True
 transport.begin(2, 0, nodes)
+sent, received = cl.bytes_offered, cl.bytes_pulled
 summed = transport.reduce(0, nodes, members, grads)
 assert not transport.doomed, transport.doomed
 for g in summed.values():
   assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
-assert transport.device_bytes() == (48, 48), transport.device_bytes()
+assert transport.device_bytes() == (32, 32), transport.device_bytes()
+assert (cl.bytes_offered - sent, cl.bytes_pulled - received) == (want, want)
 print("reduced", flush=True)
 if pid == 0:
   cl.await_key("pulled", 1, "the pulls")

@@ -184,4 +184,4 @@ def test_a_reduction_in_one_process_spreads_its_bytes_over_the_devices():
     assert transport.device_bytes() == most, spread
     transport.begin(2, 0)
     assert transport.device_bytes() == (0, 0)
-  assert Transport(dict(enumerate(devices))).pieces_for(devices) == 1  # CPU devices: one memory
+  assert Transport(dict(enumerate(devices))).pieces_for(devices, tuple(devices)) == 1  # one memory

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilient_jax.model.sharding import Where
+from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.observe.logs import info
 from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.dispatch import dispatch
@@ -378,11 +378,10 @@ class Interpreter(StateHandover):
         _, grads = prog.backward_fused(res, saved, params, g, prog.zero_grads(params, dev))
         outs.append(prog.optimizer_step(params, self.opt_state[slot], grads, self.owned[slot]))
         for group in self.groups:  # the gradient all-reduce's own programs
-          members = {self.device(h) for h in group.holders}
+          members = tuple(sorted({self.device(h) for h in group.holders}, key=where_key))
           if slot in group.holders and len(members) > 1:
             zero = prog.zero_grads(params, dev)
-            mine = len({self.device(h) for h in group.holders if h in self.params})
-            outs += self.transport.prepare_reduce({dev: group.part(zero)}, mine)
+            outs += self.transport.prepare_reduce({dev: group.part(zero)}, members)
     self.transport.wait(outs, "the warm-up of the split backward")
 
   # ---------------------------------------------------------------- one step

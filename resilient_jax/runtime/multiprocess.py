@@ -243,101 +243,106 @@ class ProcessTransport(Transport):
     procs = list(dict.fromkeys(_process_of(d) for d in devices))
     if len(procs) == 1:  # every member is here
       return super().reduce(index, nodes, devices, local)
-    # This process's members sum their pieces among themselves (`scatter_sum`), the first
-    # collects the local sum and runs the ring with the other processes, hands each piece of
-    # the total back to its owner, and the others gather them (`all_gather`; the first holds
-    # the whole total already).
+    # This process's members sum their pieces among themselves (`scatter_sum`), each owner runs
+    # the ring of its pieces with their owners in the other processes, and the members gather
+    # the totals (`all_gather`).
     mine = [d for d in devices if d in local]
-    k, first = self.pieces_for(mine), mine[0]
-    cut, join, length = _reduce_programs(local, k)
+    k = self.pieces_for(mine, devices)
+    cut, join, _ = _reduce_programs(local, k)
     sums = self.scatter_sum(mine, {d: cut(local[d]) for d in mine})
-    owners = _owners(mine, k)
-    moved = iter(self.move([(x, o, first) for x, o in zip(sums, owners, strict=True)
-                            if o != first]))
-    cut_flat, join_flat = pieces(length, k)
-    total = self._ring(index, procs, join_flat(*(x if o == first else next(moved)
-                                                 for x, o in zip(sums, owners, strict=True))),
-                       first)
-    if total is None:
+    totals = self._ring(index, procs, sums, _owners(mine, k))
+    if totals is None:
       return local
-    back = cut_flat(total)
-    moved = iter(self.move([(x, first, o) for x, o in zip(back, owners, strict=True)
-                            if o != first]))
-    out = self.all_gather(mine, [x if o == first else next(moved)
-                                 for x, o in zip(back, owners, strict=True)], join,
-                          whole={first: back})
+    out = self.all_gather(mine, totals, join)
     err = self.cluster.wait(list(out.values()), what, procs)
     if err is not None:
       self._failed(what, err)
       return local
     return out
 
-  def _ring(self, index: int, procs: list[int], partial: jax.Array, first: Where
-            ) -> jax.Array | None:
-    """The sum over `procs` of each one's `partial` (a flat buffer on its `first` member), by a
-    ring: a reduce-scatter, then an all-gather. The buffer is cut into K equal chunks, K the
+  def pieces_for(self, mine: Sequence[Where], devices: Devices) -> int:
+    """`Transport.pieces_for` across processes: spread, the most members any one process holds
+    (every process derives the same count from `devices`, so piece j is the same elements in
+    each, and its owners run its ring together); else one."""
+    if not self._spreads(mine[0]):
+      return 1
+    per_process: dict[int, int] = {}
+    for d in devices:
+      per_process[_process_of(d)] = per_process.get(_process_of(d), 0) + 1
+    return max(per_process.values())
+
+  def is_local_where(self, where: Where) -> bool:
+    return _process_of(where) == self.cluster.process_id
+
+  def _ring(self, index: int, procs: list[int], partials: list[jax.Array],
+            owners: list[Where]) -> list[jax.Array] | None:
+    """The sum over `procs` of each one's `partials` (piece j of this process's sum, a flat
+    buffer on its owner `owners[j]`), by a ring per piece: a reduce-scatter, then an
+    all-gather, every piece's ring run by its owners in step (without spreading, one piece on
+    the first member). A piece is cut into K equal chunks, K the
     job's process count (fixed for the job, so a ring that loses or regains members compiles
     nothing), and chunk c belongs to ring position c mod P (P = len(procs); the hops are
     `schedule.ring`'s, which the simulator's cost model prices): each process sends
     and receives about 2 (P - 1) / P buffers' bytes whatever P is (a gather of every member's
-    buffer was P - 1). Each chunk is summed once, in a fixed order (from the position after its
-    owner on around the ring, each adding its own part), and then only copied, so every replica
-    holds bitwise the same sum. Every pull is waited for before anything adds it (no device's
-    queue waits on another process), watching every member: a member that dies or freezes ends
-    the wait of all of them (`Cluster.wait`), so it costs its own worker only; None then.
+    buffer was P - 1), through each owner's device its share. Each chunk is summed once, in a
+    fixed order (from the position after its owner on around the ring, each adding its own
+    part), and then only copied, so every replica holds bitwise the same sum. Every pull is
+    waited for before anything adds it (no device's queue waits on another process), watching
+    every member: a member that dies or freezes ends the wait of all of them (`Cluster.wait`),
+    so it costs its own worker only; None then.
     """
     me, n = self.cluster.process_id, len(procs)
     r = procs.index(me)
     prev = procs[(r - 1) % n]
-    cut, join = pieces(partial.shape[0], self.cluster.num_processes)
-    own = list(cut(partial))
-    chunks = list(own)
-    spec = jax.ShapeDtypeStruct(own[0].shape, own[0].dtype)
-    owned = ring.owned(len(own), n)  # the chunks of each position
+    cut, join = pieces(partials[0].shape[0], self.cluster.num_processes)
+    own = [list(cut(p)) for p in partials]
+    chunks = [list(o) for o in own]
+    spec = jax.ShapeDtypeStruct(own[0][0].shape, own[0][0].dtype)
+    owned = ring.owned(len(own[0]), n)  # the chunks of each position
     watch = [q for q in procs if q != me]
     for hop, (send, recv, gather) in enumerate(ring.hops(r, n)):  # gather: sums go round
-      uid = self._ring_id(index, hop)
-      self.cluster.offer(uid, [chunks[c] for c in owned[send]])
+      for j, piece in enumerate(chunks):
+        self.cluster.offer(self._ring_id(index, hop, j), [piece[c] for c in owned[send]])
       if hop == 0 and self.pause is not None:
         self.pause(self.step, "AR")
-      got = self.cluster.pull(prev, uid, [spec] * len(owned[recv]), first)
-      if got is None:
+      got = [self.cluster.pull(prev, self._ring_id(index, hop, j), [spec] * len(owned[recv]),
+                               owners[j]) for j in range(len(chunks))]
+      if any(g is None for g in got):
         self.doomed.append(f"all-reduce {index}: process {prev} unreachable")
         return None
       err = self.cluster.wait(got, f"all-reduce {index} from process {prev}", watch)
       if err is not None:
         self._failed(f"all-reduce {index}", err)
         return None
-      for c, x in zip(owned[recv], got, strict=True):
-        chunks[c] = x if gather else _add(x, own[c])
-    return join(*chunks)
+      for j, arrived in enumerate(got):
+        for c, x in zip(owned[recv], arrived, strict=True):
+          chunks[j][c] = x if gather else _add(x, own[j][c])
+    return [join(*piece) for piece in chunks]
 
-  def prepare_reduce(self, local: PerDevice, members: int) -> list[jax.Array]:
-    """`Transport.prepare_reduce`, and the programs around the ring (the local sum's pieces
-    joined and cut again; the ring's own cut, add and join)."""
-    outs = super().prepare_reduce(local, members)
-    k = members if self._spreads(next(iter(local))) else 1
-    cut, _, length = _reduce_programs(local, k)
-    own = cut(next(iter(local.values())))
-    cut_flat, join_flat = pieces(length, k)
-    flat = join_flat(*own)
-    outs += list(cut_flat(flat))
-    cut_ring, join_ring = pieces(flat.shape[0], self.cluster.num_processes)
-    chunks = cut_ring(flat)
+  def prepare_reduce(self, local: PerDevice, devices: Devices) -> list[jax.Array]:
+    """`Transport.prepare_reduce`, and the ring's own programs (cut, add, join)."""
+    outs = super().prepare_reduce(local, devices)
+    cut, _, _ = _reduce_programs(local, self.pieces_for(list(local), devices))
+    piece = cut(next(iter(local.values())))[0]
+    cut_ring, join_ring = pieces(piece.shape[0], self.cluster.num_processes)
+    chunks = cut_ring(piece)
     outs += [_add(chunks[0], chunks[0]), join_ring(*chunks)]
     return outs
 
-  def _ring_id(self, index: int, hop: int) -> int:
-    """The transfer id of hop `hop` of reduction `index` in this attempt (unique on the sending
-    process's server): apart from activations' ids (below 2**60) and `Cluster.connect`'s
-    (2**61 on).
+  def _ring_id(self, index: int, hop: int, piece: int = 0) -> int:
+    """The transfer id of hop `hop` of piece `piece`'s ring of reduction `index` in this
+    attempt (unique on the sending process's server): apart from activations' ids (below
+    2**60) and `Cluster.connect`'s (2**61 on).
 
     Raises:
-      ValueError: a field outside its range (2**22 steps, 4096 hops: 2048 member processes).
+      ValueError: a field outside its range (2**22 steps, 64 pieces, 4096 hops: 2048 member
+        processes).
     """
-    if not (0 <= self.step < 1 << 22 and 0 <= hop < 1 << 12):
-      raise ValueError(f"reduction transfer id out of range: step {self.step}, hop {hop}")
-    key = ((self.step * 64 + self.attempt % 64) * 1024 + index % 1024) * 4096 + hop
+    if not (0 <= self.step < 1 << 22 and 0 <= hop < 1 << 12 and 0 <= piece < 64):
+      raise ValueError(f"reduction transfer id out of range: step {self.step}, hop {hop}, "
+                       f"piece {piece}")
+    key = (((self.step * 64 + self.attempt % 64) * 1024 + index % 1024) * 64 + piece) * 4096 \
+      + hop
     return (1 << 60) + key
 
   def conclude(

@@ -17,15 +17,15 @@ phase, so no device carries more than its share however many the process holds. 
 devices with links of their own (GPUs, TPUs: `Transport.spread`); CPU devices share one memory,
 where spreading copies the same bytes in all with k times the dispatches, so there k is 1 and
 the first member sums. Each piece is summed once and only copied after, so every replica holds
-bitwise the same sum. Across processes (`runtime.multiprocess.ProcessTransport`) the first
-member collects its process's sum and the member processes run a ring (reduce-scatter,
-all-gather) over the transfer server: 2 (P - 1) / P buffers in and out per process, flat in the
-number of processes P, as the simulator's cost model prices it; it hands the total back piece by
-piece. Growth per reduction: bytes per process O(1) in dp, and per device O(1) in the devices of
-a process (the first member of a multi-process group: about 2 more buffers, the ring's);
-2 (P - 1) sequential transfers (latency O(P)); host work O(k^2 + P) dispatches (the copies of
-the two phases, each a single `device_put` call). `device_bytes` counts every device's bytes
-(`metrics.jsonl`: `device_bytes_out`, `device_bytes_in`).
+bitwise the same sum. Across processes (`runtime.multiprocess.ProcessTransport`) k is the most
+members any process holds, and between the two phases each piece's owners run a ring
+(reduce-scatter, all-gather) among the member processes over the transfer server, every owner
+from its own device: 2 (P - 1) / P buffers in and out per process, flat in the number of
+processes P, as the simulator's cost model prices it. Growth per reduction: bytes per process
+O(1) in dp, and per device O(1) in the devices of a process; 2 (P - 1) sequential transfers
+(latency O(P)); host work O(k^2 + k P) dispatches (the copies of the two local phases each a
+single `device_put` call). `device_bytes` counts every device's bytes (`metrics.jsonl`:
+`device_bytes_out`, `device_bytes_in`).
 It is not an XLA collective over the group, for three reasons: a new group after a failure
 compiles only the few small programs above for its new k (never a stage program); a member
 frozen inside a collective could not be abandoned (it holds its device's queue), while a pull
@@ -168,13 +168,13 @@ class Transport:
     `local` itself when a member's gradients cannot be had (the attempt is then doomed)."""
     del index, nodes
     mine = [d for d in devices if d in local]
-    cut, join, _ = _reduce_programs(local, self.pieces_for(mine))
+    cut, join, _ = _reduce_programs(local, self.pieces_for(mine, devices))
     return self.all_gather(mine, self.scatter_sum(mine, {d: cut(local[d]) for d in mine}), join)
 
-  def pieces_for(self, mine: Sequence[Where]) -> int:
-    """How many pieces a reduction among this process's members `mine` cuts its buffer into:
-    one each when it spreads (`spread`), else one."""
-    return len(mine) if self._spreads(mine[0]) else 1
+  def pieces_for(self, mine: Sequence[Where], devices: Devices) -> int:
+    """How many pieces a reduction over `devices` (every member), `mine` of them here, cuts
+    its buffer into: one a member when it spreads (`spread`), else one."""
+    return len(devices) if self._spreads(mine[0]) else 1  # every member is here
 
   def _spreads(self, where: Where) -> bool:
     if self.spread is not None:
@@ -196,17 +196,13 @@ class Transport:
     return [add(*(pieces[d][c] if d == owners[c] else next(moved) for d in mine))
             for c in range(k)]
 
-  def all_gather(self, mine: list[Where], sums: list[jax.Array], join: Callable,
-                 whole: Mapping[Where, Sequence[jax.Array]] | None = None) -> PerDevice:
+  def all_gather(self, mine: list[Where], sums: list[jax.Array], join: Callable) -> PerDevice:
     """The all-gather after `scatter_sum`: every member copies each piece from its owner and
-    joins them (`join`: pieces -> the gradients' own layout); a member of `whole` holds every
-    piece already (those given) and copies none."""
-    whole = whole or {}
+    joins them (`join`: pieces -> the gradients' own layout)."""
     owners = _owners(mine, len(sums))
-    moved = iter(self.move([(x, o, d) for d in mine if d not in whole
-                            for x, o in zip(sums, owners, strict=True) if o != d]))
-    return {d: join(*whole[d]) if d in whole else
-            join(*(x if o == d else next(moved) for x, o in zip(sums, owners, strict=True)))
+    moved = iter(self.move([(x, o, d) for d in mine for x, o in zip(sums, owners, strict=True)
+                            if o != d]))
+    return {d: join(*(x if o == d else next(moved) for x, o in zip(sums, owners, strict=True)))
             for d in mine}
 
   def move(self, moves: Sequence[tuple[jax.Array, Where, Where]]) -> list[jax.Array]:
@@ -224,19 +220,24 @@ class Transport:
     return (max((v[0] for v in self._moved.values()), default=0),
             max((v[1] for v in self._moved.values()), default=0))
 
-  def prepare_reduce(self, local: PerDevice, members: int) -> list[jax.Array]:
-    """Builds the programs `reduce` runs on gradients laid out as `local` among `members` of
-    this process (cut, sum, join) by running them once on it; returns their outputs to wait
-    on. A process relaunched into a running job builds them before its first step, which
-    would otherwise."""
-    k = members if self._spreads(next(iter(local))) else 1
-    cut, join, _ = _reduce_programs(local, k)
+  def prepare_reduce(self, local: PerDevice, devices: Devices) -> list[jax.Array]:
+    """Builds the programs `reduce` over `devices` (every member) runs on gradients laid out as
+    `local` (one of this process's members: cut, sum, join) by running them once on it;
+    returns their outputs to wait on. A process relaunched into a running job builds them
+    before its first step, which would otherwise."""
+    members = sum(self.is_local_where(d) for d in devices)
+    cut, join, _ = _reduce_programs(local, self.pieces_for(list(local), devices))
     outs = []
     for g in local.values():
       pieces = cut(g)
       outs.append(_sum(members)(*[pieces[0]] * members))
       outs.extend(jax.tree.leaves(join(*pieces)))
     return outs
+
+  def is_local_where(self, where: Where) -> bool:
+    """Whether `where` (a member of a reduction) is one of this process's devices."""
+    del where
+    return True
 
   def conclude(
     self, losses: Mapping[int, jax.Array], new_params: Sequence[Any], grad_sumsq: Sequence[Any]
