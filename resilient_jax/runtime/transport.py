@@ -16,16 +16,17 @@ an all-gather among the devices of a process, each sending and receiving (k - 1)
 phase, so no device carries more than its share however many the process holds. That is for
 devices with links of their own (GPUs, TPUs: `Transport.spread`); CPU devices share one memory,
 where spreading copies the same bytes in all with k times the dispatches, so there k is 1 and
-the first member sums. Each piece is summed once and only copied after, so every replica holds
-bitwise the same sum. Across processes (`runtime.multiprocess.ProcessTransport`) k is the most
-members any process holds, and between the two phases each piece's owners run a ring
-(reduce-scatter, all-gather) among the member processes over the transfer server, every owner
-from its own device: 2 (P - 1) / P buffers in and out per process, flat in the number of
-processes P, as the simulator's cost model prices it. Growth per reduction: bytes per process
-O(1) in dp, and per device O(1) in the devices of a process; 2 (P - 1) sequential transfers
-(latency O(P)); host work O(k^2 + k P) dispatches (the copies of the two local phases each a
-single `device_put` call). `device_bytes` counts every device's bytes (`metrics.jsonl`:
-`device_bytes_out`, `device_bytes_in`).
+the first member sums (in one piece the gradients are summed as they are laid out, in float32
+and cast back, with no buffer made: no cut or join program). Each piece is summed once and only
+copied after, so every replica holds bitwise the same sum. Across processes
+(`runtime.multiprocess.ProcessTransport`) k is the most members any process holds, and between
+the two phases each piece's owners run a ring (reduce-scatter, all-gather) among the member
+processes over the transfer server, every owner from its own device: 2 (P - 1) / P buffers in
+and out per process, flat in the number of processes P, as the simulator's cost model prices it.
+Growth per reduction: bytes per process O(1) in dp, and per device O(1) in the devices of a
+process; 2 (P - 1) sequential transfers (latency O(P)); host work O(k^2 + k P) dispatches (the
+copies of the two local phases each a single `device_put` call). `device_bytes` counts every
+device's bytes (`metrics.jsonl`: `device_bytes_out`, `device_bytes_in`).
 It is not an XLA collective over the group, for three reasons: a new group after a failure
 compiles only the few small programs above for its new k (never a stage program); a member
 frozen inside a collective could not be abandoned (it holds its device's queue), while a pull
@@ -168,7 +169,7 @@ class Transport:
     `local` itself when a member's gradients cannot be had (the attempt is then doomed)."""
     del index, nodes
     mine = [d for d in devices if d in local]
-    cut, join, _ = _reduce_programs(local, self.pieces_for(mine, devices))
+    cut, join = _local_programs(local, self.pieces_for(mine, devices))
     return self.all_gather(mine, self.scatter_sum(mine, {d: cut(local[d]) for d in mine}), join)
 
   def pieces_for(self, mine: Sequence[Where], devices: Devices) -> int:
@@ -209,8 +210,9 @@ class Transport:
     """Copies each (array, from, to) to its device, in one call, counting every device's bytes
     sent and received (`device_bytes`)."""
     for x, src, dst in moves:
-      self._moved.setdefault(src, [0, 0])[0] += x.nbytes
-      self._moved.setdefault(dst, [0, 0])[1] += x.nbytes
+      nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(x))
+      self._moved.setdefault(src, [0, 0])[0] += nbytes
+      self._moved.setdefault(dst, [0, 0])[1] += nbytes
     return jax.device_put([x for x, _, _ in moves], [dst for _, _, dst in moves]) \
       if moves else []
 
@@ -226,7 +228,7 @@ class Transport:
     returns their outputs to wait on. A process relaunched into a running job builds them
     before its first step, which would otherwise."""
     members = sum(self.is_local_where(d) for d in devices)
-    cut, join, _ = _reduce_programs(local, self.pieces_for(list(local), devices))
+    cut, join = _local_programs(local, self.pieces_for(list(local), devices))
     outs = []
     for g in local.values():
       pieces = cut(g)
@@ -281,6 +283,15 @@ def _in_ar_scope(fn: Callable) -> Callable:
       return fn(*args)
 
   return scoped
+
+
+def _local_programs(local: PerDevice, k: int) -> tuple[Callable, Callable]:
+  """`(cut, join)` of a reduction among one process's devices: in one piece the gradients
+  are summed as they are laid out (no program: `_sum` adds in float32 and casts back, as the
+  float32 buffer would be), else `_reduce_programs`'s."""
+  if k == 1:
+    return (lambda g: (g,)), (lambda total: total)
+  return _reduce_programs(local, k)[:2]
 
 
 def _reduce_programs(local: PerDevice, k: int) -> tuple[Callable, Callable, int]:
@@ -352,13 +363,15 @@ def _owners(mine: list[Where], k: int) -> list[Where]:
 
 
 @functools.cache
-def _sum(n: int) -> Callable[..., jax.Array]:
-  """One program that adds its `n` arguments in order (the argument itself for one)."""
+def _sum(n: int) -> Callable[..., Any]:
+  """One program that adds its `n` arguments (arrays, or trees of arrays laid out alike) in
+  order, in float32, each leaf cast back to its dtype (the argument itself for one)."""
   if n == 1:
     return lambda x: x
 
-  def add(*xs: jax.Array) -> jax.Array:  # named so: `jit(add)/AR/add` in a profile
-    return functools.reduce(jnp.add, xs)
+  def add(*xs: Any) -> Any:  # named so: `jit(add)/AR/add` in a profile
+    return jax.tree.map(lambda *leaves: functools.reduce(
+      jnp.add, [x.astype(jnp.float32) for x in leaves]).astype(leaves[0].dtype), *xs)
 
   return OnEachDevice(_in_ar_scope(add))
 
