@@ -248,7 +248,7 @@ class ProcessTransport(Transport):
     # the totals (`all_gather`).
     mine = [d for d in devices if d in local]
     k = self.pieces_for(mine, devices)
-    cut, join, _ = _reduce_programs(local, k)
+    cut, join = self.programs_for(local, devices)
     sums = self.scatter_sum(mine, {d: cut(local[d]) for d in mine})
     totals = self._ring(index, procs, sums, _owners(mine, k))
     if totals is None:
@@ -319,10 +319,20 @@ class ProcessTransport(Transport):
           chunks[j][c] = x if gather else _add(x, own[j][c])
     return [join(*piece) for piece in chunks]
 
+  def programs_for(self, local: PerDevice, devices: Devices) -> tuple[Callable, Callable]:
+    """`Transport.programs_for`; for a group across processes, always one float32 buffer in
+    pieces, which the rings cut further."""
+    if len({_process_of(d) for d in devices}) == 1:
+      return super().programs_for(local, devices)
+    return _reduce_programs(local, self.pieces_for(list(local), devices))[:2]
+
   def prepare_reduce(self, local: PerDevice, devices: Devices) -> list[jax.Array]:
-    """`Transport.prepare_reduce`, and the ring's own programs (cut, add, join)."""
+    """`Transport.prepare_reduce`, and for a group across processes the ring's own programs
+    (cut, add, join)."""
     outs = super().prepare_reduce(local, devices)
-    cut, _, _ = _reduce_programs(local, self.pieces_for(list(local), devices))
+    if len({_process_of(d) for d in devices}) == 1:
+      return outs
+    cut, _ = self.programs_for(local, devices)
     piece = cut(next(iter(local.values())))[0]
     cut_ring, join_ring = pieces(piece.shape[0], self.cluster.num_processes)
     chunks = cut_ring(piece)

@@ -228,13 +228,17 @@ class Transport:
     returns their outputs to wait on. A process relaunched into a running job builds them
     before its first step, which would otherwise."""
     members = sum(self.is_local_where(d) for d in devices)
-    cut, join = _local_programs(local, self.pieces_for(list(local), devices))
+    cut, join = self.programs_for(local, devices)
     outs = []
     for g in local.values():
       pieces = cut(g)
       outs.append(_sum(members)(*[pieces[0]] * members))
       outs.extend(jax.tree.leaves(join(*pieces)))
     return outs
+
+  def programs_for(self, local: PerDevice, devices: Devices) -> tuple[Callable, Callable]:
+    """The `(cut, join)` `reduce` over `devices` runs on gradients laid out as `local`."""
+    return _local_programs(local, self.pieces_for(list(local), devices))
 
   def is_local_where(self, where: Where) -> bool:
     """Whether `where` (a member of a reduction) is one of this process's devices."""
