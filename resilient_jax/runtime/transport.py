@@ -169,7 +169,7 @@ class Transport:
     `local` itself when a member's gradients cannot be had (the attempt is then doomed)."""
     del index, nodes
     mine = [d for d in devices if d in local]
-    cut, join = _local_programs(local, self.pieces_for(mine, devices))
+    cut, join = self.programs_for(local, devices)
     return self.all_gather(mine, self.scatter_sum(mine, {d: cut(local[d]) for d in mine}), join)
 
   def pieces_for(self, mine: Sequence[Where], devices: Devices) -> int:
