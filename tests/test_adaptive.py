@@ -248,7 +248,8 @@ def test_list_scheduler_makespan_is_the_replays():
 
 def test_a_variant_stopped_when_it_cannot_win_changes_no_plan(monkeypatch):
   # The planner stops a variant once some worker's remaining ops, back to back, end after the
-  # best makespan so far. The plans it makes must be those it makes trying every variant whole.
+  # best makespan so far (or at it, holding as many in flight as the best: a tie it would lose).
+  # The plans it makes must be those it makes trying every variant whole.
   from resilient_jax.schedule import adaptive
 
   cases = [(8, 8, 16, f, COSTS) for f in _cases(8, 8)]
@@ -260,11 +261,12 @@ def test_a_variant_stopped_when_it_cannot_win_changes_no_plan(monkeypatch):
     listed = whole(*args, **kwargs)
     if listed.makespan == math.inf:
       stopped.append(args[7])
-      # and a stopped pass would indeed have lost
-      assert whole(*args).makespan > kwargs["beat"]
+      # and a stopped pass would indeed have lost: a longer makespan, or a tie at a peak as high
+      full = whole(*args)
+      assert (round(full.makespan, 9), full.peak) >= (kwargs["beat"], kwargs["beat_peak"])
     return listed
 
-  def never_stopped(*args, beat=math.inf):
+  def never_stopped(*args, **_):
     return whole(*args)
 
   for dp, pp, m, failed, costs in cases:
@@ -274,6 +276,23 @@ def test_a_variant_stopped_when_it_cannot_win_changes_no_plan(monkeypatch):
     monkeypatch.setattr(adaptive, "_list_schedule", never_stopped)
     assert plan_adaptive(state, costs) == fast
   assert len(stopped) >= 5  # the stop is taken, not only allowed
+
+
+def test_a_tie_stops_only_a_pass_that_would_lose_it():
+  # Makespans are compared rounded to 1e-9 s, and a tie goes to the lower in-flight peak. A pass
+  # held against its own makespan stops when its peak would lose the tie, runs whole when the
+  # best it ties has a higher peak, and runs whole against a best it beats by 2e-9 s.
+  dp, pp, m, failed = 8, 8, 16, {(5, 0), (5, 1), (5, 2), (5, 3), (5, 4), (5, 5), (5, 6), (5, 7)}
+  route, live = reroute(dp, pp, m, failed), _live_workers(dp, pp, failed)
+  order, f_key, _ = _VARIANTS[0]
+  whole = _list_schedule(pp, m, route, live, COSTS, 4, order, f_key)
+  beat = round(whole.makespan, 9)
+  assert _list_schedule(pp, m, route, live, COSTS, 4, order, f_key, beat=beat,
+                        beat_peak=whole.peak).makespan == math.inf
+  for against in ((beat, whole.peak + 1), (beat + 2e-9, whole.peak)):
+    again = _list_schedule(pp, m, route, live, COSTS, 4, order, f_key, beat=against[0],
+                           beat_peak=against[1])
+    assert (again.makespan, again.out) == (whole.makespan, whole.out), against
 
 
 def test_naive_does_not_deadlock_when_damaged_pipelines_swap_work():

@@ -213,7 +213,7 @@ def _adaptive_on_route(
       continue
     out, starts, span, peak, feed_was_local, crit_is_mb = _list_schedule(
       pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None, speed,
-      beat=math.inf if best is None else best[0])
+      beat=math.inf if best is None else best[0], beat_peak=0 if best is None else best[1])
     if feed_was_local:
       same_as_local.add((order, limit))
     score = (round(span, 9), peak)

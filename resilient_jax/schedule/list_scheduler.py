@@ -71,6 +71,7 @@ def _list_schedule(
   act_cap: Sequence[int] | None = None,
   speed: Sequence[float] | None = None,
   beat: float = math.inf,
+  beat_peak: int = 0,
 ) -> _Listed:
   """Event-driven list scheduling of F, B and W over the cost model.
 
@@ -97,6 +98,8 @@ def _list_schedule(
       worker's ops still to run, back to back from the op it starts, plus its stage's AR and
       OPT, end later (by more than `_TIE`), so its makespan would: it then returns a makespan
       of infinity and half a plan. A plan that is finished is the same as without `beat`.
+    beat_peak: the best variant's in-flight peak, which breaks a tie of makespans: once this
+      pass holds as many in flight, it also stops when its makespan can at best tie `beat`.
 
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
@@ -126,8 +129,8 @@ def _list_schedule(
   left = [0.0] * len(live)
   for w in node_w:
     left[w] += sum(dur[w])
-  deadline = [beat + _TIE - costs.ar_at(s) - costs.opt_at(s) / v
-              for (_, s), v in zip(live, speed, strict=True)]
+  tail = [costs.ar_at(s) + costs.opt_at(s) / v for (_, s), v in zip(live, speed, strict=True)]
+  deadline = (tail, beat, beat_peak)
   out, starts, last_end, peak, feed_was_local = _place(
     pp, live, dur, costs.comm, cap, act_lim, order, f_key, node_w, f_entry, left, deadline)
   if last_end is None:  # stopped: it would not beat `beat`
@@ -206,7 +209,7 @@ def _place(
   node_w: list[int],
   f_entry: list[int],
   left: list[float],
-  deadline: list[float],
+  deadline: tuple[list[float], float, int],
 ) -> tuple[list[list[tuple[int, int]]], list[list[float]], list[float] | None, int, bool]:
   """The event loop of `_list_schedule`: idle workers pick, then the next instant's events land.
 
@@ -216,8 +219,8 @@ def _place(
     act_lim: per worker, most micro-batches between F and B.
     node_w: the worker (index in `live`) of every node `mb * pp + stage`.
     f_entry: every node's entry in a queue of ready forwards (`_f_entries`).
-    left, deadline: per worker, its ops' time back to back (consumed as they start), and the
-      latest its last op may end without losing to `_list_schedule`'s `beat`.
+    left, deadline: per worker, its ops' time back to back (consumed as they start); (per
+      worker, its stage's AR and OPT after its last op, `beat`, `beat_peak`): see there.
 
   Returns:
     Per worker its `(kind, mb)` in execution order and their start times, per worker the end of
@@ -225,6 +228,7 @@ def _place(
     flight, and (for "feed") whether every F picked was the head of its heap.
   """
   n_w, n_nodes = len(live), len(node_w)
+  tail, beat, tie_peak = deadline
   # B of a node waits for its own F and, below the last stage, for the B of the stage above.
   b_need = [1 if i % pp == pp - 1 else 2 for i in range(n_nodes)]
   b_ready = [0.0] * n_nodes
@@ -279,7 +283,7 @@ def _place(
           supply[node_w[node + 1]] += 1
       elif pick == _B:
         active[w] -= 1
-      if t + left[w] > deadline[w]:  # cannot beat the makespan to beat
+      if _cannot_win(t + left[w] + tail[w], beat, peak >= tie_peak):
         return out, starts, None, peak, feed_was_local
       left[w] -= dur[w][pick]
       busy[w] = True
@@ -293,6 +297,16 @@ def _place(
     t = events[0][0]
     seq = _land(t, events, seq, node_w, f_entry, queues, busy, last_end, inflight, b_need,
                 b_ready, dirty, pp, comm)
+
+
+def _cannot_win(end: float, beat: float, tie_loses: bool) -> bool:
+  """Whether a pass whose makespan is at least `end` (a worker's remaining ops back to back,
+  then its stage's AR and OPT) cannot beat `beat`, the best makespan so far rounded to 1e-9 s
+  as `adaptive` compares them: it is later by more than `_TIE`, or, where a tie loses (the pass
+  holds as many in flight as the best), it cannot round below `beat` (`end`, a sum of floats,
+  is taken 1e-12 lower than computed, more than its rounding error)."""
+  return end > beat + _TIE or (tie_loses and end >= beat - _TIE
+                               and round(end - 1e-12, 9) >= beat)
 
 
 def _feed_pick(fq: list[int], supply: list[int], node_w: list[int], pp: int) -> tuple[int, bool]:
