@@ -99,7 +99,8 @@ def _list_schedule(
       OPT, end later (by more than `_TIE`), so its makespan would: it then returns a makespan
       of infinity and half a plan. A plan that is finished is the same as without `beat`.
     beat_peak: the best variant's in-flight peak, which breaks a tie of makespans: once this
-      pass holds as many in flight, it also stops when its makespan can at best tie `beat`.
+      pass holds as many in flight, it also stops when its makespan can at best tie `beat`
+      (rounded to 1e-9 s, as `adaptive` compares them).
 
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
@@ -124,8 +125,8 @@ def _list_schedule(
   speed = list(speed) if speed is not None else [1.0] * len(live)
   dur = [(costs.f_at(s) / v, costs.b_at(s) / v, costs.w_at(s) / v)
          for (_, s), v in zip(live, speed, strict=True)]
-  # Per worker, the time its ops not yet started take back to back, and the latest its last
-  # op may end and still beat `beat` (its stage's AR and OPT follow).
+  # Per worker, the time its ops not yet started take back to back, and what follows its last
+  # op (its stage's AR and OPT): its makespan's bound at each pick (`_cannot_win`).
   left = [0.0] * len(live)
   for w in node_w:
     left[w] += sum(dur[w])
