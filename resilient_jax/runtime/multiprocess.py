@@ -324,7 +324,7 @@ class ProcessTransport(Transport):
     pieces, which the rings cut further."""
     if len({_process_of(d) for d in devices}) == 1:
       return super().programs_for(local, devices)
-    return _reduce_programs(local, self.pieces_for(list(local), devices))[:2]
+    return _reduce_programs(local, self.pieces_for(list(local), devices))
 
   def prepare_reduce(self, local: PerDevice, devices: Devices) -> list[jax.Array]:
     """`Transport.prepare_reduce`, and for a group across processes the ring's own programs

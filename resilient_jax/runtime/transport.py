@@ -237,8 +237,13 @@ class Transport:
     return outs
 
   def programs_for(self, local: PerDevice, devices: Devices) -> tuple[Callable, Callable]:
-    """The `(cut, join)` `reduce` over `devices` runs on gradients laid out as `local`."""
-    return _local_programs(local, self.pieces_for(list(local), devices))
+    """The `(cut, join)` `reduce` over `devices` runs on gradients laid out as `local`: in one
+    piece the gradients are summed as they are laid out (no program: `_sum` adds in float32 and
+    casts back, as the float32 buffer would be), else `_reduce_programs`."""
+    k = self.pieces_for(list(local), devices)
+    if k == 1:
+      return (lambda g: (g,)), (lambda total: total)
+    return _reduce_programs(local, k)
 
   def is_local_where(self, where: Where) -> bool:
     """Whether `where` (a member of a reduction) is one of this process's devices."""
@@ -289,27 +294,17 @@ def _in_ar_scope(fn: Callable) -> Callable:
   return scoped
 
 
-def _local_programs(local: PerDevice, k: int) -> tuple[Callable, Callable]:
-  """`(cut, join)` of a reduction among one process's devices: in one piece the gradients
-  are summed as they are laid out (no program: `_sum` adds in float32 and casts back, as the
-  float32 buffer would be), else `_reduce_programs`'s."""
-  if k == 1:
-    return (lambda g: (g,)), (lambda total: total)
-  return _reduce_programs(local, k)[:2]
-
-
-def _reduce_programs(local: PerDevice, k: int) -> tuple[Callable, Callable, int]:
-  """`(cut, join, length)` for gradients laid out as `local` (a dict by name, or packed:
-  `programs.packing`): `cut` lays them out as one float32 buffer of `length` elements in `k`
-  equal pieces (zero-padded), `join` takes the pieces back to the gradients' own layout; one
-  program each."""
+def _reduce_programs(local: PerDevice, k: int) -> tuple[Callable, Callable]:
+  """`pieces` of gradients laid out as `local` (a dict by name, or packed: `programs.packing`):
+  `cut` lays them out as one float32 buffer in `k` equal pieces (zero-padded), `join` takes
+  the pieces back to the gradients' own layout."""
   some = next(iter(local.values()))
   if isinstance(some, Packed):
     form: Form = some.layout
   else:
     names = tuple(sorted(some))
     form = (names, tuple((some[n].shape, some[n].dtype) for n in names))
-  return (*pieces(form, k), _flat(form)[2])
+  return pieces(form, k)
 
 
 Form = Layout | tuple | int
@@ -321,11 +316,8 @@ gradients, or the length of a flat float32 buffer."""
 def pieces(form: Form, k: int) -> tuple[Callable, Callable]:
   """`(cut, join)`: one program that lays `form` out as one float32 buffer (zero-padded to a
   multiple of `k`) cut into `k` equal pieces, and one that joins the pieces back into `form`.
-  A flat buffer, or packed gradients in one float32 buffer, in one piece need neither (no
-  program)."""
+  Packed gradients in one float32 buffer, in one piece, need neither (no program)."""
   flatten, unflatten, length = _flat(form)
-  if k == 1 and isinstance(form, int):
-    return (lambda flat: (flat,)), (lambda flat: flat)
   if k == 1 and isinstance(form, Layout) and form.groups == (np.dtype(np.float32),):
     return (lambda g: (g.buffers[0],)), (lambda flat: Packed(form, (flat,)))
   size = -(-length // k)

@@ -26,7 +26,7 @@ _F, _B, _W = 0, 1, 2
 _KIND = (F, B, W)
 _TIE = 1e-8
 """Makespans within this of each other may round equal (`adaptive`'s score rounds to 1e-9 s):
-a pass is never stopped for a makespan that could tie."""
+a pass stops for a makespan that could tie only where the tie would lose (`_cannot_win`)."""
 
 # Variants tried by `plan_adaptive`, best on GPT-like profiles first: (order in which an idle
 # worker considers the kinds, which ready F goes first, limit on Fs not yet back-propagated).
@@ -224,9 +224,8 @@ def _place(
       worker, its stage's AR and OPT after its last op, `beat`, `beat_peak`): see there.
 
   Returns:
-    Per worker its `(kind, mb)` in execution order and their start times, per worker the end of
-    its last op (None when stopped by a deadline), the most micro-batches any worker held in
-    flight, and (for "feed") whether every F picked was the head of its heap.
+    Per worker its `(kind, mb)` in order, their starts and its last op's end (None: stopped);
+    the most micro-batches in flight; (for "feed") whether every F picked was its heap's head.
   """
   n_w, n_nodes = len(live), len(node_w)
   tail, beat, tie_peak = deadline
@@ -284,7 +283,8 @@ def _place(
           supply[node_w[node + 1]] += 1
       elif pick == _B:
         active[w] -= 1
-      if _cannot_win(t + left[w] + tail[w], beat, peak >= tie_peak):
+      end = t + left[w] + tail[w]  # the pass's makespan at the earliest; the call only near it
+      if end >= beat - _TIE and _cannot_win(end, beat, peak >= tie_peak):
         return out, starts, None, peak, feed_was_local
       left[w] -= dur[w][pick]
       busy[w] = True
