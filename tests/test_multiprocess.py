@@ -274,14 +274,16 @@ sent, received = cl.bytes_offered, cl.bytes_pulled
 summed = transport.reduce(0, nodes, members, grads)
 assert not transport.doomed, transport.doomed
 # A ring over the 2 member processes: each sends and receives 2 (P - 1) / P = 1 buffer of its
-# stage's gradients (one float32 [4, 2]: 32 bytes), in 2 chunks: what the simulator prices.
+# stage's gradients (one float32 [4, 2]: 32 bytes), in 2 chunks; one whole buffer between the
+# two workers here: the bytes the simulator's cost model prices (`ring.two_level`).
 from resilient_jax.schedule import ring
-want = ring.bytes_sent(8, 2, 2)[pid]
+plan = ring.two_level(8, (2, 2), spread=False)
+want = plan.process_network_bytes
 assert want == 32 and (cl.bytes_offered - sent, cl.bytes_pulled - received) == (want, want)
 assert sorted(summed, key=where_key) == sorted(grads, key=where_key)
 for g in summed.values():
   assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
-assert transport.device_bytes() == (32, 32)  # one whole buffer between the two workers here
+assert transport.device_bytes() == (plan.device_bytes,) * 2 == (32, 32)
 # Spread (GPUs' and TPUs' way): each of the 2 workers sums half and runs that half's ring with
 # its peer in the other process, then they swap totals: half a buffer each way per phase on
 # each device, and the process's network bytes as one ring's.
@@ -292,8 +294,10 @@ summed = transport.reduce(0, nodes, members, grads)
 assert not transport.doomed, transport.doomed
 for g in summed.values():
   assert np.array_equal(np.asarray(g["w"]), np.full((4, 2), 10.0)), g
-assert transport.device_bytes() == (32, 32), transport.device_bytes()
-assert (cl.bytes_offered - sent, cl.bytes_pulled - received) == (want, want)
+plan = ring.two_level(8, (2, 2))
+assert transport.device_bytes() == (plan.device_bytes,) * 2 == (32, 32), transport.device_bytes()
+want = plan.process_network_bytes
+assert (cl.bytes_offered - sent, cl.bytes_pulled - received) == (want, want) == (32, 32)
 print("reduced", flush=True)
 if pid == 0:
   cl.await_key("pulled", 1, "the pulls")

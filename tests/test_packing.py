@@ -161,6 +161,7 @@ def test_a_reduction_in_one_process_spreads_its_bytes_over_the_devices():
   devices, one memory, do by default), the same sum, and the first receives and sends k - 1
   whole buffers."""
   from resilient_jax.runtime.transport import Transport
+  from resilient_jax.schedule import ring
 
   devices = jax.devices()[:4]
   rng = np.random.default_rng(2)
@@ -172,6 +173,8 @@ def test_a_reduction_in_one_process_spreads_its_bytes_over_the_devices():
   piece = -(-elements // 4) * 4  # bytes of one of the 4 pieces (the buffer zero-padded)
   for spread, most in ((True, (2 * 3 * piece, 2 * 3 * piece)),
                        (False, (3 * elements * 4, 3 * elements * 4))):
+    # what the simulator's cost model prices (`schedule.ring.two_level`)
+    assert ring.two_level(elements, (4,), spread).device_bytes == most[0]
     transport = Transport(dict(enumerate(devices)))
     transport.spread = spread
     transport.begin(1, 0)

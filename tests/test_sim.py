@@ -188,20 +188,38 @@ def test_spec_cost_model_is_the_roofline_and_the_ring():
   # A node holds a whole pipeline (2 stages of 1 device): the transfer stays on NVLink.
   assert costs.comm == pytest.approx(tokens * h * 2 / 100e9 + 1e-6)
   grad = model.layers_per_stage(2)[0] * model.layer_params + (1000 + 512) * h
-  ar = costs.op_costs((8, 7)).ar  # a stage's peers span both nodes: the ring is on InfiniBand
-  assert ar[0] == pytest.approx(2 * 7 / 8 * grad * 2 / 10e9 + 2 * 7 * 5e-6)
-  assert ar[1] == pytest.approx(ring_allreduce_seconds(costs.ar_bytes[1], 7, 10e9, 5e-6))
+  # The all-reduce is the runtime's (`schedule.ring.two_level`), of a float32 buffer: each node
+  # holds 4 of a stage's 8 workers, which sum a quarter each over NVLink (3 pieces in and out
+  # per device a phase), run that quarter's ring with the other node on InfiniBand (2 hops of
+  # half a piece), and gather the sums.
+  assert costs.ar_bytes[0] == 4 * grad and costs.ar_groups == ((4, 4), (4, 4))
+  piece = -(-grad // 4) * 4
+  chunk = -(-piece // 8) * 4
+  ar = costs.op_costs((8, 7)).ar
+  assert ar[0] == pytest.approx(2 * (3 * piece / 100e9 + 1e-6) + 2 * (chunk / 10e9 + 5e-6))
+  # One worker lost: its node's first device now sums 2 of the 4 pieces (from 2 peers) and runs
+  # their 2 rings on its one link; it sets both paces.
+  piece = -(-int(costs.ar_bytes[1]) // 16) * 4
+  chunk = -(-piece // 8) * 4
+  assert ar[1] == pytest.approx(2 * (4 * piece / 100e9 + 1e-6) + 2 * (2 * chunk / 10e9 + 5e-6))
+  assert costs.op_costs((4, 1)).ar == (pytest.approx(2 * (3 * -(-grad // 4) * 4 / 100e9 + 1e-6)),
+                                       0.0)  # one node left: its links only; one worker: none
+  # A node per pipeline (8 stages of one device): one worker of a stage a node, the ring alone.
+  costs = CostModel.from_specs(model, device, net, Layout(dp=4, pp=8, microbatches=8))
+  elements = int(costs.ar_bytes[0]) // 4
+  assert costs.op_costs((3,) * 8).ar[0] == pytest.approx(
+    2 * 2 * (-(-elements // 3) * 4 / 10e9 + 5e-6))
   assert ring_allreduce_seconds(1e9, 1, 1.0, 1.0) == 0.0
 
 
 def test_the_cost_model_prices_the_ring_the_runtime_runs():
-  """The simulator's all-reduce is the runtime's ring (`schedule.ring`, whose hops
-  `ProcessTransport._ring` walks), at P = 2..8 members and K = P..8 pieces (the job's process
-  count): replayed on numbers, the hops sum every piece once and leave every member bitwise
-  the same sums; the bytes each member sends are what the cost model counts (2 (P - 1) / P of
-  the buffer at K = P); the runtime's own cut (`transport.pieces`) makes pieces of the size
-  priced; and the priced time is the textbook ring where the pieces divide evenly, slower where
-  they do not."""
+  """The simulator's all-reduce is the runtime's (`schedule.ring`, whose hops
+  `ProcessTransport._ring` walks): replayed on numbers at P = 2..8 processes, the ring sums
+  every chunk once and leaves every member bitwise the same sums, each member sending the bytes
+  the cost model counts (2 (P - 1) / P of the buffer); the runtime's own cut
+  (`transport.pieces`) makes pieces of the size priced. With several members a process
+  (`two_level`: a local reduce-scatter, a ring per piece, a local all-gather) the replay's
+  busiest device moves exactly the bytes priced, on the node's links and on the network."""
   import jax
   import numpy as np
 
@@ -211,31 +229,60 @@ def test_the_cost_model_prices_the_ring_the_runtime_runs():
   elements, bw, lat = 1001, 1e9, 1e-5
   flat = jax.device_put(np.arange(elements, dtype=np.float32), jax.devices()[0])
   rng = np.random.default_rng(0)
-  for k in range(2, 9):
-    cut = cut_and_join(elements, k)[0](flat)
-    assert [c.shape[0] for c in cut] == [ring.piece_elements(elements, k)] * k
+  for n in range(2, 9):
+    cut = cut_and_join(elements, n)[0](flat)
+    assert [c.shape[0] for c in cut] == [ring.piece_elements(elements, n)] * n
     np.testing.assert_array_equal(np.concatenate(cut)[:elements], np.asarray(flat))
-    for n in range(2, k + 1):
-      own = rng.normal(size=(n, k)).astype(np.float32)  # each member's partial sums per piece
-      chunks, pieces, sent = own.copy(), ring.owned(k, n), [0] * n
-      for hop in range(2 * (n - 1)):
-        msgs = [chunks[r][pieces[ring.hops(r, n)[hop][0]]] for r in range(n)]
-        for r in range(n):
-          _, recv, gather = ring.hops(r, n)[hop]
-          got = msgs[(r - 1) % n]  # the predecessor's send, which is r's receive
-          chunks[r][pieces[recv]] = got if gather else got + own[r][pieces[recv]]
-          sent[(r - 1) % n] += len(got)
-      np.testing.assert_allclose(chunks[0], own.sum(0), rtol=1e-5)
-      assert all(np.array_equal(chunks[r], chunks[0]) for r in range(n))
-      size = ring.piece_elements(elements, k) * 4
-      assert [s * size for s in sent] == ring.bytes_sent(elements, k, n), (n, k)
-      priced = ring_allreduce_seconds(elements * 4, n, bw, lat, chunks=k)
-      even = ring_allreduce_seconds(k * size, n, bw, lat)
-      if k % n == 0:
-        assert max(sent) * size == 2 * (n - 1) / n * k * size
-        assert priced == pytest.approx(even)
-      else:
-        assert priced > even
+    own = rng.normal(size=(n, n)).astype(np.float32)  # each member's chunks
+    chunks, sent = own.copy(), [0] * n
+    for hop in range(2 * (n - 1)):
+      msgs = [chunks[r][ring.hops(r, n)[hop][0]] for r in range(n)]
+      for r in range(n):
+        _, recv, gather = ring.hops(r, n)[hop]
+        got = msgs[(r - 1) % n]  # the predecessor's send, which is r's receive
+        chunks[r][recv] = got if gather else got + own[r][recv]
+        sent[(r - 1) % n] += 1
+    np.testing.assert_allclose(chunks[0], own.sum(0), rtol=1e-5)
+    assert all(np.array_equal(chunks[r], chunks[0]) for r in range(n))
+    size = ring.piece_elements(elements, n) * 4
+    assert [s * size for s in sent] == [ring.bytes_sent(elements, n)] * n
+    assert ring.bytes_sent(n * 8, n) == 2 * (n - 1) / n * n * 8 * 4
+    assert ring.seconds(elements, n, bw, lat) == pytest.approx(
+      2 * (n - 1) * (size / bw + lat))
+  for per_process in [(2, 2), (4, 4, 4), (4, 3), (3, 1, 2), (1, 1, 1), (5,), (8, 7, 8)]:
+    _replay_two_level(elements, per_process, rng)
+
+
+def _replay_two_level(elements, per_process, rng):
+  """Replays `ring.two_level` on numbers, counting every device's bytes as the runtime moves
+  them (`Transport.scatter_sum`, `ProcessTransport._ring`, `Transport.all_gather`)."""
+  import numpy as np
+
+  from resilient_jax.schedule import ring
+
+  plan = ring.two_level(elements, per_process)
+  k, p = plan.pieces, len(per_process)
+  grads = [rng.normal(size=(m, k)).astype(np.float32) for m in per_process]  # pieces a member
+  local = [[0] * m for m in per_process]  # bytes each device sends to its process's others
+  network = [[0] * m for m in per_process]
+  sums = []
+  for i, m in enumerate(per_process):  # piece c summed on member c mod m
+    for c in range(k):
+      for d in range(m):
+        local[i][d] += plan.piece_bytes * (d != c % m)
+    sums.append(grads[i].sum(0))
+  for c in range(k):  # piece c's ring over the processes, from each one's owner of it
+    for i, m in enumerate(per_process):
+      network[i][c % m] += ring.bytes_sent(plan.piece_bytes // 4, p)
+  for i, m in enumerate(per_process):  # each owner copies its sums to the others
+    for c in range(k):
+      local[i][c % m] += plan.piece_bytes * (m - 1)
+  total = sum(sums)
+  np.testing.assert_allclose(total, np.concatenate(grads).sum(0), rtol=1e-5)
+  assert max(max(x) for x in local) == plan.device_bytes, per_process
+  assert max(max(x) for x in network) == plan.network_bytes, per_process
+  assert all(sum(x) == plan.process_network_bytes for x in network), per_process
+  assert plan.piece_bytes == ring.piece_elements(elements, k) * 4
 
 
 def test_profile_round_trip_and_errors(tmp_path, costs):

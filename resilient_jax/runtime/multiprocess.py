@@ -279,12 +279,14 @@ class ProcessTransport(Transport):
     """The sum over `procs` of each one's `partials` (piece j of this process's sum, a flat
     buffer on its owner `owners[j]`), by a ring per piece: a reduce-scatter, then an
     all-gather, every piece's ring run by its owners in step (without spreading, one piece on
-    the first member). A piece is cut into K equal chunks, K the
-    job's process count (fixed for the job, so a ring that loses or regains members compiles
-    nothing), and chunk c belongs to ring position c mod P (P = len(procs); the hops are
-    `schedule.ring`'s, which the simulator's cost model prices): each process sends
-    and receives about 2 (P - 1) / P buffers' bytes whatever P is (a gather of every member's
-    buffer was P - 1), through each owner's device its share. Each chunk is summed once, in a
+    the first member). A piece is cut into P equal chunks (P = len(procs)), chunk j owned by
+    ring position j (the hops are `schedule.ring`'s, which the simulator's cost model prices):
+    each process sends and receives 2 (P - 1) / P buffers' bytes whatever P is (a gather of
+    every member's buffer was P - 1), through each owner's device its share. The chunks
+    follow the members, not the job's process count: with a fixed count a ring that lost one
+    of P members had a position owning two chunks, which set the pace of every hop (about
+    twice the time, `schedule.ring`); a new member count compiles its cut and join (two small
+    programs a gradient layout, as a new local member count compiles its sum). Each chunk is summed once, in a
     fixed order (from the position after its owner on around the ring, each adding its own
     part), and then only copied, so every replica holds bitwise the same sum. Every pull is
     waited for before anything adds it (no device's queue waits on another process), watching
@@ -294,19 +296,18 @@ class ProcessTransport(Transport):
     me, n = self.cluster.process_id, len(procs)
     r = procs.index(me)
     prev = procs[(r - 1) % n]
-    cut, join = pieces(partials[0].shape[0], self.cluster.num_processes)
+    cut, join = pieces(partials[0].shape[0], n)
     own = [list(cut(p)) for p in partials]
     chunks = [list(o) for o in own]
     spec = jax.ShapeDtypeStruct(own[0][0].shape, own[0][0].dtype)
-    owned = ring.owned(len(own[0]), n)  # the chunks of each position
     watch = [q for q in procs if q != me]
     for hop, (send, recv, gather) in enumerate(ring.hops(r, n)):  # gather: sums go round
       for j, piece in enumerate(chunks):
-        self.cluster.offer(self._ring_id(index, hop, j), [piece[c] for c in owned[send]])
+        self.cluster.offer(self._ring_id(index, hop, j), [piece[send]])
       if hop == 0 and self.pause is not None:
         self.pause(self.step, "AR")
-      got = [self.cluster.pull(prev, self._ring_id(index, hop, j), [spec] * len(owned[recv]),
-                               owners[j]) for j in range(len(chunks))]
+      got = [self.cluster.pull(prev, self._ring_id(index, hop, j), [spec], owners[j])
+             for j in range(len(chunks))]
       if any(g is None for g in got):
         self.doomed.append(f"all-reduce {index}: process {prev} unreachable")
         return None
@@ -314,9 +315,8 @@ class ProcessTransport(Transport):
       if err is not None:
         self._failed(f"all-reduce {index}", err)
         return None
-      for j, arrived in enumerate(got):
-        for c, x in zip(owned[recv], arrived, strict=True):
-          chunks[j][c] = x if gather else _add(x, own[j][c])
+      for j, (x,) in enumerate(got):
+        chunks[j][recv] = x if gather else _add(x, own[j][recv])
     return [join(*piece) for piece in chunks]
 
   def programs_for(self, local: PerDevice, devices: Devices) -> tuple[Callable, Callable]:
@@ -334,7 +334,7 @@ class ProcessTransport(Transport):
       return outs
     cut, _ = self.programs_for(local, devices)
     piece = cut(next(iter(local.values())))[0]
-    cut_ring, join_ring = pieces(piece.shape[0], self.cluster.num_processes)
+    cut_ring, join_ring = pieces(piece.shape[0], len({_process_of(d) for d in devices}))
     chunks = cut_ring(piece)
     outs += [_add(chunks[0], chunks[0]), join_ring(*chunks)]
     return outs

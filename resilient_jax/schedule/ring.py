@@ -1,41 +1,48 @@
-"""The data-parallel gradient ring, hop by hop: one schedule for the runtime that runs it and the
-cost model that prices it.
+"""The data-parallel gradient reduction, hop by hop and byte by byte: one description for the
+runtime that runs it and the cost model that prices it.
 
-The runtime (`runtime.multiprocess.ProcessTransport._ring`) cuts a stage's flat float32 gradient
-buffer into `chunks` equal pieces (zero-padded), `chunks` being the job's process count: fixed
-for the job, so a ring that loses or regains members compiles nothing. Ring position `j` of `n`
-owns the pieces `j, j + n, ...` (`owned`). A reduce-scatter of `n - 1` hops sums every piece
-once, in a fixed order (from the position after its owner on round the ring), then an
-all-gather of `n - 1` hops copies the sums round (`hops`). Each hop a member sends one
-position's pieces to the next member and pulls the previous member's; it starts a hop when its
-own last hop and its predecessor's are done (the pieces it sends are those it just received).
+**The ring** (`runtime.multiprocess.ProcessTransport._ring`) runs over the `n` member processes
+of a stage's group. It cuts a flat float32 buffer into `n` equal chunks (zero-padded), chunk `j`
+owned by ring position `j`: a reduce-scatter of `n - 1` hops sums every chunk once, in a fixed
+order (from the position after its owner on round the ring), then an all-gather of `n - 1` hops
+copies the sums round (`hops`). Each hop a member sends one chunk to the next member and pulls
+the previous member's; it starts a hop when its own last hop and its predecessor's are done (the
+chunk it sends is the one it just received). The chunks follow the members: a ring that lost
+members cuts into its new count (a count fixed for the job would leave a position owning two
+chunks after one loss, and that position would set the pace of every hop, about twice the
+time). Per member: `2 (n - 1)` chunks sent and as many received, `2 (n - 1) / n` of the buffer
+each way (`bytes_sent`), `2 (n - 1)` latencies (`seconds`).
 
-The simulator (`sim.cost_model.ring_allreduce_seconds`) prices the same hops with the same
-bytes (`seconds`); when the pieces divide evenly (`chunks` a multiple of `n`) that is the
-textbook ring, 2 (n - 1) / n of the buffer each way per member and 2 (n - 1) latencies.
+**Two levels** (`Transport.scatter_sum` / `all_gather` around the ring): a process holding `m`
+members of the group first sums among its own devices. With `k` the most members any process
+holds (every process derives the same `k` from the member list), each member cuts its buffer
+into `k` pieces; piece `c` is summed on the process's member `c mod m` (a reduce-scatter over
+the node's links), each piece's owners run that piece's ring among the processes from their own
+devices (over the network: a device owning `o` pieces carries `o` rings), and the members copy
+the summed pieces they lack (an all-gather). `two_level` gives each phase's busiest device and
+the time; with one member per process it is the ring alone. That is the spread reduction
+(devices with links of their own); CPU devices sum on the first member (`spread=False`: one
+piece).
 
-Growth per reduction and member: bytes sent = received <= 2 (n - 1) / n * buffer + one piece
-per hop of padding (flat in n); 2 (n - 1) hops, so latency O(n); when `chunks` is not a
-multiple of `n` (members lost), the positions owning one piece more set every hop's pace:
-ceil(chunks / n) pieces a hop instead of chunks / n.
+Growth per reduction: network bytes per process `2 (P - 1) / P` of the buffer, flat in P (the
+member processes) and, spread, split over its devices; node-link bytes per device
+`(k - o) + o (m - 1)` pieces a phase (`2 (k - 1) / k` buffers in and out per device for an even
+split); `2 (P - 1)` network latencies. Computing the price is O(P) (`two_level`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 
 FLOAT32_BYTES = 4
 """The runtime's reduction buffer is float32 whatever the gradients' dtype."""
 
 
-def owned(chunks: int, n: int) -> list[list[int]]:
-  """The pieces each ring position owns (sums in the reduce-scatter): `c mod n == j`."""
-  return [list(range(j, chunks, n)) for j in range(n)]
-
-
 def hops(r: int, n: int) -> list[tuple[int, int, bool]]:
-  """Member `r`'s hops: (the position whose pieces it sends, the position whose pieces it
-  receives, whether the hop is the all-gather's), `2 (n - 1)` of them."""
+  """Member `r`'s hops: (the chunk it sends, the chunk it receives, whether the hop is the
+  all-gather's), `2 (n - 1)` of them."""
   out = []
   for hop in range(2 * (n - 1)):
     gather = hop >= n - 1
@@ -45,43 +52,100 @@ def hops(r: int, n: int) -> list[tuple[int, int, bool]]:
   return out
 
 
-def piece_elements(elements: int, chunks: int) -> int:
-  """Elements of one piece of a buffer of `elements` cut into `chunks` (the last ones padded)."""
-  return -(-elements // chunks)
+def piece_elements(elements: int, k: int) -> int:
+  """Elements of one piece of a buffer of `elements` cut into `k` (the last ones padded)."""
+  return -(-elements // k)
 
 
-def bytes_sent(elements: int, chunks: int, n: int, itemsize: int = FLOAT32_BYTES) -> list[int]:
-  """Bytes each ring position sends in one reduction (and receives: the same count)."""
-  pieces = owned(chunks, n)
-  size = piece_elements(elements, chunks) * itemsize
-  return [sum(len(pieces[send]) for send, _, _ in hops(r, n)) * size for r in range(n)]
+def bytes_sent(elements: int, n: int, itemsize: int = FLOAT32_BYTES) -> int:
+  """Bytes each of the `n` ring members sends in one reduction of a buffer of `elements`
+  (and receives: the same count): `2 (n - 1)` chunks."""
+  return 2 * (n - 1) * piece_elements(elements, n) * itemsize if n > 1 else 0
 
 
-def seconds(elements: int, chunks: int, n: int, bandwidth: float, latency: float,
+def seconds(elements: int, n: int, bandwidth: float, latency: float,
             itemsize: int = FLOAT32_BYTES) -> float:
-  """The ring's time: every hop a transfer of the received pieces' bytes at `bandwidth` plus
-  `latency`, a member's hop starting when its own and its predecessor's last hop are done.
-  0 for one member or none."""
+  """The ring's time: `2 (n - 1)` hops of one chunk at `bandwidth` plus `latency` (every member
+  sends and receives alike, so no member waits on a slower one). 0 for one member or none."""
   if n <= 1:
     return 0.0
-  pieces = owned(chunks, n)
-  size = piece_elements(elements, chunks) * itemsize
-  done = [0.0] * n
-  schedule = [hops(r, n) for r in range(n)]
-  for hop in range(2 * (n - 1)):
-    done = [max(done[r], done[(r - 1) % n])
-            + len(pieces[schedule[r][hop][1]]) * size / bandwidth + latency for r in range(n)]
-  return max(done)
-
-
-def even_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-  """The textbook ring over `n` members of `nbytes`: `2 (n - 1)` hops of `nbytes / n`; what
-  `seconds` gives when the pieces divide evenly."""
-  if n <= 1:
-    return 0.0
-  return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+  return 2 * (n - 1) * (piece_elements(elements, n) * itemsize / bandwidth + latency)
 
 
 def elements_of(nbytes: float, itemsize: int = FLOAT32_BYTES) -> int:
   """Buffer elements of a gradient of `nbytes` (rounded up)."""
   return math.ceil(nbytes / itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevel:
+  """One reduction over processes holding `per_process` members each (`two_level`; see the
+  module docstring).
+
+  Attributes:
+    pieces: `k`, the pieces each member cuts its buffer into.
+    piece_bytes: bytes of one piece (float32, padded).
+    device_pieces: the most pieces one device sends (and as many it receives) to and from the
+      other devices of its process, both local phases together: `(k - o) + o (m - 1)` for a
+      device owning `o` of the `k` pieces among `m` members.
+    phase_pieces: the most pieces one device sends or receives in one local phase (its pace).
+    processes: `P`, the processes holding members (the ring's members).
+    rings: the most pieces one device runs rings of (its network link carries them all).
+  """
+
+  pieces: int
+  piece_bytes: int
+  device_pieces: int
+  phase_pieces: int
+  processes: int
+  rings: int
+
+  @property
+  def chunk_bytes(self) -> int:
+    """Bytes of one ring chunk: a piece cut into `P`."""
+    return piece_elements(self.piece_bytes // FLOAT32_BYTES, self.processes) * FLOAT32_BYTES
+
+  @property
+  def device_bytes(self) -> int:
+    """The most bytes one device sends (and receives) to and from the other devices of its
+    process (`Transport.device_bytes`)."""
+    return self.device_pieces * self.piece_bytes
+
+  @property
+  def network_bytes(self) -> int:
+    """The most bytes one device sends (and receives) over the network: its pieces' rings."""
+    return self.rings * bytes_sent(self.piece_bytes // FLOAT32_BYTES, self.processes)
+
+  @property
+  def process_network_bytes(self) -> int:
+    """Bytes each process sends (and receives) over the network: every piece's ring."""
+    return self.pieces * bytes_sent(self.piece_bytes // FLOAT32_BYTES, self.processes)
+
+  def seconds(self, local: tuple[float, float], network: tuple[float, float]) -> float:
+    """The reduction's time over node links `local` and network links `network`, each
+    (bytes per second of one device's link, latency): a local phase is its busiest device's
+    pieces plus one latency (its copies go in one call); the rings' hops go at the pace of the
+    device carrying the most rings (each hop waits for every piece's)."""
+    phase = self.phase_pieces * self.piece_bytes / local[0] + local[1] \
+      if self.phase_pieces else 0.0
+    ring = 2 * (self.processes - 1) * (self.rings * self.chunk_bytes / network[0] + network[1]) \
+      if self.processes > 1 else 0.0
+    return 2 * phase + ring
+
+
+def two_level(elements: int, per_process: Sequence[int], spread: bool = True) -> TwoLevel:
+  """The reduction of a float32 buffer of `elements` over processes holding `per_process`
+  members each (every entry >= 1): spread, `k` is the most any holds; else one piece, summed
+  on each process's first member."""
+  k = max(per_process) if spread else 1
+  moved = phase = rings = 0
+  for m in sorted(set(per_process)):
+    for d in range(min(m, k)):
+      owned = len(range(d, k, m))  # piece c is summed on member c mod m
+      rings = max(rings, owned)
+      if m > 1:  # sends its k - owned pieces to their owners, receives owned (m - 1); mirrored
+        moved = max(moved, k - owned + owned * (m - 1))
+        phase = max(phase, k - owned, owned * (m - 1))
+  return TwoLevel(pieces=k, piece_bytes=piece_elements(elements, k) * FLOAT32_BYTES,
+                  device_pieces=moved, phase_pieces=phase, processes=len(per_process),
+                  rings=rings)

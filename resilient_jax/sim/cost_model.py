@@ -11,13 +11,16 @@ Op times come from one of two sources, and the planners see the same `OpCosts` e
       {"f": [per stage], "b": [per stage], "w": [per stage], "ar": x | [per stage],
        "opt": x | [per stage], "comm": x}           (optional: "bw": fused backward)
 
-The one thing that changes with failures is the all-reduce: a stage with `n` live workers
-reduces over a ring of `n`, `2(n-1)/n * bytes / bw + 2(n-1) * latency`: the runtime's ring
-(`schedule.ring`, the same hops and bytes). With `ar_chunks` (the runtime cuts the buffer into
-the job's process count of pieces, fixed for the job) a ring whose members no longer divide
-the pieces evenly is priced hop by hop: the members owning a piece more set the pace.
-`op_costs(live)` gives
-the `OpCosts` for a given number of live workers per stage. A profile's all-reduce was measured
+The one thing that changes with failures is the all-reduce, priced as the runtime runs it
+(`schedule.ring`, the same description the runtime's pieces and hops follow): a float32 buffer
+of the stage's gradients; where a node holds several of a stage's workers, summed among them
+over the node's links (a reduce-scatter, each owner a piece), each piece's ring over the nodes
+from its owner's own network link, then gathered back (`ring.two_level`); with one worker per
+node, the ring alone, `2(n-1)` hops of `bytes/n`. Which nodes the live workers are on comes
+from the layout (`ar_groups`): losses are taken from the last nodes first (a node failure
+takes its node's workers together, and one device lost anywhere leaves the same counts; only
+devices lost on several nodes at once are priced as if lost on one). `op_costs(live)` gives the
+`OpCosts` for a given number of live workers per stage. A profile's all-reduce was measured
 on the whole grid and is used as measured (the ring's bandwidth term changes by under 1% for
 `n >= 100`).
 """
@@ -25,6 +28,7 @@ on the whole grid and is used as measured (the ring's bandwidth term changes by 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -57,24 +61,41 @@ _STASH_BYTES_PER_UNIT = 34
 _STATE_BYTES_PER_PARAM = 16
 
 
-def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float,
-                           chunks: int | None = None) -> float:
-  """Ring all-reduce of `nbytes` over `n` participants: `2(n-1)` steps of `nbytes/n` each.
+def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+  """The textbook ring all-reduce of `nbytes` over `n` participants, `2(n-1)` steps of
+  `nbytes/n` each (a tensor-parallel group's collective).
 
   Args:
     nbytes: bytes each participant contributes (and receives reduced).
     n: participants; 1 or fewer costs nothing.
     bandwidth: bytes per second of the slowest link in the ring.
     latency: seconds per step.
-    chunks: pieces the buffer (float32) is cut into, as the runtime cuts it (`schedule.ring`);
-      None: `n`, the even ring.
 
   Returns:
     Seconds.
   """
-  if chunks is None:
-    return ring.even_seconds(nbytes, n, bandwidth, latency)
-  return ring.seconds(ring.elements_of(nbytes), chunks, n, bandwidth, latency)
+  if n <= 1:
+    return 0.0
+  return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+@functools.lru_cache(maxsize=4096)
+def _survivors(groups: tuple[int, ...], live: int) -> tuple[int, ...]:
+  """Workers per node of a stage with `live` left of `groups` (the fault-free counts), the
+  losses taken from the last nodes first; nodes left empty drop out."""
+  out, lost = list(groups), sum(groups) - live
+  while lost > 0 and out:
+    take = min(lost, out[-1])
+    out[-1] -= take
+    lost -= take
+    if not out[-1]:
+      out.pop()
+  return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _two_level(elements: int, per_node: tuple[int, ...]) -> ring.TwoLevel:
+  return ring.two_level(elements, per_node or (1,))
 
 
 def p2p_seconds(nbytes: float, bandwidth: float, latency: float) -> float:
@@ -126,12 +147,15 @@ class CostModel:
     w: weight-gradient seconds per stage.
     opt: optimizer-step seconds per stage.
     comm: seconds of one activation transfer between stages (the slowest link used).
-    ar_bytes: per stage, gradient bytes each worker's device reduces; None when `ar_fixed` is.
-    ar_bandwidth: bytes/s of the all-reduce ring's slowest link.
+    ar_bytes: per stage, bytes of the float32 gradient buffer each worker's device reduces;
+      None when `ar_fixed` is.
+    ar_bandwidth: bytes/s of one device's link in the ring between nodes.
     ar_latency: seconds per ring step.
     ar_fixed: per stage, a measured all-reduce time used whatever the live count.
-    ar_chunks: pieces the ring cuts each stage's buffer into (the runtime: the job's process
-      count); None: as many as live workers, the even ring.
+    ar_groups: per stage, how many of its workers each node holds in the fault-free layout, in
+      node order; None: one a node (the ring alone).
+    ar_local: (bytes/s, latency) of a device's link to the others of its node, for the sums
+      among a node's workers; needed with `ar_groups`.
     bw: fused-backward seconds per stage; None: `b + w`.
     source: "specs" or "profile", for reports.
     memory: what planners that re-partition the model (Oobleck) need and only the spec model
@@ -147,7 +171,8 @@ class CostModel:
   ar_bandwidth: float = 1.0
   ar_latency: float = 0.0
   ar_fixed: tuple[float, ...] | None = None
-  ar_chunks: int | None = None
+  ar_groups: tuple[tuple[int, ...], ...] | None = None
+  ar_local: tuple[float, float] | None = None
   bw: tuple[float, ...] | None = None
   source: str = "specs"
   memory: StageMemory | None = None
@@ -160,6 +185,8 @@ class CostModel:
         raise ValueError(f"CostModel.{name} has {len(v)} entries, f has {pp}")
     if (self.ar_bytes is None) == (self.ar_fixed is None):
       raise ValueError("CostModel needs exactly one of ar_bytes (ring model) and ar_fixed")
+    if self.ar_groups is not None and (len(self.ar_groups) != pp or self.ar_local is None):
+      raise ValueError("CostModel.ar_groups needs one entry a stage and ar_local")
 
   @property
   def pp(self) -> int:
@@ -169,8 +196,11 @@ class CostModel:
     """The gradient all-reduce of `stage` over `live` workers."""
     if self.ar_fixed is not None:
       return self.ar_fixed[stage] if live > 1 else 0.0
-    return ring_allreduce_seconds(self.ar_bytes[stage], live, self.ar_bandwidth, self.ar_latency,
-                                  self.ar_chunks)
+    elements = ring.elements_of(self.ar_bytes[stage])
+    if self.ar_groups is None:
+      return ring.seconds(elements, live, self.ar_bandwidth, self.ar_latency)
+    return _two_level(elements, _survivors(self.ar_groups[stage], live)).seconds(
+      self.ar_local, (self.ar_bandwidth, self.ar_latency))
 
   def op_costs(self, live: Sequence[int]) -> OpCosts:
     """The `OpCosts` the planners and `simulate` use, with `live[s]` workers left in stage s."""
@@ -195,7 +225,6 @@ class CostModel:
     layout: Layout,
     *,
     recompute: bool = False,
-    grad_bytes: int = 2,
   ) -> CostModel:
     """Op times from the model's FLOPs and bytes on `device`, transfers from `network`.
 
@@ -203,8 +232,9 @@ class CostModel:
     all-reduces of the activations per layer in F and in B (Megatron-style tensor parallelism).
     An activation transfer sends `tokens * d_model` bf16 values, split over the `tp` devices;
     it is costed on the slowest link any stage boundary uses. The gradient all-reduce of a stage
-    sends each device's shard of the stage's `grad_bytes`-per-parameter gradients around a ring
-    of the stage's live workers.
+    reduces each device's shard of the stage's gradients as the runtime does (a float32 buffer,
+    `schedule.ring.two_level`): among the workers a node holds over its links, then each piece
+    round a ring of the nodes.
 
     Args:
       model: the model.
@@ -212,7 +242,6 @@ class CostModel:
       network: the links.
       layout: grid, batch and placement.
       recompute: activations recomputed in the backward (B re-runs F).
-      grad_bytes: bytes per gradient element in the all-reduce.
 
     Returns:
       The cost model.
@@ -233,10 +262,11 @@ class CostModel:
       b.append(device.op_seconds(st.b / tp, per_dev) + st.tp_allreduces_b * tp_ar)
       w.append(device.op_seconds(st.w / tp, per_dev))
       opt.append(st.params / tp * _ADAM_BYTES_PER_PARAM / (device.hbm_gbps * 1e9))
-      ar_bytes.append(st.params / tp * grad_bytes)
+      ar_bytes.append(st.params / tp * ring.FLOAT32_BYTES)
     bw, lat = network.link(layout.stage_boundary_crosses_nodes())
     comm = p2p_seconds(act_bytes / tp, bw, lat) if layout.pp > 1 else 0.0
-    ar_bw, ar_lat = network.link(not layout.stage_group_within_node())
+    ar_bw, ar_lat = network.link(True)
+    groups = tuple(layout.stage_nodes(s) for s in range(layout.pp))  # None: one a node
     return cls(
       f=tuple(f),
       b=tuple(b),
@@ -246,6 +276,8 @@ class CostModel:
       ar_bytes=tuple(ar_bytes),
       ar_bandwidth=ar_bw,
       ar_latency=ar_lat,
+      ar_groups=None if all(n == 1 for g in groups for n in g) else groups,
+      ar_local=network.link(False),
       source="specs",
       memory=StageMemory(
         layers=layers,
@@ -309,8 +341,11 @@ class CostModel:
 
   @property
   def allreduce_bandwidth(self) -> float:
-    """Bytes/s of a worker's data-parallel all-reduce (its `tp` devices' links together)."""
-    return self.ar_bandwidth * (self.memory.tp if self.memory is not None else 1)
+    """Bytes/s of a worker's data-parallel all-reduce (its `tp` devices' links together), for
+    Oobleck's own pricing: the node's links where every stage's workers share one node."""
+    within = self.ar_groups is not None and all(len(g) == 1 for g in self.ar_groups)
+    bandwidth = self.ar_local[0] if within else self.ar_bandwidth
+    return bandwidth * (self.memory.tp if self.memory is not None else 1)
 
   def layer_profile(self) -> LayerProfile:
     """A per-layer profile for Oobleck's templates: each stage split evenly over its layers.

@@ -122,7 +122,10 @@ class Layout:
           return True
     return False
 
-  def stage_group_within_node(self) -> bool:
-    """Whether all data-parallel peers of a stage share one node (no inter-node all-reduce)."""
-    nodes = {self.node_of_worker((d, 0)) for d in range(min(self.dp, self.devices_per_node + 1))}
-    return len(nodes) == 1 and (self.dp == 1 or self.dp * self.tp <= self.devices_per_node)
+  def stage_nodes(self, stage: int) -> tuple[int, ...]:
+    """How many of `stage`'s workers each node holding any of them holds, in node order."""
+    counts: dict[int, int] = {}
+    for d in range(self.dp):
+      node = self.node_of_worker((d, stage))
+      counts[node] = counts.get(node, 0) + 1
+    return tuple(counts[n] for n in sorted(counts))
