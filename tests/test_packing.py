@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,3 +190,75 @@ def test_a_reduction_in_one_process_spreads_its_bytes_over_the_devices():
     transport.begin(2, 0)
     assert transport.device_bytes() == (0, 0)
   assert Transport(dict(enumerate(devices))).pieces_for(devices, tuple(devices)) == 1  # one memory
+
+
+class _Ring:
+  """The transfers of `ProcessTransport._ring` between threads standing in for processes:
+  `offer` keeps a process's arrays, `pull` hands them over once offered (on the puller's
+  device), counting the bytes each process offers."""
+
+  def __init__(self, num_processes):
+    self.num_processes = num_processes
+    self.offered, self.sent = {}, {}
+    self.ready = threading.Condition()
+
+  def member(self, pid):
+    ring = self
+
+    class Cluster:
+      process_id, num_processes = pid, ring.num_processes
+
+      def offer(self, uid, arrays):
+        with ring.ready:
+          ring.offered[(pid, uid)] = arrays
+          ring.sent[pid] = ring.sent.get(pid, 0) + sum(a.nbytes for a in arrays)
+          ring.ready.notify_all()
+
+      def pull(self, proc, uid, specs, where):
+        return [(proc, uid, where)]
+
+      def wait(self, got, what, peers):
+        for box in got:
+          proc, uid, where = box[0]
+          with ring.ready:
+            assert ring.ready.wait_for(lambda: (proc, uid) in ring.offered, timeout=60), what
+            box[:] = jax.device_put(ring.offered[(proc, uid)], where)
+        return None
+
+    return Cluster()
+
+
+def test_a_ring_that_lost_a_member_cuts_into_its_members():
+  """`ProcessTransport._ring` over 3 of a job's 4 processes (one lost): each piece cut into 3
+  chunks, not the job's 4 (a position owning 2 of 4 would pace every hop), every member ending
+  with bitwise the same sum, in the ring's fixed order, and sending the bytes the simulator
+  prices (`ring.bytes_sent`)."""
+  from resilient_jax.runtime.multiprocess import ProcessTransport
+  from resilient_jax.schedule import ring
+
+  devices, procs, elements = jax.devices()[:3], [0, 2, 3], 1001
+  rng = np.random.default_rng(5)
+  parts = [rng.standard_normal(elements).astype(np.float32) for _ in procs]
+  fake, out = _Ring(4), {}
+
+  def run(r):
+    t = object.__new__(ProcessTransport)
+    t.cluster, t.step, t.attempt, t.pause, t.doomed = fake.member(procs[r]), 3, 0, None, []
+    partial = jax.device_put(parts[r], devices[r])
+    out[r] = t._ring(0, procs, [partial], [devices[r]])
+
+  threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  sums = [np.asarray(out[r][0]) for r in range(3)]
+  for s in sums[1:]:
+    np.testing.assert_array_equal(s, sums[0])
+  size = ring.piece_elements(elements, 3)
+  for c in range(3):  # chunk c summed round the ring from position c to its owner, c - 1
+    part = slice(c * size, (c + 1) * size)
+    want = (parts[c][part] + parts[(c + 1) % 3][part]) + parts[(c + 2) % 3][part]
+    np.testing.assert_array_equal(sums[0][part], want)
+  assert fake.sent == {p: ring.bytes_sent(elements, 3) for p in procs}
+  assert ring.bytes_sent(elements, 3) == 2 * 2 * ring.piece_elements(elements, 3) * 4
