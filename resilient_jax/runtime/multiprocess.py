@@ -279,16 +279,16 @@ class ProcessTransport(Transport):
     """The sum over `procs` of each one's `partials` (piece j of this process's sum, a flat
     buffer on its owner `owners[j]`), by a ring per piece: a reduce-scatter, then an
     all-gather, every piece's ring run by its owners in step (without spreading, one piece on
-    the first member). A piece is cut into P equal chunks (P = len(procs)), chunk j owned by
-    ring position j (the hops are `schedule.ring`'s, which the simulator's cost model prices):
-    each process sends and receives 2 (P - 1) / P buffers' bytes whatever P is (a gather of
-    every member's buffer was P - 1), through each owner's device its share. The chunks
-    follow the members, not the job's process count: with a fixed count a ring that lost one
-    of P members had a position owning two chunks, which set the pace of every hop (about
-    twice the time, `schedule.ring`); a new member count compiles its cut and join (two small
-    programs a gradient layout, as a new local member count compiles its sum). Each chunk is summed once, in a
-    fixed order (from the position after its owner on around the ring, each adding its own
-    part), and then only copied, so every replica holds bitwise the same sum. Every pull is
+    the first member). A piece is cut into P equal chunks (P = len(procs); the hops are
+    `schedule.ring`'s, which the simulator's cost model prices): each process sends and
+    receives 2 (P - 1) / P buffers' bytes whatever P is (a gather of every member's buffer was
+    P - 1), through each owner's device its share. The chunks follow the members, not the
+    job's process count: with a fixed count a ring that lost one of P members had a position
+    owning two chunks, which set the pace of every hop (about twice the time); a new member
+    count compiles its cut and join (two small programs a gradient layout, as a new local
+    member count compiles its sum). Each chunk is summed once, in a fixed order (chunk j from
+    position j on around the ring, each adding its own part, to its owner j - 1), and then only
+    copied, so every replica holds bitwise the same sum. Every pull is
     waited for before anything adds it (no device's queue waits on another process), watching
     every member: a member that dies or freezes ends the wait of all of them (`Cluster.wait`),
     so it costs its own worker only; None then.

@@ -2,16 +2,16 @@
 runtime that runs it and the cost model that prices it.
 
 **The ring** (`runtime.multiprocess.ProcessTransport._ring`) runs over the `n` member processes
-of a stage's group. It cuts a flat float32 buffer into `n` equal chunks (zero-padded), chunk `j`
-owned by ring position `j`: a reduce-scatter of `n - 1` hops sums every chunk once, in a fixed
-order (from the position after its owner on round the ring), then an all-gather of `n - 1` hops
-copies the sums round (`hops`). Each hop a member sends one chunk to the next member and pulls
-the previous member's; it starts a hop when its own last hop and its predecessor's are done (the
-chunk it sends is the one it just received). The chunks follow the members: a ring that lost
-members cuts into its new count (a count fixed for the job would leave a position owning two
-chunks after one loss, and that position would set the pace of every hop, about twice the
-time). Per member: `2 (n - 1)` chunks sent and as many received, `2 (n - 1) / n` of the buffer
-each way (`bytes_sent`), `2 (n - 1)` latencies (`seconds`).
+of a stage's group. It cuts a flat float32 buffer into `n` equal chunks (zero-padded): a
+reduce-scatter of `n - 1` hops sums every chunk once, in a fixed order (chunk `j` from ring
+position `j` on round the ring, each member adding its own part, to its owner `j - 1`), then an
+all-gather of `n - 1` hops copies the sums round (`hops`). Each hop a member sends one chunk to
+the next member and pulls the previous member's; it starts a hop when its own last hop and its
+predecessor's are done (the chunk it sends is the one it just received). The chunks follow the
+members: a ring that lost members cuts into its new count (a count fixed for the job would leave
+a position owning two chunks after one loss, and that position would set the pace of every hop,
+about twice the time). Per member: `2 (n - 1)` chunks sent and as many received, `2 (n - 1) / n`
+of the buffer each way (`bytes_sent`), `2 (n - 1)` latencies (`seconds`).
 
 **Two levels** (`Transport.scatter_sum` / `all_gather` around the ring): a process holding `m`
 members of the group first sums among its own devices. With `k` the most members any process
