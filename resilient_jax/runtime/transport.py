@@ -28,7 +28,8 @@ process; 2 (P - 1) sequential transfers (latency O(P)); host work O(k^2 + k P) d
 copies of the two local phases each a single `device_put` call). `device_bytes` counts every
 device's bytes (`metrics.jsonl`: `device_bytes_out`, `device_bytes_in`).
 It is not an XLA collective over the group, for three reasons: a new group after a failure
-compiles only the few small programs above for its new k (never a stage program); a member
+compiles only the few small programs above for its new k, and across processes the ring's cut
+and join for its new process count (never a stage program); a member
 frozen inside a collective could not be abandoned (it holds its device's queue), while a pull
 from a member declared dead is cut off like any other transfer; and one buffer per member keeps
 the host's work per reduction to dispatches per piece instead of one global array per
