@@ -308,3 +308,28 @@ def test_step_time_is_the_cost_model_on_per_pipeline_schedules():
     assert sched.dp == 1 and sched.pp == p.template.num_stages
     assert sched.microbatches == p.microbatches
     assert sched.ops == generate("1f1b", 1, sched.pp, p.microbatches).ops
+
+
+def test_instantiation_weighs_the_all_reduce():
+  """A short pipeline's stages hold more of the model's gradients, so with the all-reduce
+  priced its stages reduce longer. Templates planned with the all-reduce's bandwidth carry that
+  tail (`PipelineTemplate.allreduce`) and the instance chosen weighs it: by the cost model
+  (`oobleck_step_time`, all-reduce included) it is faster than the instance chosen on fill and
+  drain alone (the shortest pipelines), and losing a node never makes it faster."""
+  layers, nodes, bw = 32, 64, 1.0
+  profile = LayerProfile(forward=[1.0] * layers, backward_input=[1.0] * layers,
+                         backward_weight=[1.0] * layers, param_bytes=[20.0] * layers,
+                         state_bytes=[1.0] * layers, activation_bytes=[0.0] * layers,
+                         stage_overhead=0.1)
+  blind = plan_templates(profile, 2, layers, microbatches=8)
+  aware = plan_templates(profile, 2, layers, microbatches=8, allreduce_bandwidth=bw)
+  assert all(t.allreduce == 0.0 for t in blind.templates.values())
+  assert aware[4].allreduce == 2 * 8 * 20.0 / bw  # 8 layers a stage, twice their gradients
+  step = lambda inst: oobleck_step_time(inst, allreduce_bandwidth=bw)  # noqa: E731
+  before = instantiate(blind, nodes, 1, 256)
+  after = instantiate(aware, nodes, 1, 256)
+  assert {p.template.num_nodes for p in before.pipelines} == {2}
+  assert min(p.template.num_nodes for p in after.pipelines) > 2
+  assert step(after) < step(before)
+  lost = reinstantiate(after, [after.pipelines[0].nodes[0]], aware)
+  assert step(lost) >= step(after)

@@ -86,7 +86,8 @@ class OobleckPolicy(InPlacePolicy):
       smallest = self.min_nodes or (1 if costs.node_memory is not None else grid.pp)
       lo = min(smallest, profile.num_layers, grid.workers)
       self._templates[key] = oobleck.plan_templates(
-        profile, lo, max(lo, profile.num_layers), costs.node_memory, microbatches=grid.m
+        profile, lo, max(lo, profile.num_layers), costs.node_memory, microbatches=grid.m,
+        allreduce_bandwidth=costs.allreduce_bandwidth,
       )
     return self._templates[key]
 

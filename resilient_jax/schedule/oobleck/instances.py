@@ -142,17 +142,20 @@ def _choose(
 
   With micro-batches dealt in proportion to speed w_i = 1 / bottleneck_i, pipeline i takes about
   `B * w_i / W` of them (W = sum of speeds) and finishes at about `B / W + (latency_i -
-  bottleneck_i)`. So the step is about `B / W + max_i D_i` with `D_i = latency_i - bottleneck_i`
-  (the fill and drain). For each threshold on D (templates sorted by D) an unbounded knapsack
+  bottleneck_i) + allreduce_i`. So the step is about `B / W + max_i D_i` with `D_i = latency_i -
+  bottleneck_i + allreduce_i` (the fill and drain, then the slowest stage's gradient
+  all-reduce: without it the shortest pipelines always won, their stages holding the most
+  gradients). For each threshold on D (templates sorted by D) an unbounded knapsack
   over (pipelines, nodes) maximises W among templates under the threshold; the best threshold
   wins. Adding templates in D order lets one knapsack table serve every threshold, so the
   whole search is O(#templates * max_pipelines) vector operations over the node axis.
   """
   if not templates:
     return None
-  order = sorted(
-    range(len(templates)), key=lambda i: templates[i].latency - templates[i].bottleneck
-  )
+  def tail(t: PipelineTemplate) -> float:  # fill, drain and the all-reduce after them
+    return t.latency - t.bottleneck + t.allreduce
+
+  order = sorted(range(len(templates)), key=lambda i: tail(templates[i]))
   cmax = min(total_mb, num_nodes // min(t.num_nodes for t in templates))
   if cmax < min_pipelines:
     return None
@@ -182,8 +185,7 @@ def _choose(
   best_k, best_t = -1, math.inf
   for k, i in enumerate(order):
     if scores[k] > 0:
-      d = templates[i].latency - templates[i].bottleneck
-      est = total_mb / scores[k] + d
+      est = total_mb / scores[k] + tail(templates[i])
       if est < best_t:
         best_k, best_t = k, est
   if best_k < 0:

@@ -22,12 +22,16 @@ class PipelineTemplate:
     stage_memory: peak bytes of every stage's node under 1F1B (see the module docstring).
     microbatches: the micro-batches per pipeline the memory check assumed (None: at least as
       many as stages, the worst case).
+    allreduce: the slowest stage's gradient all-reduce over many pipelines (a ring: twice its
+      gradient bytes over the link's bandwidth), which ends a step after that stage's last
+      backward; 0 where the costs price no all-reduce.
   """
 
   stages: tuple[LayerRange, ...]
   stage_times: tuple[float, ...]
   stage_memory: tuple[float, ...]
   microbatches: int | None = None
+  allreduce: float = 0.0
 
   @property
   def num_nodes(self) -> int:
@@ -48,12 +52,14 @@ class PipelineTemplate:
     return sum(self.stage_times)
 
   def iteration_time(self, microbatches: int) -> float:
-    """1F1B estimate for `microbatches` micro-batches: `(m - 1) * bottleneck + latency`."""
-    return (microbatches - 1) * self.bottleneck + self.latency
+    """1F1B estimate for `microbatches` micro-batches: `(m - 1) * bottleneck + latency`, then
+    the all-reduce."""
+    return (microbatches - 1) * self.bottleneck + self.latency + self.allreduce
 
 
 def _template(
-  profile: LayerProfile, stages: Sequence[LayerRange], m: int | None
+  profile: LayerProfile, stages: Sequence[LayerRange], m: int | None,
+  allreduce_bandwidth: float | None = None,
 ) -> PipelineTemplate:
   k = len(stages)
   inflight = [k - s if m is None else min(k - s, m) for s in range(k)]
@@ -64,14 +70,17 @@ def _template(
       profile.stage_memory(lo, hi, j) for (lo, hi), j in zip(stages, inflight, strict=True)
     ),
     microbatches=m,
+    allreduce=0.0 if allreduce_bandwidth is None else 2.0 * max(
+      profile.range_sum("param_bytes", lo, hi) for lo, hi in stages) / allreduce_bandwidth,
   )
 
 
 def template_for(
-  profile: LayerProfile, stages: Sequence[LayerRange], microbatches: int | None = None
+  profile: LayerProfile, stages: Sequence[LayerRange], microbatches: int | None = None,
+  allreduce_bandwidth: float | None = None,
 ) -> PipelineTemplate:
   """The template of a given split (e.g. a DP x PP grid's, to re-instantiate from it)."""
-  return _template(profile, stages, microbatches)
+  return _template(profile, stages, microbatches, allreduce_bandwidth)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +123,7 @@ def plan_templates(
   node_memory: float | None = None,
   *,
   microbatches: int | None = None,
+  allreduce_bandwidth: float | None = None,
 ) -> TemplateSet:
   """The optimal template for every node count in `[min_nodes, max_nodes]` that fits.
 
@@ -134,6 +144,9 @@ def plan_templates(
     microbatches: micro-batches per pipeline, which bounds the activations a stage stashes;
       None assumes at least as many as stages (the worst case). The time objective does not
       depend on it (module docstring).
+    allreduce_bandwidth: bytes/s of a node's link in the gradient all-reduce, for each
+      template's `allreduce` (what instantiation weighs besides the pipeline's fill and drain:
+      a short pipeline's stages hold more gradients); None: not priced.
 
   Returns:
     The templates, by node count.
@@ -179,7 +192,7 @@ def plan_templates(
       r = int(choice[j, layer])
       stages.append((layer, r))
       layer = r
-    templates[k] = _template(profile, stages, microbatches)
+    templates[k] = _template(profile, stages, microbatches, allreduce_bandwidth)
   if not templates:
     raise InstantiationError(
       f"no pipeline of {min_nodes}..{kmax} nodes fits the {n}-layer model in "
