@@ -152,6 +152,7 @@ def _choose(
   """
   if not templates:
     return None
+
   def tail(t: PipelineTemplate) -> float:  # fill, drain and the all-reduce after them
     return t.latency - t.bottleneck + t.allreduce
 
