@@ -197,11 +197,12 @@ def test_spec_cost_model_is_the_roofline_and_the_ring():
   chunk = -(-piece // 8) * 4
   ar = costs.op_costs((8, 7)).ar
   assert ar[0] == pytest.approx(2 * (3 * piece / 100e9 + 1e-6) + 2 * (chunk / 10e9 + 5e-6))
-  # One worker lost: its node's first device now sums 2 of the 4 pieces (from 2 peers) and runs
-  # their 2 rings on its one link; it sets both paces.
-  piece = -(-int(costs.ar_bytes[1]) // 16) * 4
+  # One worker lost (4 and 3 a node): cut into 8 pieces (`ring.pieces_for`: 4 would leave 2 on
+  # one of the 3 devices), two of the 3 devices sum 3 pieces each from 2 peers (6 a phase, as
+  # many as the 4-worker node's devices move) and run their 3 rings on one link: the pace.
+  piece = -(-int(costs.ar_bytes[1]) // 32) * 4
   chunk = -(-piece // 8) * 4
-  assert ar[1] == pytest.approx(2 * (4 * piece / 100e9 + 1e-6) + 2 * (2 * chunk / 10e9 + 5e-6))
+  assert ar[1] == pytest.approx(2 * (6 * piece / 100e9 + 1e-6) + 2 * (3 * chunk / 10e9 + 5e-6))
   assert costs.op_costs((4, 1)).ar == (pytest.approx(2 * (3 * -(-grad // 4) * 4 / 100e9 + 1e-6)),
                                        0.0)  # one node left: its links only; one worker: none
   # A node per pipeline (8 stages of one device): one worker of a stage a node, the ring alone.
@@ -251,6 +252,16 @@ def test_the_cost_model_prices_the_ring_the_runtime_runs():
       2 * (n - 1) * (size / bw + lat))
   for per_process in [(2, 2), (4, 4, 4), (4, 3), (3, 1, 2), (1, 1, 1), (5,), (8, 7, 8)]:
     _replay_two_level(elements, per_process, rng)
+  # Pieces: the most members a process holds where that splits evenly; after a loss a multiple
+  # of it that keeps every device within `BALANCE` of its share (8 a host, one lost: 24 pieces,
+  # at most 4 on one of the 7 devices, where 8 pieces put 2 on one: 1.75x its share).
+  assert ring.pieces_for((8, 8, 8)) == 8 and ring.pieces_for((5,)) == 5
+  assert ring.pieces_for((8, 7, 8)) == 24 and ring.two_level(elements, (8, 7, 8)).rings == 4
+  for per_process in [(8, 7), (8, 6), (8, 7, 6, 5), (4, 3), (3, 1, 2), (16, 15), (6, 4)]:
+    k = ring.pieces_for(per_process)
+    assert k % max(per_process) == 0 and k <= ring.MAX_PIECES, per_process
+    worst = max(-(-k // m) * m / k for m in per_process)
+    assert worst <= ring.BALANCE or k + max(per_process) > ring.MAX_PIECES, per_process
 
 
 def _replay_two_level(elements, per_process, rng):

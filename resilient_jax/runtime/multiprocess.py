@@ -261,15 +261,16 @@ class ProcessTransport(Transport):
     return out
 
   def pieces_for(self, mine: Sequence[Where], devices: Devices) -> int:
-    """`Transport.pieces_for` across processes: spread, the most members any one process holds
-    (every process derives the same count from `devices`, so piece j is the same elements in
-    each, and its owners run its ring together); else one."""
+    """`Transport.pieces_for` across processes: spread, `ring.pieces_for` of the members each
+    process holds (the most any holds, or a multiple of it that keeps a process that lost a
+    member balanced; every process derives the same count from `devices`, so piece j is the
+    same elements in each, and its owners run its ring together); else one."""
     if not self._spreads(mine[0]):
       return 1
     per_process: dict[int, int] = {}
     for d in devices:
       per_process[_process_of(d)] = per_process.get(_process_of(d), 0) + 1
-    return max(per_process.values())
+    return ring.pieces_for(list(per_process.values()))
 
   def is_local_where(self, where: Where) -> bool:
     return _process_of(where) == self.cluster.process_id

@@ -19,14 +19,16 @@ where spreading copies the same bytes in all with k times the dispatches, so the
 the first member sums (in one piece the gradients are summed as they are laid out, in float32
 and cast back, with no buffer made: no cut or join program). Each piece is summed once and only
 copied after, so every replica holds bitwise the same sum. Across processes
-(`runtime.multiprocess.ProcessTransport`) k is the most members any process holds, and between
-the two phases each piece's owners run a ring (reduce-scatter, all-gather) among the member
-processes over the transfer server, every owner from its own device: 2 (P - 1) / P buffers in
-and out per process, flat in the number of processes P, as the simulator's cost model prices it.
-Growth per reduction: bytes per process O(1) in dp, and per device O(1) in the devices of a
-process; 2 (P - 1) sequential transfers (latency O(P)); host work O(k^2 + k P) dispatches (the
-copies of the two local phases each a single `device_put` call). `device_bytes` counts every
-device's bytes (`metrics.jsonl`: `device_bytes_out`, `device_bytes_in`).
+(`runtime.multiprocess.ProcessTransport`) k is the most members any process holds (a multiple of
+it where a process holds fewer, so that its devices stay near their share:
+`schedule.ring.pieces_for`), and between the two phases each piece's owners run a ring
+(reduce-scatter, all-gather) among the member processes over the transfer server, every owner
+from its own device: 2 (P - 1) / P buffers in and out per process, flat in the number of
+processes P, as the simulator's cost model prices it. Growth per reduction: bytes per process
+O(1) in dp, and per device O(1) in the devices of a process; 2 (P - 1) sequential transfers
+(latency O(P)); host work O(k^2 + k P) dispatches (the copies of the two local phases each a
+single `device_put` call). `device_bytes` counts every device's bytes (`metrics.jsonl`:
+`device_bytes_out`, `device_bytes_in`).
 It is not an XLA collective over the group, for three reasons: a new group after a failure
 compiles only the few small programs above for its new k, and across processes the ring's cut
 and join for its new process count (never a stage program); a member
@@ -52,6 +54,7 @@ import numpy as np
 from resilient_jax.model.sharding import Where, as_mesh, target
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.programs.packing import Layout, Packed
+from resilient_jax.schedule import ring
 
 Params = dict[str, jax.Array]
 ACT, GRAD, STATE = 0, 1, 2
@@ -175,8 +178,9 @@ class Transport:
 
   def pieces_for(self, mine: Sequence[Where], devices: Devices) -> int:
     """How many pieces a reduction over `devices` (every member), `mine` of them here, cuts
-    its buffer into: one a member when it spreads (`spread`), else one."""
-    return len(devices) if self._spreads(mine[0]) else 1  # every member is here
+    its buffer into: one a member when it spreads (`spread`, `ring.pieces_for` of one process
+    holding every member), else one."""
+    return ring.pieces_for((len(devices),)) if self._spreads(mine[0]) else 1
 
   def _spreads(self, where: Where) -> bool:
     if self.spread is not None:

@@ -14,15 +14,15 @@ about twice the time). Per member: `2 (n - 1)` chunks sent and as many received,
 of the buffer each way (`bytes_sent`), `2 (n - 1)` latencies (`seconds`).
 
 **Two levels** (`Transport.scatter_sum` / `all_gather` around the ring): a process holding `m`
-members of the group first sums among its own devices. With `k` the most members any process
-holds (every process derives the same `k` from the member list), each member cuts its buffer
-into `k` pieces; piece `c` is summed on the process's member `c mod m` (a reduce-scatter over
-the node's links), each piece's owners run that piece's ring among the processes from their own
-devices (over the network: a device owning `o` pieces carries `o` rings), and the members copy
-the summed pieces they lack (an all-gather). `two_level` gives each phase's busiest device and
-the time; with one member per process it is the ring alone. That is the spread reduction
-(devices with links of their own); CPU devices sum on the first member (`spread=False`: one
-piece).
+members of the group first sums among its own devices. With `k` pieces (`pieces_for`: the most
+members any process holds, or a multiple of it where processes hold different numbers; every
+process derives the same `k` from the member list), each member cuts its buffer into `k` pieces;
+piece `c` is summed on the process's member `c mod m` (a reduce-scatter over the node's links),
+each piece's owners run that piece's ring among the processes from their own devices (over the
+network: a device owning `o` pieces carries `o` rings), and the members copy the summed pieces
+they lack (an all-gather). `two_level` gives each phase's busiest device and the time; with one
+member per process it is the ring alone. That is the spread reduction (devices with links of
+their own); CPU devices sum on the first member (`spread=False`: one piece).
 
 Growth per reduction: network bytes per process `2 (P - 1) / P` of the buffer, flat in P (the
 member processes) and, spread, split over its devices; node-link bytes per device
@@ -133,11 +133,36 @@ class TwoLevel:
     return 2 * phase + ring
 
 
+MAX_PIECES = 64
+"""The most pieces a reduction cuts a buffer into (the transfer ids' field for the piece)."""
+BALANCE = 1.25
+"""How far above its even share (`k / m` pieces) `pieces_for` lets a device's pieces go."""
+
+
+def pieces_for(per_process: Sequence[int]) -> int:
+  """The pieces `k` of a spread reduction over processes holding `per_process` members each:
+  the most any holds, `M`, when that splits evenly everywhere; where a process holds fewer
+  (a device lost), its members own `ceil(k / m)` pieces and the busiest sets the pace of every
+  ring and local phase, so `k` is the smallest multiple of `M` that keeps every device within
+  `BALANCE` of its even share (after a loss at 8 a host: 24 pieces, 4 on the busiest of 7
+  devices instead of 2 of 8, 1.17x its share instead of 1.75x), at most `MAX_PIECES`."""
+  most = max(per_process)
+  sizes = set(per_process)
+  best, best_k = math.inf, most
+  for k in range(most, max(most, MAX_PIECES) + 1, most):
+    worst = max(-(-k // m) * m / k for m in sizes)
+    if worst < best - 1e-12:
+      best, best_k = worst, k
+    if worst <= BALANCE:
+      break
+  return best_k
+
+
 def two_level(elements: int, per_process: Sequence[int], spread: bool = True) -> TwoLevel:
   """The reduction of a float32 buffer of `elements` over processes holding `per_process`
-  members each (every entry >= 1): spread, `k` is the most any holds; else one piece, summed
-  on each process's first member."""
-  k = max(per_process) if spread else 1
+  members each (every entry >= 1): spread, in `pieces_for` pieces; else one piece, summed on
+  each process's first member."""
+  k = pieces_for(per_process) if spread else 1
   moved = phase = rings = 0
   for m in sorted(set(per_process)):
     for d in range(min(m, k)):
