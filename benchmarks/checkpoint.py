@@ -288,8 +288,11 @@ def main() -> None:
     trainer.run_step(1)
     first = 2
     for rule in ("wait", "defer"):
-      trainer.cfg = dataclasses.replace(trainer.cfg, checkpoint=dataclasses.replace(
+      # The run's config, which the checkpoint rule reads (`Checkpoints.if_due`); before
+      # 2026-11-27 this set a copy only the trainer held, and `defer` measured `wait` again.
+      trainer.state.cfg = dataclasses.replace(trainer.cfg, checkpoint=dataclasses.replace(
         trainer.cfg.checkpoint, if_busy=rule))
+      assert trainer.checkpoints.run.cfg.checkpoint.if_busy == rule
       step_times, blocked, saved = [], [], []
       trainer.writer.blocked_s.clear()
       for step in range(first, first + args.saves * args.every):

@@ -103,7 +103,6 @@ class Trainer:
                faults: Sequence[FaultEvent] = (), cluster: Any = None, model: Any = None,
                started: float | None = None):
     check_fault_events(faults, cfg)
-    self.cfg = cfg
     self.state = start_run(cfg, workdir, devices=devices, log=log, cluster=cluster, model=model)
     run = self.state
     run.goodput.started = started or run.goodput.started  # the goodput's wall time from there
@@ -124,6 +123,8 @@ class Trainer:
     self.learning_rate = recipe.learning_rate(cfg)
 
   # The run's parts, as tests, benchmarks and notebooks reach them.
+  cfg = property(lambda self: self.state.cfg)
+  """The run's config (one copy: what the checkpoint rule and every other part read)."""
   interpreter = property(lambda self: self.state.interpreter)
   coordinator = property(lambda self: self.state.coordinator)
   transport = property(lambda self: self.state.transport)
