@@ -247,10 +247,9 @@ class ProcessTransport(Transport):
     # the ring of its pieces with their owners in the other processes, and the members gather
     # the totals (`all_gather`).
     mine = [d for d in devices if d in local]
-    k = self.pieces_for(mine, devices)
     cut, join = self.programs_for(local, devices)
     sums = self.scatter_sum(mine, {d: cut(local[d]) for d in mine})
-    totals = self._ring(index, procs, sums, _owners(mine, k))
+    totals = self._ring(index, procs, sums, _owners(mine, len(sums)))
     if totals is None:
       return local
     out = self.all_gather(mine, totals, join)
@@ -278,21 +277,20 @@ class ProcessTransport(Transport):
   def _ring(self, index: int, procs: list[int], partials: list[jax.Array],
             owners: list[Where]) -> list[jax.Array] | None:
     """The sum over `procs` of each one's `partials` (piece j of this process's sum, a flat
-    buffer on its owner `owners[j]`), by a ring per piece: a reduce-scatter, then an
-    all-gather, every piece's ring run by its owners in step (without spreading, one piece on
-    the first member). A piece is cut into P equal chunks (P = len(procs); the hops are
-    `schedule.ring`'s, which the simulator's cost model prices): each process sends and
-    receives 2 (P - 1) / P buffers' bytes whatever P is (a gather of every member's buffer was
-    P - 1), through each owner's device its share. The chunks follow the members, not the
-    job's process count: with a fixed count a ring that lost one of P members had a position
-    owning two chunks, which set the pace of every hop (about twice the time); a new member
-    count compiles its cut and join (two small programs a gradient layout, as a new local
-    member count compiles its sum). Each chunk is summed once, in a fixed order (chunk j from
-    position j on around the ring, each adding its own part, to its owner j - 1), and then only
-    copied, so every replica holds bitwise the same sum. Every pull is
-    waited for before anything adds it (no device's queue waits on another process), watching
-    every member: a member that dies or freezes ends the wait of all of them (`Cluster.wait`),
-    so it costs its own worker only; None then.
+    buffer on its owner `owners[j]`), by a ring per piece: a reduce-scatter, then an all-gather,
+    every piece's ring run by its owners in step (without spreading, one piece on the first
+    member). A piece is cut into P equal chunks (P = len(procs); the hops are `schedule.ring`'s,
+    which the simulator's cost model prices): each process sends and receives 2 (P - 1) / P
+    buffers' bytes whatever P is (a gather of every member's buffer was P - 1), through each
+    owner's device its share. The chunks follow the members, not the job's process count: with a
+    fixed count a ring that lost one of P members had a position owning two chunks, which set
+    the pace of every hop (about twice the time); a new member count compiles its cut and join
+    (two small programs a gradient layout, as a new local member count compiles its sum). Each
+    chunk is summed once, in a fixed order (chunk j from position j on around the ring, each
+    adding its own part, to its owner j - 1), and then only copied, so every replica holds
+    bitwise the same sum. Every pull is waited for before anything adds it (no device's queue
+    waits on another process), watching every member: a member that dies or freezes ends the
+    wait of all of them (`Cluster.wait`), so it costs its own worker only; None then.
     """
     me, n = self.cluster.process_id, len(procs)
     r = procs.index(me)
@@ -331,11 +329,12 @@ class ProcessTransport(Transport):
     """`Transport.prepare_reduce`, and for a group across processes the ring's own programs
     (cut, add, join)."""
     outs = super().prepare_reduce(local, devices)
-    if len({_process_of(d) for d in devices}) == 1:
+    procs = len({_process_of(d) for d in devices})
+    if procs == 1:
       return outs
     cut, _ = self.programs_for(local, devices)
     piece = cut(next(iter(local.values())))[0]
-    cut_ring, join_ring = pieces(piece.shape[0], len({_process_of(d) for d in devices}))
+    cut_ring, join_ring = pieces(piece.shape[0], procs)
     chunks = cut_ring(piece)
     outs += [_add(chunks[0], chunks[0]), join_ring(*chunks)]
     return outs
