@@ -29,12 +29,14 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 __all__ = [
   "BatchPlan",
+  "Batched",
+  "RecordSource",
   "DataSource",
   "SyntheticSource",
   "TextSource",
@@ -70,6 +72,23 @@ class DataSource(Protocol):
     ...
 
 
+class TokenWindows:
+  """What the shipped token sources share: `batch(ids)`, a step's samples as the batch a loss
+  reads, `{"tokens": inputs, "targets": targets}` (`Batched`), and `source[i]`, one sample."""
+
+  def batch(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+    inputs, targets = self.get(ids)
+    return {"tokens": inputs, "targets": targets}
+
+  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+    return {k: v[0] for k, v in self.batch(np.asarray([i])).items()}
+
+  def __len__(self) -> int:
+    if self.num_samples is None:
+      raise TypeError("an endless source has no length")
+    return self.num_samples
+
+
 def _as_ids(ids: np.ndarray) -> np.ndarray:
   """Validates and flattens a batch of sample ids to int64."""
   arr = np.asarray(ids)
@@ -83,7 +102,7 @@ def _as_ids(ids: np.ndarray) -> np.ndarray:
   return arr
 
 
-class SyntheticSource:
+class SyntheticSource(TokenWindows):
   """Infinite synthetic sequences with learnable structure.
 
   Sample `i` draws everything from `np.random.default_rng([seed, i])`: a start token, a stride in
@@ -147,7 +166,7 @@ def default_text_path() -> Path:
   return Path(str(importlib.resources.files("resilient_jax") / "corpus" / "python_reference.txt"))
 
 
-class TextSource:
+class TextSource(TokenWindows):
   """Byte-level (vocab 256) windows over a text file, by default the shipped corpus.
 
   Sample `i` starts at byte `(i * seq_len) % (len(text) - seq_len - 1)`; its inputs are
@@ -246,7 +265,7 @@ def _read_tokens(path: Path, dtype: type, where: str) -> np.ndarray:
   return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
 
 
-class TokenSource:
+class TokenSource(TokenWindows):
   """Windows over a file of token ids (uint16 or uint32), read through grain: a flat binary (the
   nanoGPT format), or an ArrayRecord file (`.arrayrecord`) whose records, in order, hold the ids
   of one stream (each record's bytes a whole number of ids, e.g. one document each).
@@ -288,6 +307,76 @@ class TokenSource:
     ids = _as_ids(ids)
     windows = np.stack([self._windows[int(i) % self.num_samples] for i in ids])
     return windows[:, :-1].copy(), windows[:, 1:].copy()
+
+
+class Batched(Protocol):
+  """What the runtime reads samples through: `num_samples` ids (None: endless) and
+  `batch(ids)`, every entry of those samples stacked `[len(ids), ...]`, row k `ids[k]`'s."""
+
+  num_samples: int | None
+
+  def batch(self, ids: np.ndarray) -> dict[str, np.ndarray]: ...
+
+
+class RecordSource:
+  """A user's random-access source as the runtime reads it: anything with `len(source)` and
+  `source[i]` a dict of arrays (grain's `MapDataset`, an ArrayRecord source read through grain,
+  a list of dicts), or a dict of arrays with a leading samples axis. Sample `i` is always
+  `source[i]`: which samples a step reads stays `BatchPlan`'s pure function of `(seed, step)`,
+  so re-routing, a relaunch and a resume read the same samples.
+
+  Raises:
+    ValueError: an empty source, a sample that is not a dict of arrays, or samples whose
+      entries differ in name, shape or dtype from the first's (a batch stacks them).
+  """
+
+  def __init__(self, records: Any):
+    if isinstance(records, dict):
+      arrays = {k: np.asarray(v) for k, v in records.items()}
+      sizes = {v.shape[0] if v.ndim else None for v in arrays.values()}
+      if not arrays or len(sizes) != 1 or None in sizes:
+        raise ValueError("a dict of arrays as data needs every entry to share its leading "
+                         f"samples axis: {_shapes(arrays)}")
+      self._arrays, self._records = arrays, None
+      self.num_samples: int | None = int(next(iter(sizes)))
+    else:
+      try:
+        n = len(records)
+      except TypeError:
+        raise ValueError(f"the data is a {type(records).__name__}: it needs len() and "
+                         "source[i] -> dict of arrays (e.g. a grain MapDataset)") from None
+      self._arrays, self._records, self.num_samples = None, records, int(n)
+    if not self.num_samples:
+      raise ValueError("the data has no samples")
+    first = self._sample(0)
+    self.spec = {k: (v.shape, v.dtype) for k, v in first.items()}
+    """Each entry's per-sample shape and dtype (the first sample's; every one must match)."""
+
+  def _sample(self, i: int) -> dict[str, np.ndarray]:
+    if self._arrays is not None:
+      return {k: v[i] for k, v in self._arrays.items()}
+    rec = self._records[int(i)]
+    if not isinstance(rec, dict) or not rec:
+      raise ValueError(f"data[{i}] is a {type(rec).__name__}, not a dict of arrays")
+    return {str(k): np.asarray(v) for k, v in rec.items()}
+
+  def batch(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+    ids = _as_ids(ids)
+    if self._arrays is not None:
+      return {k: v[ids % self.num_samples] for k, v in self._arrays.items()}
+    rows = [self._sample(int(i) % self.num_samples) for i in ids]
+    for i, row in zip(ids.tolist(), rows, strict=True):
+      spec = {k: (v.shape, v.dtype) for k, v in row.items()}
+      if spec != self.spec:
+        raise ValueError(f"data[{i}] has entries {_shapes(row)}, data[0] "
+                         f"{ {k: f'{d}{list(s)}' for k, (s, d) in self.spec.items()} }: "
+                         "every sample must have the same entries and shapes")
+    return {k: np.stack([r[k] for r in rows]) for k in self.spec}
+
+
+def _shapes(arrays: dict) -> str:
+  return "{" + ", ".join(f"{k!r}: {np.asarray(v).dtype}{list(np.shape(v))}"
+                         for k, v in arrays.items()) + "}"
 
 
 class BatchPlan:

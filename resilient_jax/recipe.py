@@ -116,13 +116,19 @@ def _initializer(model_cfg) -> tuple[nnx.GraphDef | None, OnEachDevice | None]:
   return graphdef, init
 
 
-def make_data(cfg: RunConfig) -> tuple[data_lib.DataSource, data_lib.BatchPlan]:
+def make_data(cfg: RunConfig, data: object = None
+              ) -> tuple[data_lib.Batched, data_lib.BatchPlan]:
+  """The run's samples and which of them each step reads: `data`, the user's random-access
+  source (`data.RecordSource`), or the configured token source (`train.data`)."""
   t = cfg.train
   try:
-    source = data_lib.make_source(
-      t.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, seed=t.seed,
-      path=t.data_path, dtype=t.data_dtype,
-    )
+    if data is not None:
+      source = data if isinstance(data, data_lib.RecordSource) else data_lib.RecordSource(data)
+    else:
+      source = data_lib.make_source(
+        t.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, seed=t.seed,
+        path=t.data_path, dtype=t.data_dtype,
+      )
   except ValueError as e:  # a missing or malformed data file is the config's to fix
     raise ConfigError(str(e)) from None
   try:
@@ -144,32 +150,40 @@ def num_microbatches(plan: Plan) -> int:
   return plan.num_microbatches
 
 
-def step_batch(
-  cfg: RunConfig, source: data_lib.DataSource, plan: data_lib.BatchPlan, step: int,
+def step_data(
+  cfg: RunConfig, source: data_lib.Batched, plan: data_lib.BatchPlan, step: int,
   microbatches: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Sample ids per micro-batch `[n, microbatch]`, and inputs and targets of 1-based `step` as
-  `[n, microbatch, seq_len]` arrays; n defaults to the configured grid's `dp * m`."""
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """Sample ids per micro-batch `[n, microbatch]`, and the batch of 1-based `step`: every
+  entry `[n, microbatch, ...]`; n defaults to the configured grid's `dp * m`."""
   return _microbatches(cfg, source, plan.ids_for_step(step - 1), microbatches)
 
 
-def eval_batch(
-  cfg: RunConfig, source: data_lib.DataSource, batch: int, microbatches: int | None = None,
+def step_batch(
+  cfg: RunConfig, source: data_lib.Batched, plan: data_lib.BatchPlan, step: int,
+  microbatches: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """`step_batch`'s arrays for 0-based held-out batch `batch` of an evaluation (one step's
+  """`step_data` of a token source as `(ids, inputs, targets)`, each `[n, microbatch, ...]`."""
+  ids, batch = step_data(cfg, source, plan, step, microbatches)
+  return ids, batch["tokens"], batch["targets"]
+
+
+def eval_data(
+  cfg: RunConfig, source: data_lib.Batched, batch: int, microbatches: int | None = None,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """`step_data`'s arrays for 0-based held-out batch `batch` of an evaluation (one step's
   number of samples, `data.held_out`'s ids in order)."""
   _, ids = data_lib.held_out(source.num_samples, eval_samples(cfg))
   n = cfg.step_batch
   return _microbatches(cfg, source, ids[batch * n:(batch + 1) * n], microbatches)
 
 
-def _microbatches(cfg: RunConfig, source: data_lib.DataSource, ids: np.ndarray,
-                  microbatches: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _microbatches(cfg: RunConfig, source: data_lib.Batched, ids: np.ndarray,
+                  microbatches: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
   n = microbatches or cfg.mesh.dp * cfg.step_microbatches
   mbs = data_lib.split_microbatches(ids, 1, n)
-  inputs, targets = source.get(mbs.reshape(-1))
-  shape = (*mbs.shape, cfg.model.seq_len)
-  return mbs, inputs.reshape(shape), targets.reshape(shape)
+  batch = source.batch(mbs.reshape(-1))
+  return mbs, {k: v.reshape(*mbs.shape, *v.shape[1:]) for k, v in batch.items()}
 
 
 def sample_seeds(step: int, mb_ids: np.ndarray) -> np.ndarray:

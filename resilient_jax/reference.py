@@ -14,29 +14,64 @@ import jax
 import numpy as np
 
 from resilient_jax.config import RunConfig
-from resilient_jax.model.forward import ModelCut
+from resilient_jax.model.cut import default_loss_fn, loss_terms
 from resilient_jax.model.sharding import outside_ambient_mesh
-from resilient_jax.model.staging import (
-  Binder,
-  flat_params,
-  loss_terms,
-  variable_names,
-  weighted_mean,
-)
+from resilient_jax.model.staging import Binder, flat_params, run_block, variable_names
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.recipe import (
-  eval_batch,
+  eval_data,
   make_data,
   make_model,
   reference_optimizer,
   sample_seeds,
-  step_batch,
+  step_data,
 )
+
+
+def mean_loss_fn(model: Any, cfg: RunConfig, loss_fn: Any = None):
+  """`(params by name, batch, seeds) -> the batch's mean loss` of `loss_fn(model, batch)` (the
+  model's own loss when None) on one device, as the README's rule says a user's own loop
+  computes it: with RNG streams, sample `i` of step `t` runs alone, every stream's key folded
+  with `(t, i)` and its count reset; the mean is over every loss element (weighted where the
+  loss returns weights)."""
+  loss_fn = loss_fn or default_loss_fn(model)
+  remat = cfg.model.remat
+  bind = Binder(model, variable_names(model))
+
+  def call(m: Any, batch: Any) -> Any:
+    if remat != "none":  # the same blocks rematerialised, as the pipeline runs them
+      from resilient_jax.model.cut import _get, layers_path, swap_blocks
+
+      path = layers_path(m, getattr(cfg.model, "layers", ""))
+      swap_blocks(m, path, [_Remat(b, remat) for b in _get(m, path)])
+    return loss_terms(loss_fn(m, batch))
+
+  def mean(p: dict, batch: dict, seeds: Any) -> Any:
+    losses, weights = bind.run(p, call, (batch,), seeds if bind.uses_rng else None)
+    if weights is None:
+      return losses.mean()
+    return (losses * weights).sum() / weights.sum()
+
+  return mean
+
+
+class _Remat:
+  """A block run through `run_block` (`model.remat`), its attributes its own."""
+
+  def __init__(self, block: Any, remat: str):
+    self._block, self._remat = block, remat
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._block, name)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return run_block(self._block, *args, remat=self._remat, **kwargs)
 
 
 @outside_ambient_mesh
 def train_reference(
-  cfg: RunConfig, steps: int | None = None, model: Any = None
+  cfg: RunConfig, steps: int | None = None, model: Any = None, loss_fn: Any = None,
+  data: Any = None,
 ) -> tuple[list[float], dict]:
   """Trains on one device; returns per-step losses and the final flat parameters (numpy).
 
@@ -44,22 +79,18 @@ def train_reference(
     cfg: the run's config (`run_config(config, model)` for a user's model).
     steps: how many steps (default: `train.steps`).
     model: a user's model (left unchanged); None builds the config's model family.
+    loss_fn, data: the user's loss and data (`train`'s), None for the model's and the config's.
   """
   model = make_model(cfg) if model is None else model
   names = variable_names(model)
-  stage = _whole(model, cfg)
-  bind = Binder(model, names)
   params = flat_params(model, names)
-  terms = loss_terms(model)
+  mean_loss = mean_loss_fn(model, cfg, loss_fn)
   optimizer = reference_optimizer(cfg)
   opt_state = optimizer.init(params)
-  source, plan = make_data(cfg)
+  source, plan = make_data(cfg, data)
 
-  def mean_loss(p, x, y, seeds):
-    return weighted_mean(terms(bind.run(p, stage, (None, x), seeds), y, x))
-
-  def train_step(p, o, x, y, seeds):
-    loss, grads = jax.value_and_grad(mean_loss)(p, x, y, seeds)
+  def train_step(p, o, batch, seeds):
+    loss, grads = jax.value_and_grad(mean_loss)(p, batch, seeds)
     updates, o = optimizer.update(grads, o, p)
     return jax.tree.map(lambda a, u: a + u, p, updates), o, loss
 
@@ -70,42 +101,34 @@ def train_reference(
 
   losses = []
   for t in range(1, (steps or cfg.train.steps) + 1):
-    ids, inputs, targets = step_batch(cfg, source, plan, t)
+    ids, batch = step_data(cfg, source, plan, t)
     seeds = sample_seeds(t, ids).reshape(-1, 2)
-    x = inputs.reshape(-1, inputs.shape[-1])
-    y = targets.reshape(-1, targets.shape[-1])
-    params, opt_state, loss = step(params, opt_state, *jax.device_put((x, y, seeds), device))
+    batch = {k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items()}
+    params, opt_state, loss = step(params, opt_state, *jax.device_put((batch, seeds), device))
     losses.append(float(loss))
   return losses, {k: np.asarray(v) for k, v in params.items()}
 
 
 @outside_ambient_mesh
-def eval_reference(cfg: RunConfig, params: Mapping[str, Any], model: Any = None) -> float:
+def eval_reference(cfg: RunConfig, params: Mapping[str, Any], model: Any = None,
+                   loss_fn: Any = None, data: Any = None) -> float:
   """The held-out loss of flat parameters `params` (by global name) on one device: the mean
-  per-token loss over every held-out sample of an evaluation (`data.held_out`) in one batch,
-  the number the pipelined evaluation (`training/evaluation.py`) must match.
+  loss over every held-out sample of an evaluation (`data.held_out`) in one batch, the number
+  the pipelined evaluation (`training/evaluation.py`) must match.
 
   Args:
     cfg: the run's config (with `train.eval_every` set).
     params: every parameter, e.g. `Interpreter.all_params()` or `train_reference`'s.
     model: a user's model (its structure only); None builds the config's model family.
+    loss_fn, data: the user's loss and data, as `train_reference`'s.
   """
   model = make_model(cfg) if model is None else model
-  stage = _whole(model, cfg)
-  bind = Binder(model, variable_names(model))
-  terms = loss_terms(model)
-  source, _ = make_data(cfg)
-  batches = [eval_batch(cfg, source, b, 1) for b in range(cfg.train.eval_batches)]
-  ids, x, y = (np.concatenate([b[i].reshape(-1, *b[i].shape[2:]) for b in batches])
-               for i in range(3))
+  source, _ = make_data(cfg, data)
+  parts = [eval_data(cfg, source, b, 1) for b in range(cfg.train.eval_batches)]
+  ids = np.concatenate([i.reshape(-1) for i, _ in parts])
+  batch = {k: np.concatenate([b[k].reshape(-1, *b[k].shape[2:]) for _, b in parts])
+           for k in parts[0][1]}
   # One device, committed, so the compiled program is the library's cached one.
-  mean_loss = OnEachDevice(lambda p, x, y, s: weighted_mean(terms(bind.run(p, stage, (None, x), s),
-                                                                  y, x)))
+  mean_loss = OnEachDevice(mean_loss_fn(model, cfg, loss_fn))
   device = jax.local_devices()[0]
-  return float(mean_loss(*jax.device_put((dict(params), x, y, sample_seeds(0, ids)), device)))
-
-
-def _whole(model: Any, cfg: RunConfig) -> Any:
-  """The model's whole forward as one stage, its blocks as the config says."""
-  return ModelCut(model, cfg.model.seq_len, getattr(cfg.model, "layers", ""),
-                  cfg.model.remat).whole()
+  return float(mean_loss(*jax.device_put((dict(params), batch, sample_seeds(0, ids)), device)))

@@ -73,7 +73,7 @@ def test_a_stage_passes_its_residuals_and_gradients_packed():
   """A whole-model stage on one device: F hands B and W a few buffers, not one array per
   residual, the gradients are one buffer per dtype, and the packed backward's gradients are
   JAX's own gradient of the stage's loss."""
-  from resilient_jax.model.staging import loss_terms
+  from resilient_jax.model.check import token_batch
   from resilient_jax.programs.stages import build_stage_programs
   from resilient_jax.recipe import make_model, make_optimizer, optimizer_key
   from tests.helpers import assert_close, tiny_config
@@ -81,12 +81,12 @@ def test_a_stage_passes_its_residuals_and_gradients_packed():
   cfg = tiny_config(mesh__dp=1, mesh__pp=1)
   model = make_model(cfg)
   (prog,) = build_stage_programs(
-    model, cfg.partition, cfg.microbatch_size, cfg.model.seq_len,
+    model, cfg.partition, token_batch(cfg.model.seq_len, cfg.microbatch_size),
     make_optimizer(cfg), cfg.step_batch, optimizer_key=optimizer_key(cfg))
   device = jax.devices()[0]
   params = prog.initial_params(device)
   x = jax.device_put(jnp.ones((cfg.microbatch_size, cfg.model.seq_len), jnp.int32), device)
-  loss, res, saved = prog.forward(params, x, x)
+  loss, res, saved = prog.forward(params, None, {"tokens": x, "targets": x})
   n_res = len(set(prog.split.b_residuals) | set(prog.split.w_residuals))
   packed = jax.tree.leaves((res.packs, saved.packs))
   # The 4 blocks' residuals repeat: a chunk per block, one before and after them, a buffer per
@@ -101,10 +101,10 @@ def test_a_stage_passes_its_residuals_and_gradients_packed():
   g = jax.device_put(jnp.float32(1.0), device)
   _, grads = prog.backward_fused(res, saved, params, g, zeros)
   # The same gradients from JAX's own differentiation of the stage's loss.
-  terms = loss_terms(model)
+  batch = {"tokens": x, "targets": x}
   expected = jax.grad(
-    lambda p: terms(prog.apply_stage(p, x), x, x)[0].sum() * prog.loss_scale)(params)
-  assert_close(loss, terms(prog.apply_stage(params, x), x, x)[0].sum() * prog.loss_scale)
+    lambda p: prog.apply_stage(p, None, batch)[0].sum() * prog.loss_scale)(params)
+  assert_close(loss, prog.apply_stage(params, None, batch)[0].sum() * prog.loss_scale)
   for name in prog.param_names:
     assert_close(grads[name], expected[name], err_msg=name)
 

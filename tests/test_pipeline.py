@@ -17,6 +17,7 @@ from resilient_jax.programs.stages import (
   clear_shared_programs,
   model_signature,
 )
+from resilient_jax.model.check import token_batch
 from resilient_jax.recipe import make_model, make_optimizer, optimizer_key
 from resilient_jax.training.api import train
 from resilient_jax.training.loop import Trainer
@@ -71,7 +72,7 @@ def test_rematerialised_blocks_match_keep_less_and_add_no_third_forward(tmp_path
   assert_matches_reference(result.metrics, result.interpreter.all_params(), plain)
   # The same stages without remat: traced only (in the suite, shared with a run of this shape).
   none = build_stage_programs(
-    make_model(plain), cfg.partition, 4, cfg.model.seq_len, make_optimizer(plain),
+    make_model(plain), cfg.partition, token_batch(cfg.model.seq_len, 4), make_optimizer(plain),
     cfg.step_batch, optimizer_key=optimizer_key(plain))
 
   def dots(prog, side):
@@ -102,7 +103,7 @@ def test_rematerialised_blocks_match_keep_less_and_add_no_third_forward(tmp_path
   device = next(iter(params.values())).devices().pop()
   x = jax.device_put(jnp.ones((4, cfg.model.seq_len, cfg.model.d_model)), device)
   t = jax.device_put(jnp.ones((4, cfg.model.seq_len), jnp.int32), device)
-  _, res, saved = last.forward(params, x, t)
+  _, res, saved = last.forward(params, x, {"targets": t})
   g = jax.device_put(jnp.float32(1.0), device)
   dx, handover = last.backward_input(res, g)
   split = last.backward_weight(params, saved, handover, last.zero_grads(params, device))

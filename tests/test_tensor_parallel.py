@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from resilient_jax import checkpoint as ckpt
 from resilient_jax.config import ConfigError
+from resilient_jax.model.check import token_batch
 from resilient_jax.model.sharding import target, worker_mesh
 from resilient_jax.programs.stages import build_stage_programs, clear_shared_programs
 from resilient_jax.runtime.placement import process_slots
@@ -25,11 +26,11 @@ def _stage_outputs(progs, stage, where, tokens, targets, edit=lambda params: par
   """F, B, W and OPT of one stage on `where`, from its initial parameters (`edit`ed)."""
   prog = progs[stage]
   params = edit(prog.initial_params(where))
-  x = jax.device_put(tokens if prog.info.first else
-                     np.random.default_rng(1).normal(size=prog.input_spec.shape)
-                     .astype(np.float32), where)
-  tgt = jax.device_put(targets, where) if prog.info.last else None
-  out, res, saved = prog.forward(params, x, tgt)
+  x = None if prog.info.first else jax.device_put(
+    np.random.default_rng(1).normal(size=prog.input_spec.shape).astype(np.float32), where)
+  batch = jax.device_put({k: v for k, v in (("tokens", tokens), ("targets", targets))
+                          if k in prog.batch_keys}, where)
+  out, res, saved = prog.forward(params, x, batch)
   g = jax.device_put(jnp.float32(1.0) if prog.info.last else
                      np.random.default_rng(2).normal(size=prog.output_spec.shape)
                      .astype(np.float32), where)
@@ -58,8 +59,9 @@ def test_sharded_stage_matches_unsharded(family, stage):
   # A large epsilon: Adam would blow a gradient that is zero but for rounding (the key bias's,
   # softmax ignores it) up to the learning rate, whose sign is then noise.
   optimizer = optax.adamw(1e-2, eps=1.0)
-  one = build_stage_programs(model, layers, 2, cfg.model.seq_len, optimizer, 16)
-  two = build_stage_programs(model, layers, 2, cfg.model.seq_len, optimizer, 16, tp=2)
+  one = build_stage_programs(model, layers, token_batch(cfg.model.seq_len, 2), optimizer, 16)
+  two = build_stage_programs(model, layers, token_batch(cfg.model.seq_len, 2), optimizer, 16,
+                             tp=2)
   block = f"blocks.{2 * stage}"
   up = f"{block}.mlp.fc.kernel" if family == "gpt" else f"{block}.mlp.gate.kernel"
   down = f"{block}.mlp.proj.kernel" if family == "gpt" else f"{block}.mlp.down.kernel"

@@ -1,17 +1,15 @@
 """What every stage is built from: parameter names, a model bound to flat parameters
-(`Binder`), each block's rematerialisation (`run_block`) and the default loss.
+(`Binder`), each block's rematerialisation (`run_block`) and the default per-token loss.
 
-A model the runtime can train is any `flax.nnx.Module` whose `__call__(tokens)` maps token ids
-`[batch, seq]` to logits through a list of blocks (`model/forward.py` cuts that forward at its
-blocks); a model without a `__call__` may instead have three parts, `embed`, `blocks` and
-`head` (`Stageable`), run one after the other. Optionally `loss(logits, targets)`, the loss of
-every token (any shape; the step's loss is its mean over the global batch; default:
-`token_cross_entropy`).
+A model the runtime can train is any `flax.nnx.Module` with a list of repeated blocks, trained
+through the user's `loss_fn(model, batch)` or, without one, its own `__call__(tokens)` (a model
+without one: `embed`, `blocks` and `head`, `Stageable`) and optional `loss(logits, targets)` or
+`loss(logits, batch)`; `model/cut.py` traces that loss and cuts it at the blocks.
 
 Randomness (`nnx.Dropout` and any layer drawing from an `nnx.Rngs` stream): sample `i` of step
-`t` draws from every stream's key folded with `(t, i)` (`Binder.run`), one sample at a time,
-so a micro-batch draws the same masks whichever worker runs it, whatever the layout, and the
-single-device reference draws them too (a stream shared by several blocks: `forward.py`).
+`t` runs alone, every stream's key folded with `(t, i)` and its count reset (`Binder.run`), so
+a micro-batch draws the same masks whichever worker runs it, whatever the layout, and a user's
+own one-device loop draws them too by doing the same.
 
 Rematerialisation (`model.remat`): each block of a stage runs through `run_block`, which with
 `full` or a `jax.checkpoint_policies` name wraps it in `jax.checkpoint`, so the forward keeps
@@ -26,7 +24,6 @@ weight whose gradients are summed like any data-parallel replica's.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,53 +52,6 @@ def token_cross_entropy(logits: Array, targets: Array) -> Array:
   logz = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   return logz - picked
-
-
-def loss_fn(model: Any):
-  """The model's per-token loss: its own `loss` if it has one, else `token_cross_entropy`."""
-  return getattr(model, "loss", None) or token_cross_entropy
-
-
-def loss_sees_batch(model: Any) -> bool:
-  """Whether the model's `loss` takes the batch (`loss(logits, batch)`) rather than targets."""
-  loss = getattr(model, "loss", None)
-  if loss is None:
-    return False
-  try:
-    return "batch" in inspect.signature(loss).parameters
-  except (TypeError, ValueError):
-    return False
-
-
-def loss_terms(model: Any) -> Callable[[Array, Array, Array], tuple[Array, Array | None]]:
-  """`(logits, targets, tokens) -> (per-token losses, per-token weights or None)`.
-
-  A model's `loss(logits, targets)` returns per-token losses; a `loss(logits, batch)`, with
-  `batch` a dict of the micro-batch's `tokens` and `targets`, may also return weights, `(losses,
-  weights)` (a pad mask, per-token weights): the step's loss is then the weighted mean over the
-  global batch, `sum(w * l) / sum(w)`, as one device computes it. Weights must not depend on
-  the logits (`check_stageable` says so): the runtime sums them from the batch before a step.
-  """
-  loss = loss_fn(model)
-  if not loss_sees_batch(model):
-    return lambda logits, targets, tokens: (loss(logits, targets), None)
-
-  def terms(logits: Array, targets: Array, tokens: Array) -> tuple[Array, Array | None]:
-    out = loss(logits, {"tokens": tokens, "targets": targets})
-    if isinstance(out, tuple):
-      losses, weights = out
-      return losses, jnp.broadcast_to(weights, losses.shape).astype(jnp.float32)
-    return out, None
-
-  return terms
-
-
-def weighted_mean(terms: tuple[Array, Array | None]) -> Array:
-  """The mean loss of `loss_terms`' output: weighted where it has weights."""
-  losses, weights = terms
-  if weights is None:
-    return losses.mean()
-  return (losses * weights).sum() / weights.sum()
 
 
 def run_block(block: Any, *args: Any, remat: str = "none", **kwargs: Any) -> Any:

@@ -5,10 +5,12 @@ and loaded on whichever device holds their (committed) inputs (`compiled.OnEachD
 data-parallel peer that takes over a failed worker's micro-batches runs the very same programs
 on its own device, and the compile count does not grow with data parallelism.
 
-- `forward(params, x, targets, seeds, tokens) -> (out, residuals, saved)`: `out` is the stage
-  output, or for the last stage the micro-batch's share of the global mean loss; `tokens` are
-  the micro-batch's token ids, read by a later stage only where the model's forward computes
-  what its blocks take from them (`reads_tokens`). `residuals` are what B reads,
+- `forward(params, x, batch, seeds) -> (out, residuals, saved)`: `x` is what the previous
+  stage handed on (None on the first), `batch` the micro-batch's entries the stage reads
+  (`batch_keys`: the first stage's inputs, the last stage's targets, and wherever a value is
+  recomputed from the batch rather than sent, its sources); `out` is the values live across
+  the stage's cut as one array (`model.cut`), or for the last stage the micro-batch's share of
+  the global mean loss. `residuals` are what B reads,
   `saved` what W reads (`model.split`), each a `Kept`: on one device the residuals F computed
   packed into a few buffers (`programs.packing`; JAX's call costs host time per array, and a
   stage has hundreds of residuals), a parameter or the stage input among them the caller's
@@ -46,8 +48,9 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import math
 import threading
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -59,16 +62,10 @@ from jax.extend import core as jcore
 
 from resilient_jax.checkpoint import universal
 from resilient_jax.model import sharding
-from resilient_jax.model.forward import ModelCut, stage_reads
+from resilient_jax.model.cut import LossCut, Segment
 from resilient_jax.model.sharding import Where
 from resilient_jax.model.split import split_backward
-from resilient_jax.model.staging import (
-  Binder,
-  flat_params,
-  loss_sees_batch,
-  loss_terms,
-  variable_names,
-)
+from resilient_jax.model.staging import flat_params, variable_names
 from resilient_jax.programs import packing
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.programs.residuals import Call, Residuals
@@ -82,6 +79,8 @@ class StageInfo:
   index: int
   num_stages: int
   layers: range
+  split: tuple[range, ...] = ()
+  """Every stage's blocks (the whole layer split this stage is one of)."""
 
   @property
   def first(self) -> bool:
@@ -96,58 +95,49 @@ class StagePrograms:
   """The jitted programs of one pipeline stage.
 
   Args:
-    model: a stageable model (see `resilient_jax.model`); its current parameter values are the
+    model: the model (see `resilient_jax.model`); its current parameter values are the
       initial ones.
     info: which stage and which blocks.
-    input_spec: shape/dtype of one micro-batch's stage input.
-    target_spec: shape/dtype of one micro-batch's targets (used by the last stage).
+    cut: the model's loss traced on one micro-batch and cut at its blocks (`cut.LossCut`),
+      shared by every stage of every split.
     optimizer: any optax transformation; applied per stage, so it must act per parameter
       (AdamW, SGD, schedules; not global-norm clipping across stages).
-    global_batch: samples per step; the last stage scales its summed per-token losses by one
-      over the loss elements of the global batch, so summing micro-batch losses and gradients
-      gives the step's mean loss.
+    global_batch: samples per step; the last stage scales its summed losses by one over the
+      loss elements of the global batch, so summing micro-batch losses and gradients gives the
+      step's mean loss.
     names: global variable names of `model` (`model.variable_names`), computed once per model.
     tp: devices of a worker's sub-mesh (tensor parallelism inside the stage).
-    remat: how each block is rematerialised (`model.remat`, `staging.run_block`).
-    model_cut: the model's forward cut at its blocks (`forward.ModelCut`), found once per
-      model; None finds it.
   """
 
   def __init__(
     self,
     model: Any,
     info: StageInfo,
-    input_spec: jax.ShapeDtypeStruct,
-    target_spec: jax.ShapeDtypeStruct,
+    cut: LossCut,
     optimizer: optax.GradientTransformation,
     global_batch: int,
     names: dict[int, str] | None = None,
     tp: int = 1,
-    remat: str = "none",
-    model_cut: ModelCut | None = None,
   ):
     self.info = info
     self.tp = tp
     self.packed = tp == 1
     """Whether residuals and gradients travel packed (`programs.packing`): on one device."""
-    self.remat = remat
     self.optimizer = optimizer
     names = variable_names(model) if names is None else names
-    model_cut = model_cut or ModelCut(model, target_spec.shape[-1], remat=remat)
-    self._stage = model_cut.stage(info.layers, first=info.first, last=info.last)
-    self._binder = Binder(model, names)
-    self.input_spec = input_spec
-    self.target_spec = target_spec
-    used, reads_tokens = stage_reads(self._binder, self._stage,
-                                     None if info.first else input_spec, target_spec)
-    self.reads_tokens: bool = reads_tokens or (info.last and not info.first
-                                               and loss_sees_batch(model))
-    """Whether the stage reads the micro-batch's token ids besides its input (a later stage
-    whose blocks take values the forward computes from them: positions, masks; the last stage
-    of a model whose `loss` takes the batch)."""
-    self._init_parameters(model, names, used)
-    self.uses_rng = self._binder.uses_rng
-    apply, arg_specs = self._stage_function(model, global_batch)
+    self.segment: Segment = cut.segments(info.split)[info.index]
+    seg = self.segment
+    self.input_spec: jax.ShapeDtypeStruct | None = None if info.first else seg.carry_in.spec
+    """What the stage receives from the previous one (the values live across the cut, as one
+    array: `cut.Carry`); None on the first stage, which reads only the batch."""
+    self.batch_specs = {k: cut.batch_specs[k] for k in seg.batch_keys}
+    """The micro-batch entries the stage reads (by key), at one micro-batch's shapes."""
+    self.batch_keys: tuple[str, ...] = seg.batch_keys
+    self.uses_rng: bool = seg.reads_seeds
+    """Whether the stage reads the per-sample seeds (it draws random numbers)."""
+    self.microbatch = cut.microbatch
+    self._init_parameters(model, names, seg.param_names)
+    apply, arg_specs = self._stage_function(cut, global_batch)
     self.output_spec: jax.ShapeDtypeStruct = jax.eval_shape(apply, *arg_specs)
     closed, out_tree = self._split_backward(apply, arg_specs)
     self._build_forward(closed, out_tree)
@@ -155,8 +145,8 @@ class StagePrograms:
 
   def _init_parameters(self, model: nnx.Module, names: dict[int, str], used: Sequence[str]
                        ) -> None:
-    """The stage's initial parameter values (those of `used`, the parameters its forward
-    reads), their shapes, and how they and the optimizer state split over a worker's
+    """The stage's initial parameter values (those of `used`, the parameters its equations
+    read), their shapes, and how they and the optimizer state split over a worker's
     sub-mesh."""
     self._initial = flat_params(model, names, only=set(used))
     self.param_names: tuple[str, ...] = tuple(sorted(self._initial))
@@ -171,70 +161,61 @@ class StagePrograms:
       k: sharding.opt_entry_spec(k, v.shape, self.param_specs, shapes)
       for k, v in universal.flatten_state(self.opt_template).items()})
 
-  def _stage_function(self, model: Any, global_batch: int) -> tuple[Callable, tuple]:
-    """What the stage computes, `apply(params, x, targets, seeds, tokens)`: its slice of the
-    model's forward (`forward.StageForward`), and on the last stage the micro-batch's share of
-    the global mean loss.
+  def _stage_function(self, cut: LossCut, global_batch: int) -> tuple[Callable, tuple]:
+    """What the stage computes, `apply(params, x, batch, seeds)`: its segment of the traced
+    loss, the values carried in unpacked from `x` and those carried out packed into one array;
+    on the last stage the micro-batch's share of the global mean loss.
 
     Returns:
-      `apply` and the specs of its arguments (targets only for the last stage, seeds only for
-      a model that draws random numbers, tokens only for a later stage that reads them).
+      `apply` and the specs of its arguments (x None on the first stage, seeds None where the
+      stage draws no random numbers).
     """
-    info, input_spec = self.info, self.input_spec
-    seeds_spec = jax.ShapeDtypeStruct((input_spec.shape[0], 2), jnp.int32) \
-      if self.uses_rng else None
-    terms = loss_terms(model)
-    targets_spec = self.target_spec if info.last else None
-    tokens_spec = self.target_spec if self.reads_tokens else None
-    run = self.apply_stage
+    seg, info = self.segment, self.info
+    seeds_spec = jax.ShapeDtypeStruct((self.microbatch, 2), jnp.int32) if self.uses_rng \
+      else None
     loss_scale = 0.0
-    self.weighted = False
-    """Whether the loss weighs its tokens (`staging.loss_terms`): then the step's loss and
-    its gradients are scaled by `loss_scale_of(weight_sum)`, known before the step."""
     if info.last:
-      per_mb = jax.eval_shape(
-        lambda p, x, t, r, k: terms(run(p, x, k, r), t, x if info.first else k),
-        self.abstract_params(), input_spec, self.target_spec, seeds_spec, tokens_spec)
-      loss_scale = input_spec.shape[0] / (global_batch * max(per_mb[0].size, 1))
-      self.weighted = per_mb[1] is not None
-      if self.weighted:
-        logits = jax.eval_shape(run, self.abstract_params(), input_spec, tokens_spec, seeds_spec)
-        self.weight_sum = jax.jit(functools.partial(_weight_sum, terms, logits))
+      loss_scale = self.microbatch / (global_batch * max(math.prod(cut.loss_spec.shape), 1))
     self.loss_scale: float = loss_scale
-    """What F scales its micro-batch's summed per-token losses by: one over the loss
-    elements of the global batch."""
+    """What F scales its micro-batch's summed losses by: one over the loss elements of the
+    global batch."""
+    self.weighted: bool = info.last and seg.weighted
+    """Whether the loss weighs its elements (`cut.loss_terms`): then the step's loss and its
+    gradients are scaled by `loss_factor`, known before the step."""
+    if self.weighted:
+      total = cut.weight_sum()
+      self._weight_keys = tuple(cut.batch_specs)
+      self.weight_sum = jax.jit(lambda b, s: jax.vmap(total)(b, s).sum())
 
-    def apply(params: Params, x: Array, targets: Array | None, seeds: Array | None,
-              tokens: Array | None) -> Array:
-      out = run(params, x, tokens, seeds)
-      if info.last:
-        losses, weights = terms(out, targets, x if info.first else tokens)
-        out = (losses if weights is None else losses * weights).sum() * jnp.float32(loss_scale)
-      return out
+    def apply(params: Params, x: Array | None, batch: dict, seeds: Array | None) -> Array:
+      xs = [] if x is None else seg.carry_in.unpack(x)
+      out = seg(params, xs, batch, seeds)
+      if not info.last:
+        return seg.carry_out.pack(out)
+      losses, weights = out
+      summed = (losses if weights is None else losses * weights).astype(jnp.float32).sum()
+      return summed * jnp.float32(loss_scale)
 
-    return apply, (self.abstract_params(), input_spec, targets_spec, seeds_spec, tokens_spec)
+    return apply, (self.abstract_params(), self.input_spec, self.batch_specs, seeds_spec)
 
-  def loss_factor(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+  def loss_factor(self, batch: dict[str, np.ndarray], seeds: np.ndarray | None) -> float:
     """What a step's summed micro-batch losses (and so its loss gradient, the seed of the
-    backward) are multiplied by to be the mean over the step's samples `tokens`/`targets`
-    (`[..., seq]`): 1, or for a weighted loss the loss elements over the sum of the weights
-    (`sum(w * l) / sum(w)`). A host computation per step, on the whole step's batch: every
-    process derives the same factor from the same samples."""
+    backward) are multiplied by to be the mean over the step's samples (`batch`: every entry
+    `[micro-batches, samples, ...]`): 1, or for a weighted loss the loss elements over the sum
+    of the weights (`sum(w * l) / sum(w)`). A host computation per step, on the whole step's
+    batch: every process derives the same factor from the same samples."""
     if not self.weighted:
       return 1.0
-    t = np.asarray(tokens).reshape(-1, tokens.shape[-1])
-    total = float(self.weight_sum(t, np.asarray(targets).reshape(t.shape)))
+    total = float(self.weight_sum({k: batch[k] for k in self._weight_keys}, seeds))
     return 1.0 / (self.loss_scale * total) if total > 0 else float("nan")
 
-  def apply_stage(self, params: Params, x: Array, tokens: Array | None = None,
+  def apply_stage(self, params: Params, x: Array | None, batch: dict,
                   seeds: Array | None = None) -> Array:
-    """The stage's output for input `x` (token ids on the first stage) with `params`, inside
-    or outside a trace; `tokens`: the micro-batch's token ids where the stage reads them."""
-    if self.info.first:
-      return self._binder.run(params, self._stage, (None, x), seeds)
-    if tokens is None:  # not read (`reads_tokens`): a stand-in XLA drops
-      tokens = jnp.zeros(self.target_spec.shape, self.target_spec.dtype)
-    return self._binder.run(params, self._stage, (x, tokens), seeds)
+    """The stage's output (its carried values, as one array; the last stage's loss terms)
+    for input `x` with `params`, inside or outside a trace."""
+    xs = [] if x is None else self.segment.carry_in.unpack(x)
+    out = self.segment(params, xs, batch, seeds)
+    return out if self.info.last else self.segment.carry_out.pack(out)
 
   def _split_backward(self, apply: Callable, arg_specs: tuple) -> tuple[jcore.ClosedJaxpr, Any]:
     """Traces F and its backward once and cuts the backward into B and W (`model.split`,
@@ -283,10 +264,11 @@ class StagePrograms:
     read, the stage input among them, not the parameters (whole arrays, however a sub-mesh
     splits them). What `model.remat` shrinks and what the planner's in-flight cap weighs."""
 
-    def forward(params, x, targets, seeds=None, tokens=None):
-      inputs = jax.tree.leaves((params, x, targets if info.last else None,
-                                seeds if self.uses_rng else None,
-                                tokens if self.reads_tokens else None))
+    keys = self.batch_keys
+
+    def forward(params, x, batch, seeds=None):
+      inputs = jax.tree.leaves((params, x, {k: batch[k] for k in keys},
+                                seeds if self.uses_rng else None))
       out, residuals, saved = kept.kept_for(inputs, params, *forward_program(*inputs))
       return jax.tree.unflatten(out_def, out), residuals, saved
 
@@ -447,14 +429,6 @@ class StagePrograms:
     return jax.device_put(self._zeros(params), self.param_shardings(where))
 
 
-def _weight_sum(terms: Callable, logits: jax.ShapeDtypeStruct, tokens: Array, targets: Array
-                ) -> Array:
-  """The sum of a weighted loss's weights over `tokens`/`targets` `[n, seq]`: the loss on
-  stand-in logits that XLA drops (the weights do not read them)."""
-  zeros = jnp.zeros((*targets.shape, logits.shape[-1]), logits.dtype)
-  return terms(zeros, targets, tokens)[1].sum()
-
-
 def _scoped(name: str, fn: Callable, tp: int = 1) -> Callable:
   """`fn`, traced under `jax.named_scope(name)` (same name for `jax.jit`) and, with `tp > 1`,
   against the shape of a worker's sub-mesh."""
@@ -486,19 +460,20 @@ def _on_submesh(fn: Callable, tp: int) -> Callable:
 def build_stage_programs(
   model: Any,
   partition: Sequence[range],
-  microbatch_size: int,
-  seq_len: int,
+  batch: Mapping[str, Any],
   optimizer: optax.GradientTransformation,
   global_batch: int,
   tp: int = 1,
   optimizer_key: Hashable | None = None,
   remat: str = "none",
   layers: str = "",
+  loss_fn: Callable | None = None,
 ) -> list[StagePrograms]:
-  """Programs for every stage, chaining each stage's output shape into the next one's input;
+  """Programs for every stage of a layer split, each a segment of the model's loss traced on
+  one micro-batch (`batch`: its entries' shapes) and cut at its blocks (`cut.LossCut`);
+  `loss_fn`: the user's `loss_fn(model, batch)` (None: the model's own, `default_loss_fn`);
   `tp`: devices of each worker's sub-mesh; `remat`: each block's rematerialisation
-  (`model.remat`); `layers`: the dotted path of the model's blocks ("": found,
-  `forward.layers_path`).
+  (`model.remat`); `layers`: the dotted path of the model's blocks ("": found).
 
   With `optimizer_key` (a hashable description of everything `optimizer` computes with, e.g.
   `recipe.optimizer_key`), the programs are shared by every caller of this process that asks
@@ -508,10 +483,11 @@ def build_stage_programs(
   `SHARED_PROGRAMS` distinct requests are kept; `clear_shared_programs` drops them.
   """
   names = variable_names(model)
+  specs = tuple(sorted((k, tuple(np.shape(v)), str(np.dtype(v.dtype))) for k, v in batch.items()))
   key = None
   if optimizer_key is not None:
-    key = (model_signature(model), tuple((r.start, r.stop) for r in partition), microbatch_size,
-           seq_len, global_batch, tp, optimizer_key, remat, layers)
+    key = (model_signature(model), tuple((r.start, r.stop) for r in partition), specs,
+           global_batch, tp, optimizer_key, remat, layers, loss_fn)
     try:
       hash(key)
     except TypeError:  # a static attribute of the model that cannot be hashed: not shared
@@ -523,25 +499,42 @@ def build_stage_programs(
         _shared.move_to_end(key)
     if shared is not None:
       return [prog.for_model(model, names) for prog in shared]
-  tokens = jax.ShapeDtypeStruct((microbatch_size, seq_len), jnp.int32)
-  spec = tokens
-  programs = []
-  model_cut = ModelCut(model, seq_len, layers, remat)
-  for s, layers in enumerate(partition):
-    info = StageInfo(index=s, num_stages=len(partition), layers=layers)
-    prog = StagePrograms(model, info, spec, tokens, optimizer, global_batch, names, tp, remat,
-                         model_cut)
-    programs.append(prog)
-    spec = prog.output_spec
+  cut = loss_cut(model, batch, loss_fn, layers, remat)
+  split = tuple(partition)
+  programs = [StagePrograms(model, StageInfo(s, len(split), layers_, split), cut, optimizer,
+                            global_batch, names, tp)
+              for s, layers_ in enumerate(split)]
   if key is not None:
     with _shared_lock:
       # Kept without this model's initial values: a kept entry holds compiled programs and
-      # traced functions, not a copy of any model's parameters (the `Binder` keeps none; a
-      # model with its own `loss` method is held by it, up to `SHARED_PROGRAMS` entries).
+      # traced functions, not a copy of any model's parameters.
       _shared[key] = [_without_initial(p) for p in programs]
       while len(_shared) > SHARED_PROGRAMS:
         _shared.popitem(last=False)
   return programs
+
+
+def loss_cut(model: Any, batch: Mapping[str, Any], loss_fn: Callable | None = None,
+             layers: str = "", remat: str = "none") -> LossCut:
+  """The model's loss traced on one micro-batch's shapes (`cut.LossCut`), once per process for
+  a model of the same `model_signature`, batch shapes, loss, blocks and remat (the last
+  `SHARED_PROGRAMS` kept): every split of the layers cuts the same trace."""
+  specs = tuple(sorted((k, tuple(np.shape(v)), str(np.dtype(v.dtype))) for k, v in batch.items()))
+  key = (model_signature(model), specs, loss_fn, layers, remat)
+  try:
+    hash(key)
+  except TypeError:
+    key = None
+  with _shared_lock:
+    cut = _cuts.get(key) if key is not None else None
+  if cut is None:
+    cut = LossCut(model, loss_fn, batch, layers, remat)
+    if key is not None:
+      with _shared_lock:
+        _cuts[key] = cut
+        while len(_cuts) > SHARED_PROGRAMS:
+          _cuts.popitem(last=False)
+  return cut
 
 
 SHARED_PROGRAMS = 8
@@ -553,6 +546,7 @@ per process (`vm.max_map_count`). With 32 kept, the test suite's process crashed
 loading an executable late in the suite, its map count growing past 24k halfway; with 8 it
 peaks at 36k maps (2026-11-25)."""
 _shared: collections.OrderedDict[Hashable, list[StagePrograms]] = collections.OrderedDict()
+_cuts: collections.OrderedDict[Hashable, LossCut] = collections.OrderedDict()
 _shared_lock = threading.Lock()
 
 
@@ -561,6 +555,7 @@ def clear_shared_programs() -> None:
   trainer that holds them)."""
   with _shared_lock:
     _shared.clear()
+    _cuts.clear()
 
 
 def _without_initial(prog: StagePrograms) -> StagePrograms:

@@ -364,11 +364,11 @@ class Interpreter(StateHandover):
     for slot in self.local_slots:
       prog, dev = self.program(slot), self.device(slot)
       zeros = lambda spec, dev=dev: jax.device_put(jnp.zeros(spec.shape, spec.dtype), dev)  # noqa: E731
-      tgt = zeros(prog.target_spec) if prog.info.last else None
-      seeds = zeros(jax.ShapeDtypeStruct((prog.input_spec.shape[0], 2), jnp.int32)) \
+      batch = {k: zeros(s) for k, s in prog.batch_specs.items()}
+      seeds = zeros(jax.ShapeDtypeStruct((prog.microbatch, 2), jnp.int32)) \
         if prog.uses_rng else None
-      tokens = zeros(prog.target_spec) if prog.reads_tokens else None
-      _, res, saved = prog.forward(self.params[slot], zeros(prog.input_spec), tgt, seeds, tokens)
+      x = None if prog.input_spec is None else zeros(prog.input_spec)
+      _, res, saved = prog.forward(self.params[slot], x, batch, seeds)
       scalar = jax.ShapeDtypeStruct((), jnp.float32)
       g = zeros(scalar if prog.info.last else prog.output_spec)
       _, taps = prog.backward_input(res, g)
@@ -388,8 +388,7 @@ class Interpreter(StateHandover):
 
   def run_step(
     self,
-    inputs: np.ndarray,
-    targets: np.ndarray,
+    batch: dict[str, np.ndarray],
     *,
     step: int = 0,
     attempt: int = 0,
@@ -400,8 +399,8 @@ class Interpreter(StateHandover):
     """Runs one attempt at a step of the current plan.
 
     Args:
-      inputs: token ids `[num_microbatches, microbatch_size, seq_len]`, by global id.
-      targets: next-token targets, same shape.
+      batch: the step's samples, every entry `[num_microbatches, microbatch_size, ...]`, by
+        global micro-batch id (`recipe.step_data`).
       step, attempt: name the transfers and agreements of a multi-process job.
       profile: wait for every op to record its duration (serialises the devices).
       after_op: see `AfterOp`.
@@ -411,7 +410,7 @@ class Interpreter(StateHandover):
     Returns:
       The outcome; in a multi-process job it may be uncommitted, naming the nodes lost.
     """
-    run = StepRun(self, inputs, targets, step=step, attempt=attempt, profile=profile,
+    run = StepRun(self, batch, step=step, attempt=attempt, profile=profile,
                   after_op=after_op, seeds=seeds)
     run.begin()
     dispatch(run)
@@ -419,8 +418,7 @@ class Interpreter(StateHandover):
 
   def run_forward(
     self,
-    inputs: np.ndarray,
-    targets: np.ndarray,
+    batch: dict[str, np.ndarray],
     *,
     step: int,
     attempt: int,
@@ -434,7 +432,7 @@ class Interpreter(StateHandover):
     forward = self._forward
     if forward is None or forward.source is not self.step_program:
       forward = self._forward = ForwardOnly(self)  # once per plan, as `dispatch_lists`
-    run = StepRun(forward, inputs, targets, step=step, attempt=attempt, profile=False,
+    run = StepRun(forward, batch, step=step, attempt=attempt, profile=False,
                   after_op=after_op, seeds=seeds)
     run.begin()
     dispatch(run)

@@ -106,8 +106,7 @@ class StepRun:
   def __init__(
     self,
     interp: Holder,
-    inputs: np.ndarray,
-    targets: np.ndarray,
+    batch: dict[str, np.ndarray],
     *,
     step: int,
     attempt: int,
@@ -118,7 +117,7 @@ class StepRun:
     self.ip = interp
     self.sp = interp.step_program
     self.tp = interp.transport
-    self.inputs, self.targets, self.seeds = inputs, targets, seeds
+    self.batch, self.seeds = batch, seeds
     self.step, self.attempt, self.profile, self.after_op = step, attempt, profile, after_op
     self.residuals: dict[tuple[Slot, int], Any] = {}
     self.saved: dict[tuple[Slot, int], Any] = {}
@@ -142,7 +141,7 @@ class StepRun:
     self.t0 = 0.0
     self.dispatch_cpu_s = 0.0
     self._cpu0 = 0.0
-    self._placed: dict[tuple[Slot, str], dict[int, jax.Array]] = {}
+    self._placed: dict[tuple[Slot, int], dict[int, dict[str, jax.Array]]] = {}
     self._factor: float | None = None
     self._seeds: dict[Where, jax.Array] = {}
 
@@ -153,34 +152,26 @@ class StepRun:
       self.acc[slot] = self.ip.program(slot).zero_grads(self.ip.params[slot], self.ip.device(slot))
     return self.acc[slot]
 
-  def data(self, slot: Slot, which: str) -> dict[int, jax.Array]:
-    """The `which` ("inputs" or "targets") of every micro-batch `slot` reads, on its device:
-    placed in one call at its first use (a call per micro-batch cost more host time than the
-    op that reads it). The first stage's forward reads inputs, the last stage's targets; a
-    Bamboo replica forward (FR) on the last stage reads the first stage's inputs, and targets
-    too when the replica is itself a last stage."""
-    key = (slot, which)
+  def data(self, slot: Slot, stage: int) -> dict[int, dict[str, jax.Array]]:
+    """The batch entries stage `stage`'s forward reads (`StagePrograms.batch_keys`) of every
+    micro-batch `slot` runs that forward on (F of its own stage; FR of the stage a Bamboo
+    replica runs), on its device: placed in one call at its first use (a call per micro-batch
+    cost more host time than the op that reads it)."""
+    key = (slot, stage)
     if key not in self._placed:
       p = self.sp.slots[slot]
-      progs = self.ip.programs(p.split)
-      if which == "inputs":  # token ids: a first stage's input; any stage may read them too
-        reads = {F} if p.stage == 0 or progs[p.stage].reads_tokens else set()
-        reads |= {FR} if p.last or (p.replica is not None
-                                    and progs[p.replica].reads_tokens) else set()
-      else:
-        reads = {F} if p.last else set()
-        reads |= {FR} if p.replica == len(p.split) - 1 else set()
-      mbs = sorted({op.mb for op in p.ops if op.kind in reads})
-      batch = self.inputs if which == "inputs" else self.targets
-      self._placed[key] = dict(zip(mbs, jax.device_put([batch[mb] for mb in mbs],
-                                                       self.ip.device(slot)), strict=True))
+      keys = self.ip.programs(p.split)[stage].batch_keys
+      kind = F if stage == p.stage else FR
+      mbs = sorted({op.mb for op in p.ops if op.kind == kind})
+      rows = [{k: self.batch[k][mb] for k in keys} for mb in mbs]
+      self._placed[key] = dict(zip(mbs, jax.device_put(rows, self.ip.device(slot)), strict=True))
     return self._placed[key]
 
   def loss_factor(self) -> float:
     """The step's `StagePrograms.loss_factor` (1 but for a weighted loss), once per attempt."""
     if self._factor is None:
       split = next(iter(self.sp.slots.values())).split
-      self._factor = self.ip.programs(split)[-1].loss_factor(self.inputs, self.targets)
+      self._factor = self.ip.programs(split)[-1].loss_factor(self.batch, self.seeds)
     return self._factor
 
   def loss_seed(self, dev: Where) -> jax.Array:
@@ -207,15 +198,9 @@ class StepRun:
     prog, dev, s, mb, key = progs[p.stage], ip.device(slot), p.stage, op.mb, (slot, op.mb)
     incoming = transfer_in(sp, prog, slot, op)
     if op.kind == F:
-      if incoming is None:
-        x = self.data(slot, "inputs")[mb]
-      else:
-        x = tp.recv(*incoming, dev)
-      tgt = self.data(slot, "targets")[mb] if p.last else None
-      tokens = self.data(slot, "inputs")[mb] if incoming is not None and prog.reads_tokens \
-        else None
+      x = None if incoming is None else tp.recv(*incoming, dev)
       out, self.residuals[key], self.saved[key] = prog.forward(
-        ip.params[slot], x, tgt, self.seeds_of(prog, mb, dev), tokens)
+        ip.params[slot], x, self.data(slot, s)[mb], self.seeds_of(prog, mb, dev))
       if p.last:
         self.losses[mb] = out
         self.processed.append(mb)
@@ -228,12 +213,10 @@ class StepRun:
       if slot not in ip.replicas:  # its refresh lost the source (`Interpreter.refresh_replicas`)
         return []
       r = p.replica
-      x = self.data(slot, "inputs")[mb] if p.last else self.fr_in.pop(key)
-      tgt = self.data(slot, "targets")[mb] if r == len(p.split) - 1 else None
+      x = None if p.last else self.fr_in.pop(key)
       rep = progs[r]
-      tokens = self.data(slot, "inputs")[mb] if rep.reads_tokens and not p.last else None
-      return [rep.forward(ip.replicas[slot][0], x, tgt, self.seeds_of(rep, mb, dev),
-                          tokens)[0]]  # unread
+      return [rep.forward(ip.replicas[slot][0], x, self.data(slot, r)[mb],
+                          self.seeds_of(rep, mb, dev))[0]]  # unread
     if op.kind == W:
       self.acc[slot] = prog.backward_weight(ip.params[slot], self.saved.pop(key),
                                             self.taps.pop(key), self.grads_of(slot))

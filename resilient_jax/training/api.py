@@ -8,24 +8,36 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
+
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
 from resilient_jax.model.sharding import outside_ambient_mesh
 from resilient_jax.training.loop import Trainer, TrainResult
 
 
 @outside_ambient_mesh
-def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunConfig:
+def run_config(config: RunConfig | Mapping[str, Any], model: Any = None, *, loss_fn: Any = None,
+               data: Any = None) -> RunConfig:
   """`config` (a `RunConfig`, ConfigDict or dict) as a `RunConfig`; with a user's `model`,
-  checked (`check_stageable`: its own forward, cut at its blocks) and described in place of
-  the config's `model` section (whose `seq_len`, the data's sequence length, `remat` and
+  checked (`check_stageable`: its loss traced and cut at its blocks) and described in place of
+  the config's `model` section (whose `seq_len`, the token data's sequence length, `remat` and
   `layers`, the dotted path of its blocks when two lists could be, are kept).
 
+  Args:
+    config: the run's config.
+    model: the user's `nnx.Module`, or None for the config's model family.
+    loss_fn: the user's `loss_fn(model, batch)` (None: the model's own forward and loss).
+    data: the user's random-access source (`data.RecordSource`), or None for `train.data`.
+
   Raises:
-    ConfigError: a bad config or a model that cannot be staged (one readable message).
+    ConfigError: a bad config, data or model that cannot be staged (one readable message).
   """
   if model is None:
+    if loss_fn is not None:
+      raise ConfigError("loss_fn is given without a model: pass model=your nnx.Module too")
     return config if isinstance(config, RunConfig) else from_config_dict(config)
-  from resilient_jax.model.check import check_stageable, describe
+  from resilient_jax.model.check import check_stageable, describe, token_batch
 
   if isinstance(config, RunConfig):
     seq_len, pp, remat = config.model.seq_len, config.mesh.pp, config.model.remat
@@ -37,9 +49,17 @@ def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunC
     pp = dict(config.get("mesh", {}) or {}).get("pp", 1)
   if not isinstance(layers, str):
     raise ConfigError(f"model.layers={layers!r} is not a dotted path such as \"layers\"")
-  check_stageable(model, num_stages=pp, seq_len=seq_len, layers=layers)
+  if data is None:
+    batch = token_batch(seq_len)
+  else:
+    one = as_source(data).batch(np.zeros(1, np.int64))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in one.items()}
+    tokens = one.get("tokens", one.get("inputs"))
+    seq_len = tokens.shape[-1] if tokens is not None and tokens.ndim > 1 else seq_len
+  check_stageable(model, num_stages=pp, batch=batch, layers=layers, loss_fn=loss_fn)
   try:
-    described = dataclasses.replace(describe(model, seq_len, layers), remat=remat, layers=layers)
+    described = dataclasses.replace(describe(model, batch, layers, loss_fn, seq_len),
+                                     remat=remat, layers=layers)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   if isinstance(config, RunConfig):
@@ -47,23 +67,45 @@ def run_config(config: RunConfig | Mapping[str, Any], model: Any = None) -> RunC
   return from_config_dict(config, model=described)
 
 
+def as_source(data: Any) -> Any:
+  """The user's data as the runtime reads it (`data.RecordSource`).
+
+  Raises:
+    ConfigError: data that is not a random-access source of dicts of arrays.
+  """
+  from resilient_jax.data import RecordSource
+
+  if isinstance(data, RecordSource):
+    return data
+  try:
+    return RecordSource(data)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
 def train(config: RunConfig | Mapping[str, Any], workdir: str | os.PathLike, *,
-          model: Any = None, **kwargs) -> TrainResult:
-  """Trains to the end; see `Trainer` for the keyword arguments.
+          model: Any = None, loss_fn: Any = None, data: Any = None, **kwargs) -> TrainResult:
+  """Trains to the end; see `Trainer` for the other keyword arguments.
 
   Args:
     config: the run's config: a `RunConfig`, or the launcher's keys as a ConfigDict or dict.
     workdir: where outputs go; a workdir holding checkpoints is resumed from.
-    model: your own `nnx.Module` (its `__call__(tokens)`, cut at its list of blocks; see
-      `resilient_jax.model.forward`) in place of the config's model family; its current
+    model: your own `nnx.Module` in place of the config's model family; its current
       parameters are the initial ones.
+    loss_fn: your `loss_fn(model, batch)`: a scalar mean loss, per-example losses, or
+      `(per-example losses, weights)` (see `model.cut.loss_terms`); None: the model's own
+      forward on `batch["tokens"]` against `batch["targets"]`.
+    data: your random-access source (`len(data)`, `data[i]` a dict of arrays: a grain
+      `MapDataset`, a list of dicts, or a dict of arrays with a leading samples axis) in place
+      of `train.data`.
 
   With `distributed.enabled` this process joins the `jax.distributed` job (before JAX starts
   its backends) unless a `cluster` is given, and trains its share of it.
   """
-  cfg = run_config(config, model)
+  source = None if data is None else as_source(data)
+  cfg = run_config(config, model, loss_fn=loss_fn, data=source)
   if cfg.distributed.enabled and kwargs.get("cluster") is None:
     from resilient_jax.runtime.cluster import Cluster
 
     kwargs["cluster"] = Cluster(cfg.distributed)
-  return Trainer(cfg, workdir, model=model, **kwargs).run()
+  return Trainer(cfg, workdir, model=model, loss_fn=loss_fn, data=source, **kwargs).run()

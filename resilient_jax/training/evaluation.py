@@ -82,8 +82,8 @@ class Evaluation:
     attempt = 0
     while True:
       n = recipe.num_microbatches(run.coordinator.plan)
-      mb_ids, inputs, targets = recipe.eval_batch(run.cfg, run.source, batch, n)
-      result = self._attempt(step, inputs, targets, mb_ids, hook)
+      mb_ids, data = recipe.eval_data(run.cfg, run.source, batch, n)
+      result = self._attempt(step, data, mb_ids, hook)
       if result.committed:
         recipe.processed_ids(mb_ids, result)  # every micro-batch once, or it raises
         return result.loss, result.loss_factor
@@ -95,12 +95,12 @@ class Evaluation:
       run.log(f"  the evaluation after step {step} runs again on the new plan")
       attempt += 1
 
-  def _attempt(self, step: int, inputs: np.ndarray, targets: np.ndarray, mb_ids: np.ndarray,
+  def _attempt(self, step: int, data: dict[str, np.ndarray], mb_ids: np.ndarray,
                hook: AfterOp | None) -> StepResult:
     run = self.run
     run.attempts += 1  # its transfers and agreements are named apart from every step's
     try:
-      return run.interpreter.run_forward(inputs, targets, step=step, attempt=run.attempts,
+      return run.interpreter.run_forward(data, step=step, attempt=run.attempts,
                                          after_op=hook, seeds=recipe.sample_seeds(0, mb_ids))
     except WorkerLost as lost:
       return StepResult(0.0, {}, 0.0, [], [], committed=False, lost=frozenset({lost.node}),

@@ -101,9 +101,10 @@ class Trainer:
   def __init__(self, cfg: RunConfig, workdir: str | os.PathLike, *,
                devices: list[jax.Device] | None = None, log: Logger = info,
                faults: Sequence[FaultEvent] = (), cluster: Any = None, model: Any = None,
-               started: float | None = None):
+               loss_fn: Any = None, data: Any = None, started: float | None = None):
     check_fault_events(faults, cfg)
-    self.state = start_run(cfg, workdir, devices=devices, log=log, cluster=cluster, model=model)
+    self.state = start_run(cfg, workdir, devices=devices, log=log, cluster=cluster, model=model,
+                           loss_fn=loss_fn, data=data)
     run = self.state
     run.goodput.started = started or run.goodput.started  # the goodput's wall time from there
     self.checkpoints = Checkpoints(run)
@@ -253,7 +254,7 @@ class Trainer:
     nodes, in-process or in other processes alike) and its samples."""
     run = self.state
     n = recipe.num_microbatches(run.coordinator.plan)
-    mb_ids, inputs, targets = recipe.step_batch(self.cfg, run.source, run.batches, step, n)
+    mb_ids, batch = recipe.step_data(self.cfg, run.source, run.batches, step, n)
     # Attempts are numbered over the whole run, so a step redone after a restore never reuses
     # the transfer ids and agreement keys of its first run.
     run.attempts += 1
@@ -261,7 +262,7 @@ class Trainer:
     try:
       with reporting(run.log, lambda t: _still_running(step, t, run.builds.built() - before)):
         result = run.interpreter.run_step(
-          inputs, targets, step=step, attempt=run.attempts, profile=profile, after_op=hook,
+          batch, step=step, attempt=run.attempts, profile=profile, after_op=hook,
           seeds=recipe.sample_seeds(step, mb_ids))
     except WorkerLost as lost:
       return StepResult(0.0, {}, 0.0, [], [], committed=False, lost=frozenset({lost.node}),

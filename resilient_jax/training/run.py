@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter
 from resilient_jax.config import ConfigError, RunConfig
@@ -51,19 +52,26 @@ class Programs:
   """The stage programs of every split of the layers the run's plans use, at the current
   micro-batch size, each built once (`Interpreter` asks for a split's when a plan needs it)."""
 
-  def __init__(self, cfg: RunConfig, model: Any):
-    self.cfg, self.model = cfg, model
+  def __init__(self, cfg: RunConfig, model: Any, source: Any, loss_fn: Any = None):
+    self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
     self.microbatch_size = cfg.step_batch // cfg.pipeline.microbatches
+    one = source.batch(np.zeros(1, np.int64))
+    self._sample = {k: (v.shape[1:], v.dtype) for k, v in one.items()}
     self._built: dict[tuple, list[StagePrograms]] = {}
+
+  def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """One micro-batch's entries at the current micro-batch size."""
+    return {k: jax.ShapeDtypeStruct((self.microbatch_size, *shape), dtype)
+            for k, (shape, dtype) in self._sample.items()}
 
   def __call__(self, split: tuple[tuple[int, int], ...]) -> list[StagePrograms]:
     key = (split, self.microbatch_size)
     if key not in self._built:
       cfg = self.cfg
       self._built[key] = build_stage_programs(
-        self.model, [range(lo, hi) for lo, hi in split], self.microbatch_size, cfg.model.seq_len,
-        make_optimizer(cfg), cfg.step_batch, tp=cfg.mesh.tp, optimizer_key=optimizer_key(cfg),
-        remat=cfg.model.remat, layers=getattr(cfg.model, "layers", ""))
+        self.model, [range(lo, hi) for lo, hi in split], self.batch_spec(), make_optimizer(cfg),
+        cfg.step_batch, tp=cfg.mesh.tp, optimizer_key=optimizer_key(cfg),
+        remat=cfg.model.remat, layers=getattr(cfg.model, "layers", ""), loss_fn=self.loss_fn)
     return self._built[key]
 
   @property
@@ -174,7 +182,8 @@ def activation_memory(cfg: RunConfig, programs: Programs, log: Logger) -> RunCon
 
 
 def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None,
-              log: Logger, cluster: Any, model: Any) -> Run:
+              log: Logger, cluster: Any, model: Any, loss_fn: Any = None, data: Any = None
+              ) -> Run:
   """Builds everything a run needs before its first step (see `Trainer`'s arguments)."""
   group = Solo() if cluster is None else Job(cluster)
   log = log if group.chief else (lambda _: None)
@@ -193,7 +202,7 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
     except CheckpointError as e:
       raise ConfigError(str(e)) from None
     log(f"initialised {n} parameters from {source}: {taken}")
-  data_source, batches = make_data(cfg)
+  data_source, batches = make_data(cfg, data)
   writer = None
   if group.chief:
     writer = CheckpointWriter(workdir / "checkpoints", keep=cfg.checkpoint.keep)
@@ -202,7 +211,7 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
           "stopped mid-way)")
   transport = group.transport(cfg, devices)
   nodes = list(range(cfg.mesh.num_workers))
-  programs = Programs(cfg, model)
+  programs = Programs(cfg, model, data_source, loss_fn)
   builds = BuildCounter()
   with builds.counting():
     planning = activation_memory(cfg, programs, log)
