@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
   runtime_setup.configure_jax(args.dp * args.pp)
 
   from resilient_jax.observe.profiling import replay_records
-  from resilient_jax.recipe import step_batch
+  from resilient_jax.recipe import step_data
 
   names = [s.strip() for s in args.schedules.split(",") if s.strip()]
   runs = {}
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> None:
 
   def step(key, t: int, profile: bool = False):
     cfg, executor, schedule, source, plan = runs[key]
-    _, inputs, targets = step_batch(cfg, source, plan, t)
-    return executor.run_step(inputs, targets, profile=profile)
+    _, batch = step_data(cfg, source, plan, t)
+    return executor.run_step(batch, profile=profile)
 
   keys = list(runs)
   for t in range(1, args.warmup + 1):

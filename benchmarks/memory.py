@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
   import numpy as np
 
-  from resilient_jax.recipe import step_batch
+  from resilient_jax.recipe import step_data
   from resilient_jax.schedule.validate import peak_inflight
 
   settings = [s.strip() for s in args.remat.split(",") if s.strip()]
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
 
   def step(r: str, t: int) -> float:
     cfg, _, _, interp, source, plan = runs[r]
-    _, inputs, targets = step_batch(cfg, source, plan, t)
-    return interp.run_step(inputs, targets, step=t).step_time_s
+    _, batch = step_data(cfg, source, plan, t)
+    return interp.run_step(batch, step=t).step_time_s
 
   for t in range(1, args.warmup + 1):
     for r in settings:

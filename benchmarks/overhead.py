@@ -143,8 +143,8 @@ class PlainStep:
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     from resilient_jax.model.forward import ModelCut
+
     from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names
     from resilient_jax.recipe import make_data, make_model, reference_optimizer
 
@@ -222,8 +222,8 @@ class PlainPipeline:
   def __init__(self, cfg, devices):
     import jax
     import jax.numpy as jnp
-
     from resilient_jax.model.forward import ModelCut, stage_reads
+
     from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names
     from resilient_jax.recipe import make_data, make_model, make_optimizer
 

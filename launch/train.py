@@ -93,7 +93,14 @@ def _train(cfg: RunConfig, workdir: str, started: float, attach: Callable[[Any],
 
   try:
     # Progress: absl logging at INFO; the goodput's wall time counts from the process's start.
-    trainer = Trainer(cfg, workdir, cluster=cluster, started=started)
+    from resilient_jax.training.api import as_source, run_config, user_code
+
+    model, loss_fn, data = user_code(cfg)  # the user's own, where the config names them
+    source = None if data is None else as_source(data)
+    if model is not None:
+      cfg = run_config(cfg, model, loss_fn=loss_fn, data=source)
+    trainer = Trainer(cfg, workdir, cluster=cluster, started=started, model=model,
+                      loss_fn=loss_fn, data=source)
     attach(trainer)
     with steady_gc():
       result = trainer.run()

@@ -17,7 +17,7 @@ from typing import Any
 
 from resilient_jax import data
 from resilient_jax.checks import ConfigError, is_int, require_ints, require_numbers
-from resilient_jax.model.config import ModelConfig, family, partition_layers
+from resilient_jax.model.config import CustomModelConfig, ModelConfig, family, partition_layers
 from resilient_jax.runtime.placement import DEFAULT_PLACEMENT, check_placement
 from resilient_jax.training.fault_specs import (  # noqa: F401 (re-exported: the config's names)
   Fault,
@@ -87,7 +87,12 @@ class TrainConfig:
   global_batch: int = 16
   seed: int = 0
   data: str = "synthetic"
-  """`synthetic`, `text` (bytes of the shipped text) or `tokens` (a flat binary of token ids)."""
+  """`synthetic`, `text` (bytes of the shipped text), `tokens` (a flat binary of token ids), or
+  `package.module:name`, your own random-access source (`len(source)`, `source[i]` a dict of
+  arrays), or a function of no arguments that returns one."""
+  loss_fn: str = ""
+  """`package.module:name` of your `loss_fn(model, batch)`; empty: the model's own forward on
+  `batch["tokens"]` against `batch["targets"]`."""
   data_path: str = ""
   """`tokens`: the file; empty: the shipped one (the shipped text as uint16 ids)."""
   data_dtype: str = "uint16"
@@ -112,8 +117,11 @@ class TrainConfig:
   def __post_init__(self):
     keys = ("steps", "global_batch")
     require_ints("train.", {k: getattr(self, k) for k in keys}, 1, ConfigError)
-    if self.data not in DATA_KINDS:
-      raise ConfigError(f"train.data={self.data!r} is not one of {', '.join(DATA_KINDS)}")
+    if self.data not in DATA_KINDS and not is_code_ref(self.data):
+      raise ConfigError(f"train.data={self.data!r} is not one of {', '.join(DATA_KINDS)}, nor "
+                        "package.module:name of your own source")
+    if self.loss_fn and not is_code_ref(self.loss_fn):
+      raise ConfigError(f"train.loss_fn={self.loss_fn!r} is not package.module:name")
     if self.data_dtype not in TOKEN_DTYPES:
       raise ConfigError(
         f"train.data_dtype={self.data_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
@@ -443,9 +451,28 @@ def _profile(raw: dict) -> dict:
   return raw
 
 
+def is_code_ref(text: Any) -> bool:
+  """Whether `text` names code as `package.module:name` (dotted identifiers either side)."""
+  if not isinstance(text, str) or text.count(":") != 1:
+    return False
+  module, name = text.split(":")
+  return all(p.isidentifier() for p in module.split(".")) and all(
+    p.isidentifier() for p in name.split("."))
+
+
 def _model_section(cd: Mapping[str, Any]) -> ModelConfig:
-  """The `model` section, in the config class of the family `model.name` picks (default gpt)."""
-  name = dict(cd.get("model", {}) or {}).get("name", "gpt")
+  """The `model` section, in the config class of the family `model.name` picks (default gpt);
+  with `model.module` (your own model, `package.module:build`), a stand-in the run replaces by
+  the description of the model that function builds (`training.api.run_config`)."""
+  section = dict(cd.get("model", {}) or {})
+  module = section.pop("module", "")
+  if module:
+    if not is_code_ref(module):
+      raise ConfigError(f"model.module={module!r} is not package.module:name")
+    keep = {k: section[k] for k in ("seq_len", "remat", "layers", "vocab_size") if k in section}
+    return _section({"model": {**keep, "module": module}}, "model", CustomModelConfig)
+  cd = {**cd, "model": section}
+  name = section.get("name", "gpt")
   try:
     cls = family(name)
   except ValueError as e:

@@ -190,6 +190,7 @@ def test_llama_matches_single_device(tmp_path, dp, pp, schedule, policy, faults)
 def test_dropout_draws_per_sample_masks():
   """The same sample draws the same mask alone or in any batch; other samples differ."""
   from resilient_jax.model.forward import ModelCut
+
   from resilient_jax.model.staging import Binder, flat_params, variable_names
 
   model = fresh_net()
@@ -301,6 +302,7 @@ def test_a_shared_stream_draws_the_same_masks_on_an_uneven_split():
   after the other draw exactly the whole forward's masks, sample by sample (dropout on: other
   seeds give other outputs), where restarting the stream per stage would not."""
   from resilient_jax.model.forward import ModelCut
+
   from resilient_jax.model.staging import Binder, flat_params, variable_names
 
   model = GemmaStyle()

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from resilient_jax import data as data_lib
+from resilient_jax.model.check import token_batch
 from resilient_jax.programs.compiled import BuildCounter, OnEachDevice
 from resilient_jax.programs.stages import (
   build_stage_programs,
   clear_shared_programs,
   model_signature,
 )
-from resilient_jax.model.check import token_batch
 from resilient_jax.recipe import make_model, make_optimizer, optimizer_key
 from resilient_jax.training.api import train
 from resilient_jax.training.loop import Trainer

@@ -10,7 +10,7 @@ import pytest
 from resilient_jax import policy as policies
 from resilient_jax.config import ConfigError
 from resilient_jax.observe.profiling import costs_from_records, measured_durations
-from resilient_jax.recipe import step_batch
+from resilient_jax.recipe import step_data
 from resilient_jax.runtime.interpreter import Interpreter
 from resilient_jax.runtime.records import WorkerLost
 from resilient_jax.schedule.bamboo import bamboo_set
@@ -147,8 +147,8 @@ def test_tied_head_is_reduced_by_name_across_different_splits(tmp_path):
   assert holders == [(0, 0), (1, 0), (1, 1)]
   metrics = []
   for step in (1, 2):
-    ids, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, step)
-    result = ex.run_step(inputs, targets)
+    ids, batch = step_data(cfg, trainer.source, trainer.plan, step)
+    result = ex.run_step(batch)
     metrics.append({"loss": result.loss})
     assert sorted(result.processed) == list(range(8))
   assert_matches_reference(metrics, ex.all_params(), cfg)
@@ -162,8 +162,8 @@ def test_bamboo_runs_the_redundant_forward_of_every_microbatch(tmp_path):
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   ex = trainer.interpreter
   seen = []
-  _, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, 1)
-  ex.run_step(inputs, targets, after_op=lambda node, op: seen.append((node, op)))
+  _, batch = step_data(cfg, trainer.source, trainer.plan, 1)
+  ex.run_step(batch, after_op=lambda node, op: seen.append((node, op)))
   fr = [(n, op.mb) for n, op in seen if op.kind == FR]
   # Every worker runs its successor's forward of each of its pipeline's micro-batches.
   assert sorted(fr) == sorted((d * 2 + s, mb) for d in range(2) for s in range(2)
@@ -196,8 +196,8 @@ def test_bamboo_runs_the_redundant_forward_of_every_microbatch(tmp_path):
   # the ops of the plan in force (node 0 now holds two slots); replayed with each stage's mean
   # measured op times it takes the step time the simulator's Bamboo policy predicts for the
   # same failure from those costs, on its own path (one pipeline per distinct damage).
-  _, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, 2)
-  records = ex.run_step(inputs, targets, step=2, profile=True).records
+  _, batch = step_data(cfg, trainer.source, trainer.plan, 2)
+  records = ex.run_step(batch, step=2, profile=True).records
   sp = step_program(trainer.coordinator.plan)
   assert sorted((r.worker, r.op) for r in records) == sorted(
     (slot, op) for slot, prog in sp.slots.items() for op in prog.ops)
@@ -220,14 +220,14 @@ def test_failure_mid_step_leaves_committed_state_untouched(tmp_path):
   trainer = Trainer(cfg, tmp_path, log=lambda _: None)
   ex = trainer.interpreter
   before = {k: np.asarray(v) for k, v in ex.export_state()[0].items()}
-  _, inputs, targets = step_batch(cfg, trainer.source, trainer.plan, 1)
+  _, batch = step_data(cfg, trainer.source, trainer.plan, 1)
 
   def boom(node, op):
     if op.kind == "AR":
       raise WorkerLost(node)
 
   with pytest.raises(WorkerLost):
-    ex.run_step(inputs, targets, after_op=boom)
+    ex.run_step(batch, after_op=boom)
   after = ex.export_state()[0]
   for k, v in before.items():
     np.testing.assert_array_equal(v, np.asarray(after[k]))

@@ -124,6 +124,9 @@ class CustomModelConfig(ModelConfig):
   """The config's `model.remat`: a user's model is rematerialised like a family's."""
   layers: str = ""
   """The config's `model.layers`: the dotted path of the model's blocks ("": found)."""
+  module: str = ""
+  """The config's `model.module`: `package.module:build` of the model ("": passed to
+  `train(model=...)`)."""
 
   def __post_init__(self):
     self.check_remat()

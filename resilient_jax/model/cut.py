@@ -32,8 +32,6 @@ of the values live across it, the same at any dp, pp or process count.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,126 +41,21 @@ import numpy as np
 from flax import nnx
 from jax.extend import core as jcore
 
-from resilient_jax.model.staging import Binder, run_block, token_cross_entropy, variable_names
+from resilient_jax.model.blocks import (  # noqa: F401 (re-exported: the cut's vocabulary)
+  CutError,
+  _get,
+  _Marked,
+  blocks_at,
+  boundary_p,
+  layers_path,
+  swap_blocks,
+)
+from resilient_jax.model.carry import Carry
+from resilient_jax.model.staging import Binder, token_cross_entropy, variable_names
 
 Array = jax.Array
 Batch = Mapping[str, Any]
 LossFn = Callable[[Any, Batch], Any]
-
-
-class CutError(ValueError):
-  """The loss cannot be traced or cut into stages (the message says why and what to change)."""
-
-
-# ---------------------------------------------------------------- the boundary mark
-
-boundary_p = jcore.Primitive("pipeline_boundary")
-boundary_p.multiple_results = True
-boundary_p.def_abstract_eval(lambda *, index: [])
-boundary_p.def_impl(lambda *, index: [])
-
-
-class _Marked:
-  """Block `index` of the model as its forward sees it: every attribute the block's own, and a
-  call that marks where the block begins, then runs it (rematerialised as `model.remat`); the
-  last block also marks where the blocks end (boundary `index + 1`: a stage of no blocks after
-  them holds what follows)."""
-
-  def __init__(self, block: Any, index: int, remat: str, last: bool):
-    object.__setattr__(self, "_block", block)
-    object.__setattr__(self, "_index", index)
-    object.__setattr__(self, "_remat", remat)
-    object.__setattr__(self, "_last", last)
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._block, name)
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    boundary_p.bind(index=self._index)
-    out = run_block(self._block, *args, remat=self._remat, **kwargs)
-    if self._last:
-      boundary_p.bind(index=self._index + 1)
-    return out
-
-
-# ---------------------------------------------------------------- where the blocks are
-
-def _is_block_list(value: Any) -> bool:
-  return isinstance(value, (nnx.List, list, tuple)) and len(value) > 0 and all(
-    isinstance(b, nnx.Module) for b in value)
-
-
-def _get(model: Any, path: Sequence[Any]) -> Any:
-  node = model
-  for p in path:
-    node = node[p] if isinstance(p, int) else getattr(node, p)
-  return node
-
-
-def layers_path(model: Any, named: str = "") -> tuple[Any, ...]:
-  """Where the model keeps its repeated blocks: `named` (dotted, `transformer.blocks`), else
-  `blocks`, else the longest list of modules in the model (the only one that long).
-
-  Raises:
-    CutError: nothing found, or two lists equally long (then `model.layers` must name one).
-  """
-  if named:
-    path = tuple(int(p) if p.isdigit() else p for p in named.split("."))
-    try:
-      node = _get(model, path)
-    except (AttributeError, IndexError, KeyError, TypeError):
-      node = None
-    if not _is_block_list(node):
-      raise CutError(f"model.layers={named!r} is not a list of modules in the model")
-    return path
-  if _is_block_list(getattr(model, "blocks", None)):
-    return ("blocks",)
-  found = [(len(n), p) for p, n in nnx.iter_graph(model) if _is_block_list(n) and p]
-  if not found:
-    stacked = _stacked_hint(model)
-    raise CutError("it has no list of blocks (an nnx.List of modules, e.g. `self.layers = "
-                   "nnx.List([Block(...) for _ in range(n)])`) to cut into pipeline stages"
-                   + stacked)
-  longest = max(n for n, _ in found)
-  paths = sorted(".".join(map(str, p)) for n, p in found if n == longest)
-  if len(paths) > 1:
-    raise CutError(f"it has {len(paths)} lists of {longest} modules ({', '.join(paths)}): "
-                   f"say which are the blocks with model.layers=\"{paths[0]}\"")
-  return next(p for n, p in found if n == longest)
-
-
-def _stacked_hint(model: Any) -> str:
-  """What to change when the blocks are one module with stacked parameters (`nnx.scan`,
-  `nnx.vmap` over a layer axis): a stage runs a list of blocks, not a slice of one module."""
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Module) and path and any(
-        isinstance(v, nnx.Param) and getattr(v, "ndim", 0) >= 2 for _, v in nnx.iter_graph(node)):
-      shapes = {v[...].shape[0] for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Param)
-                and v[...].ndim >= 2}
-      if len(shapes) == 1 and next(iter(shapes)) > 1 and not any(
-          isinstance(n, nnx.Module) and n is not node for _, n in nnx.iter_graph(node)
-          if isinstance(n, nnx.List)):
-        n = next(iter(shapes))
-        name = ".".join(map(str, path))
-        return (f"; {name} looks like a stack of {n} layers with stacked parameters (an "
-                "`nnx.scan`/`nnx.vmap` over a layer axis): build the layers as a list of "
-                "modules (`nnx.List`) and loop over them in `__call__`, so that a stage can "
-                "hold a part of them")
-  return ""
-
-
-def blocks_at(model: Any, path: Sequence[Any]) -> list[Any]:
-  """The blocks at `path` (`layers_path`)."""
-  return list(_get(model, path))
-
-
-def swap_blocks(model: Any, path: Sequence[Any], value: Any) -> None:
-  """Replaces the block list at `path` of a module the caller owns (a fresh `nnx.merge`)."""
-  parent = _get(model, path[:-1])
-  if isinstance(path[-1], int):
-    parent[path[-1]] = value
-  else:
-    object.__setattr__(parent, path[-1], value)
 
 
 # ---------------------------------------------------------------- the loss's own form
@@ -339,74 +232,6 @@ def _eval(eqns: Sequence[jcore.JaxprEqn], env: dict) -> None:
     for v, o in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, jcore.DropVar):
         env[v] = o
-
-
-# ---------------------------------------------------------------- what crosses a cut
-
-@dataclasses.dataclass(frozen=True)
-class Carry:
-  """The values live across one cut, as the one array a stage hands the next.
-
-  One value travels as itself. Several are packed into one vector of the widest float dtype
-  among them: a float value converted (exactly: a narrower float widens without loss), an
-  integer or boolean one as its bits (as int32, bit-cast), so the backward's cotangent is the
-  same vector and the runtime moves one array per micro-batch and direction, whatever the
-  model carries.
-  """
-
-  specs: tuple[jax.ShapeDtypeStruct, ...]
-
-  @functools.cached_property
-  def dtype(self) -> Any:
-    floats = [s.dtype for s in self.specs if jnp.issubdtype(s.dtype, jnp.floating)]
-    return max(floats, key=lambda d: jnp.dtype(d).itemsize) if floats else jnp.dtype(jnp.float32)
-
-  def _width(self, spec: jax.ShapeDtypeStruct) -> int:
-    n = math.prod(spec.shape)
-    if jnp.issubdtype(spec.dtype, jnp.floating):
-      return n
-    return n * (4 // jnp.dtype(self.dtype).itemsize)
-
-  @functools.cached_property
-  def spec(self) -> jax.ShapeDtypeStruct:
-    """What crosses: the one value's own spec, or the packed vector's."""
-    if len(self.specs) == 1:
-      return self.specs[0]
-    return jax.ShapeDtypeStruct((sum(self._width(s) for s in self.specs),), self.dtype)
-
-  @property
-  def nbytes(self) -> int:
-    return math.prod(self.spec.shape) * jnp.dtype(self.spec.dtype).itemsize
-
-  def pack(self, values: Sequence[Array]) -> Array:
-    if len(self.specs) == 1:
-      return values[0]
-    parts = []
-    for v, s in zip(values, self.specs, strict=True):
-      if jnp.issubdtype(s.dtype, jnp.floating):
-        parts.append(v.astype(self.dtype).reshape(-1))
-      else:
-        bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(v).astype(jnp.int32),
-                                            self.dtype)
-        parts.append(bits.reshape(-1))
-    return jnp.concatenate(parts)
-
-  def unpack(self, x: Array) -> list[Array]:
-    if len(self.specs) == 1:
-      return [x]
-    out, at = [], 0
-    for s in self.specs:
-      n = self._width(s)
-      part = x[at:at + n]
-      at += n
-      if jnp.issubdtype(s.dtype, jnp.floating):
-        out.append(part.reshape(s.shape).astype(s.dtype))
-      else:
-        per = 4 // jnp.dtype(self.dtype).itemsize
-        bits = jax.lax.stop_gradient(part).reshape(*s.shape, per) if per > 1 else \
-          jax.lax.stop_gradient(part).reshape(s.shape)
-        out.append(jax.lax.bitcast_convert_type(bits, jnp.int32).astype(s.dtype))
-    return out
 
 
 # ---------------------------------------------------------------- one stage's piece

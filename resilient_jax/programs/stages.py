@@ -242,7 +242,7 @@ class StagePrograms:
   def _build_forward(self, closed: jcore.ClosedJaxpr, out_tree: Any) -> None:
     """F as one compiled program returning only what B and W read, and `forward`, which puts
     the caller's own arrays back where F's outputs forward them (`programs.residuals`)."""
-    split, info = self.split, self.info
+    split = self.split
     n_out = len(jax.tree.leaves(out_tree))
     self._kept = kept = Residuals(closed, n_out, split.b_residuals, split.w_residuals,
                                   self.param_names, self.packed)

@@ -58,8 +58,10 @@ def run_config(config: RunConfig | Mapping[str, Any], model: Any = None, *, loss
     seq_len = tokens.shape[-1] if tokens is not None and tokens.ndim > 1 else seq_len
   check_stageable(model, num_stages=pp, batch=batch, layers=layers, loss_fn=loss_fn)
   try:
+    module = getattr(config.model, "module", "") if isinstance(config, RunConfig) else \
+      dict(config.get("model", {}) or {}).get("module", "")
     described = dataclasses.replace(describe(model, batch, layers, loss_fn, seq_len),
-                                     remat=remat, layers=layers)
+                                     remat=remat, layers=layers, module=module or "")
   except ValueError as e:
     raise ConfigError(str(e)) from None
   if isinstance(config, RunConfig):
@@ -83,6 +85,63 @@ def as_source(data: Any) -> Any:
     raise ConfigError(str(e)) from None
 
 
+def load_code(ref: str, what: str) -> Any:
+  """The object `package.module:name` names (imported from the Python path: your own code).
+
+  Raises:
+    ConfigError: the module cannot be imported or has no such name (one line).
+  """
+  import importlib
+
+  module, name = ref.split(":")
+  try:
+    obj = importlib.import_module(module)
+  except Exception as e:  # noqa: BLE001 - the user's module: its failure named, not raised
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise ConfigError(f"{what}={ref!r}: importing {module} failed: {type(e).__name__}: "
+                      f"{text}") from None
+  for part in name.split("."):
+    if not hasattr(obj, part):
+      raise ConfigError(f"{what}={ref!r}: {module} has no {name}")
+    obj = getattr(obj, part)
+  return obj
+
+
+def user_code(cfg: RunConfig) -> tuple[Any, Any, Any]:
+  """The model, loss and data a config names as code (`model.module`, `train.loss_fn`,
+  `train.data` as `package.module:name`), built: `(model or None, loss_fn or None, data or
+  None)`. `model.module` names a function returning the model (called with `seed=train.seed`
+  when it takes a `seed`); `train.data` a source, or a function of no arguments returning one.
+
+  Raises:
+    ConfigError: what cannot be imported, called or used (one line).
+  """
+  import inspect
+
+  from resilient_jax.config import is_code_ref
+
+  model = loss_fn = data = None
+  ref = getattr(cfg.model, "module", "")
+  if ref:
+    build = load_code(ref, "model.module")
+    try:
+      takes_seed = "seed" in inspect.signature(build).parameters
+      model = build(seed=cfg.train.seed) if takes_seed else build()
+    except Exception as e:  # noqa: BLE001
+      text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+      raise ConfigError(f"model.module={ref!r}: building the model failed: "
+                        f"{type(e).__name__}: {text}") from None
+  if cfg.train.loss_fn:
+    loss_fn = load_code(cfg.train.loss_fn, "train.loss_fn")
+    if not callable(loss_fn):
+      raise ConfigError(f"train.loss_fn={cfg.train.loss_fn!r} is not a function")
+  if is_code_ref(cfg.train.data):
+    data = load_code(cfg.train.data, "train.data")
+    if callable(data) and not hasattr(data, "__getitem__"):
+      data = data()
+  return model, loss_fn, data
+
+
 def train(config: RunConfig | Mapping[str, Any], workdir: str | os.PathLike, *,
           model: Any = None, loss_fn: Any = None, data: Any = None, **kwargs) -> TrainResult:
   """Trains to the end; see `Trainer` for the other keyword arguments.
@@ -102,6 +161,9 @@ def train(config: RunConfig | Mapping[str, Any], workdir: str | os.PathLike, *,
   With `distributed.enabled` this process joins the `jax.distributed` job (before JAX starts
   its backends) unless a `cluster` is given, and trains its share of it.
   """
+  if model is None and loss_fn is None and data is None:
+    named = config if isinstance(config, RunConfig) else from_config_dict(config)
+    model, loss_fn, data = user_code(named)
   source = None if data is None else as_source(data)
   cfg = run_config(config, model, loss_fn=loss_fn, data=source)
   if cfg.distributed.enabled and kwargs.get("cluster") is None:

@@ -92,7 +92,7 @@ class Trainer:
     faults: failures to inject besides the config's `faults.schedule` (in-process).
     cluster: the joined `jax.distributed` job (`runtime.cluster.Cluster`); None runs every
       slot in this process.
-    model: a user's model (see `run_config`); None builds the config's model family.
+    model, loss_fn, data: a user's model, loss and data (`api.train`'s); None: the config's.
     started: `time.time()` when the process started (the launcher's), so that the goodput's
       wall time counts the start-up (imports, joining, building); None: from the run's build.
   """
