@@ -189,23 +189,23 @@ def test_llama_matches_single_device(tmp_path, dp, pp, schedule, policy, faults)
 
 def test_dropout_draws_per_sample_masks():
   """The same sample draws the same mask alone or in any batch; other samples differ."""
-  from resilient_jax.model.forward import ModelCut
-
-  from resilient_jax.model.staging import Binder, flat_params, variable_names
+  from resilient_jax.model.check import token_batch
+  from resilient_jax.model.cut import LossCut
+  from resilient_jax.model.staging import flat_params
 
   model = fresh_net()
-  names = variable_names(model)
-  stage = ModelCut(model, 16).whole()
-  binder = Binder(model, names)
+  together_cut = LossCut(model, None, token_batch(16, 4))
+  alone_cut = LossCut(model, None, token_batch(16, 1))
   # As a stage program runs it (and eager would compile each of its ops).
-  apply = jax.jit(lambda p, x, s: binder.run(p, stage, (None, x), s))
-  params = flat_params(model, names)
+  run = jax.jit(lambda p, b, s: (together_cut.whole()(p, [], b, s)[0],
+                                 alone_cut.whole()(p, [], {k: v[2:3] for k, v in b.items()},
+                                                   s[2:3]),
+                                 alone_cut.whole()(p, [], {k: v[2:3] for k, v in b.items()},
+                                                   s[1:2])))
   x = jnp.arange(4 * 16).reshape(4, 16) % VOCAB
   seeds = jnp.asarray(sample_seeds(3, np.arange(4)[:, None]).reshape(-1, 2))
-  together = apply(params, x, seeds)
-  alone = apply(params, x[2:3], seeds[2:3])
+  together, (alone, _), (other, _) = run(flat_params(model), {"tokens": x, "targets": x}, seeds)
   np.testing.assert_allclose(together[2:3], alone, rtol=1e-5, atol=1e-5)
-  other = apply(params, x[2:3], seeds[1:2])
   assert not np.allclose(alone, other)
 
 
@@ -259,69 +259,137 @@ def test_check_stageable_names_each_problem():
     check_stageable(Net(num_blocks=2), num_stages=4)
   bad = Net(num_blocks=2)
   bad.blocks[1].mlp = nnx.Linear(D, 2 * D, rngs=nnx.Rngs(0))
-  with pytest.raises(NotStageableError, match=r"blocks\[1\] fails on float32\[1, 16, 32\]"):
+  with pytest.raises(NotStageableError, match=r"its loss fails on \{'targets': int32\[1, 16\], "
+                                              r"'tokens': int32\[1, 16\]\}: TypeError"):
     check_stageable(bad, seq_len=16)
   check_stageable(Net(), num_stages=4, seq_len=16)
 
 
-def test_a_gemma_style_model_trains_unedited_through_a_failure(tmp_path):
-  """Flax's Gemma, as published: its own __call__ (positions and a padding-aware mask made from
-  the token ids, blocks taking them and returning (cache, x), a tied soft-capped head) and one
-  nnx.Rngs that every block's dropout draws from. Cut at its blocks on dp=2 pp=2, through a
-  failure re-routed by ReCycle: the one-device run's losses and parameters (the same masks on
-  any layout), with later stages reading the token ids, not the mask. On text, with spaces as
-  its padding, its loss leaves out a quarter of the targets: the weighted mean over the whole
-  batch, however the micro-batches are re-routed."""
+def text_source(seq_len: int):
+  """A grain source of the shipped text, as a user's pipeline builds one: `MapDataset` random
+  access by index to dicts of `tokens` and `targets`."""
+  import grain
+
+  from resilient_jax.data import TextSource
+
+  text = TextSource(seq_len)
+  return grain.MapDataset.range(text.num_samples).map(
+    lambda i: {k: v[0] for k, v in text.batch(np.asarray([i])).items()})
+
+
+def test_a_published_gemma_with_its_loss_fn_and_a_grain_source_trains_through_a_failure(
+    tmp_path):
+  """Flax's Gemma as published: `__call__(last_tokens, positions, cache, attention_mask)`
+  returning `(logits, cache)`, one nnx.Rngs that every block's dropout draws from, and its own
+  training code's `loss_fn(model, batch)` (positions and a padding-aware mask made from the
+  batch, the cross-entropy of every target but padding), on a grain source: no subclass,
+  wrapper or rename. On dp=2 pp=2 through a failure re-routed by ReCycle: the one-device run's
+  losses (the weighted mean over the whole batch, however micro-batches are re-routed) and
+  parameters; later stages rebuild the positions and the mask from the token ids rather than
+  receive them, and the tied embedding is held by both stages."""
   from resilient_jax.reference import eval_reference, train_reference
+  from tests.published_models import gemma_loss_fn
 
   space = ord(" ")
-  cfg, result = run_cell(tmp_path, GemmaStyle(pad=space), 2, 2, "zb-h1", "recycle", "2:1.1",
-                         train__data="text", train__eval_every=2, train__eval_batches=2)
+  loss_fn = functools.partial(gemma_loss_fn, pad=space)
+  source = text_source(16)
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, pipeline__schedule="zb-h1", train__steps=6,
+                    faults__schedule="3:1.1", train__eval_every=6, train__eval_batches=2)
+  result = train(cfg, tmp_path, model=GemmaStyle(pad=space), loss_fn=loss_fn, data=source,
+                 log=lambda _: None)
+  cfg = run_config(cfg, GemmaStyle(pad=space), loss_fn=loss_fn, data=source)
   progs = result.interpreter.programs(((0, 2), (2, 4)))
-  assert [p.reads_tokens for p in progs] == [False, True]
-  assert "embedder.embedding" in progs[0].param_names + progs[1].param_names  # tied: both
-  assert progs[0].param_names.count("embedder.embedding") == 1
-  assert "embedder.embedding" in progs[1].param_names
+  assert progs[1].batch_keys == ("targets", "tokens")  # the mask and positions: recomputed
+  # Only the hidden state crosses (each sample's own, `[1, seq, d]`: dropout runs per sample).
+  assert progs[1].segment.carry_in.specs == (jax.ShapeDtypeStruct((2, 1, 16, 32), jnp.float32),)
+  assert "embedder.embedding" in progs[0].param_names and "embedder.embedding" in \
+    progs[1].param_names
+  assert any(m["live_workers"] < 4 for m in result.metrics)
   one = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=1, pp=1),
                             faults=dataclasses.replace(cfg.faults, schedule=()),
                             train=dataclasses.replace(cfg.train, global_batch=cfg.step_batch,
                                                       accumulate_steps=1))
-  losses, params = train_reference(one, model=GemmaStyle(pad=space))
+  losses, params = train_reference(one, model=GemmaStyle(pad=space), loss_fn=loss_fn,
+                                   data=source)
   np.testing.assert_allclose([m["loss"] for m in result.metrics], losses, rtol=LOSS_RTOL)
   got = result.interpreter.all_params()
   assert sorted(got) == sorted(params)
   for name, value in params.items():
     np.testing.assert_allclose(got[name], value, atol=PARAM_ATOL, err_msg=name)
   # Held out, over two batches: the weighted mean over every held-out target, as one device.
-  expected = eval_reference(one, got, model=GemmaStyle(pad=space))
+  expected = eval_reference(one, got, model=GemmaStyle(pad=space), loss_fn=loss_fn, data=source)
   np.testing.assert_allclose(result.metrics[-1]["eval_loss"], expected, rtol=LOSS_RTOL)
 
 
 def test_a_shared_stream_draws_the_same_masks_on_an_uneven_split():
   """Gemma's one nnx.Rngs, drawn from by every block's dropout: cut 1,2,1, the stages run one
-  after the other draw exactly the whole forward's masks, sample by sample (dropout on: other
-  seeds give other outputs), where restarting the stream per stage would not."""
-  from resilient_jax.model.forward import ModelCut
-
-  from resilient_jax.model.staging import Binder, flat_params, variable_names
+  after the other compute exactly the whole loss, sample by sample (dropout on: other seeds
+  give other losses): the stream's count travels across each cut like any carried value."""
+  from resilient_jax.model.check import token_batch
+  from resilient_jax.model.cut import LossCut
+  from resilient_jax.model.staging import flat_params
+  from tests.published_models import gemma_loss_fn
 
   model = GemmaStyle()
-  binder = Binder(model, variable_names(model))
-  cut = ModelCut(model, 16)
+  cut = LossCut(model, gemma_loss_fn, token_batch(16, 2))
+  segs = cut.segments([range(0, 1), range(1, 3), range(3, 4)])
   tokens = jnp.asarray(np.arange(2 * 16).reshape(2, 16) % 7 + 1, jnp.int32)
+  batch = {"tokens": tokens, "targets": tokens}
   seeds = jnp.asarray(sample_seeds(5, np.arange(2)[:, None]).reshape(-1, 2))
 
   @jax.jit  # one program for all three (a compile each would cost seconds)
-  def forwards(p):
-    whole = binder.run(p, cut.whole(), (None, tokens), seeds)
-    x = None
-    for i, layers in enumerate((range(0, 1), range(1, 3), range(3, 4))):
-      x = binder.run(p, cut.stage(layers, first=i == 0, last=i == 2), (x, tokens), seeds)
-    return whole, x, binder.run(p, cut.whole(), (None, tokens), seeds + 1)
+  def losses(p):
+    whole = cut.whole()(p, [], batch, seeds)[0]
+    xs = []
+    for seg in segs:
+      xs = seg(p, xs, batch, seeds)
+    return whole, xs[0], cut.whole()(p, [], batch, seeds + 1)[0]
 
-  whole, staged, reseeded = forwards(flat_params(model, variable_names(model)))
+  whole, staged, reseeded = losses(flat_params(model))
   np.testing.assert_array_equal(staged, whole)
   assert not np.allclose(reseeded, whole)
+
+
+def test_a_qwen3_with_keyword_only_arguments_and_sharding_constraints_trains_on_packed_data(
+    tmp_path):
+  """A Qwen3 as a public collection writes it: `__call__(x, *, segment_ids, cache)`, packed
+  sequences (attention within a segment, positions restarting per segment), sharding
+  constraints naming its mesh's `data` axis, built under that mesh, and its own `loss_fn`
+  reading inputs, targets, segment ids and loss weights from a dict of arrays. On pp=4 split
+  1,2,0,1 (a stage of no blocks among them), against one device."""
+  from jax.sharding import AxisType
+
+  from resilient_jax.reference import train_reference
+  from tests.published_models import Qwen3Style, qwen_loss_fn
+
+  rng = np.random.default_rng(0)
+  n, t = 64, 16
+  tokens = rng.integers(1, VOCAB, (n, t + 1)).astype(np.int32)
+  segments = np.cumsum(rng.random((n, t)) < 0.15, axis=1).astype(np.int32)
+  data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments,
+          "weights": (rng.random((n, t)) < 0.8).astype(np.float32)}
+  cfg = tiny_config(mesh__dp=1, mesh__pp=4, pipeline__partition="1,2,0,1", train__steps=6,
+                    optimizer__learning_rate=1e-2)
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    model = Qwen3Style()
+    result = train(cfg, tmp_path, model=model, loss_fn=qwen_loss_fn, data=data,
+                   log=lambda _: None)
+    # One device, as the model's authors would run it: under their mesh, the whole batch.
+    one = run_config(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, pp=1),
+                                         pipeline=dataclasses.replace(cfg.pipeline,
+                                                                      partition=())),
+                     Qwen3Style(), loss_fn=qwen_loss_fn, data=data)
+    one = dataclasses.replace(one, train=dataclasses.replace(one.train,
+                                                             global_batch=one.step_batch))
+    losses, params = train_reference(one, model=Qwen3Style(), loss_fn=qwen_loss_fn, data=data)
+  got = [m["loss"] for m in result.metrics]
+  assert np.ptp(got) > 0.05
+  np.testing.assert_allclose(got, losses, rtol=LOSS_RTOL)
+  trained = result.interpreter.all_params()
+  for name, value in params.items():
+    np.testing.assert_allclose(trained[name], value, atol=PARAM_ATOL, err_msg=name)
 
 
 def test_a_tutorial_gpt_built_under_its_mesh_trains_unedited_on_an_uneven_split(tmp_path):
@@ -360,23 +428,11 @@ class Unread(Net):
     self.spare = nnx.Linear(D, D, rngs=nnx.Rngs(5))
 
 
-class CarriedOutside(Net):
-  """A residual carried around each block in __call__, outside the blocks' results."""
-
-  def __call__(self, tokens):
-    x = self.embed(tokens)
-    for block in self.blocks:
-      x = x + block(x)
-    return self.head(x)
-
-
-def test_a_forward_that_cannot_be_cut_is_refused_by_name(tmp_path):
+def test_a_parameter_the_loss_never_reads_is_refused_by_name(tmp_path):
   with pytest.raises(NotStageableError) as err:
     train(tiny_config(), tmp_path, model=Unread())
   assert "spare.kernel" in str(err.value) and "spare.bias" in str(err.value)
   assert "\n" not in str(err.value)
-  with pytest.raises(NotStageableError, match=r"carries a value from block to block outside"):
-    check_stageable(CarriedOutside(num_blocks=3), seq_len=16)
 
 
 def _readme_block(marker: str) -> str:

@@ -99,22 +99,25 @@ def layers_path(model: Any, named: str = "") -> tuple[Any, ...]:
 
 def _stacked_hint(model: Any) -> str:
   """What to change when the blocks are one module with stacked parameters (`nnx.scan`,
-  `nnx.vmap` over a layer axis): a stage runs a list of blocks, not a slice of one module."""
+  `nnx.vmap` over a layer axis): a stage runs a list of blocks, not a slice of one module. A
+  stack: a module of two or more parameters, all with one leading axis of the same size (the
+  largest such module)."""
+  best = None
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Module) and path and any(
-        isinstance(v, nnx.Param) and getattr(v, "ndim", 0) >= 2 for _, v in nnx.iter_graph(node)):
-      shapes = {v[...].shape[0] for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Param)
-                and v[...].ndim >= 2}
-      if len(shapes) == 1 and next(iter(shapes)) > 1 and not any(
-          isinstance(n, nnx.Module) and n is not node for _, n in nnx.iter_graph(node)
-          if isinstance(n, nnx.List)):
-        n = next(iter(shapes))
-        name = ".".join(map(str, path))
-        return (f"; {name} looks like a stack of {n} layers with stacked parameters (an "
-                "`nnx.scan`/`nnx.vmap` over a layer axis): build the layers as a list of "
-                "modules (`nnx.List`) and loop over them in `__call__`, so that a stage can "
-                "hold a part of them")
-  return ""
+    if not (isinstance(node, nnx.Module) and path):
+      continue
+    shapes = [v[...].shape for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Param)]
+    leading = {s[0] for s in shapes if len(s) >= 2}
+    if len(shapes) >= 2 and len(leading) == 1 and all(len(s) >= 2 for s in shapes) and (
+        best is None or len(shapes) > best[0]):
+      best = (len(shapes), ".".join(map(str, path)), next(iter(leading)))
+  if best is None or best[2] < 2:
+    return ""
+  _, name, n = best
+  return (f"; {name} looks like a stack of {n} layers with stacked parameters (an "
+          "`nnx.scan`/`nnx.vmap` over a layer axis): build the layers as a list of modules "
+          "(`nnx.List`) and loop over them in `__call__`, so that a stage can hold a part of "
+          "them")
 
 
 def blocks_at(model: Any, path: Sequence[Any]) -> list[Any]:

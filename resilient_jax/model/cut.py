@@ -51,6 +51,7 @@ from resilient_jax.model.blocks import (  # noqa: F401 (re-exported: the cut's v
   swap_blocks,
 )
 from resilient_jax.model.carry import Carry
+from resilient_jax.model.sharding import layout_requests_as_hints, model_axis_names
 from resilient_jax.model.staging import Binder, token_cross_entropy, variable_names
 
 Array = jax.Array
@@ -311,7 +312,8 @@ class LossCut:
     params = self.binder.abstract_params()
     seeds = jax.ShapeDtypeStruct((self.microbatch, 2), jnp.int32) if self.uses_rng else None
     try:
-      closed = jax.make_jaxpr(whole)(params, self.batch_specs, seeds)
+      with layout_requests_as_hints(model_axis_names(model)):
+        closed = jax.make_jaxpr(whole)(params, self.batch_specs, seeds)
     except CutError:
       raise
     except KeyError as e:

@@ -23,6 +23,7 @@ are the unsharded ones; only where their pieces live differs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -137,11 +138,55 @@ def no_ambient_mesh() -> Iterator[None]:
   model's values itself (`staging.flat_params` and `Binder` read them to the host), so its
   traces and compiles run as if no mesh were set, and the caller's comes back on exit.
   """
-  if jax.sharding.get_abstract_mesh().empty:
+  ambient = jax.sharding.get_abstract_mesh()
+  if ambient.empty:
     yield
     return
-  with jax.set_mesh(None):
+  token = _caller_axes.set(tuple(ambient.axis_names))
+  try:
+    with jax.set_mesh(None):
+      yield
+  finally:
+    _caller_axes.reset(token)
+
+
+_caller_axes: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+  "caller_axes", default=())
+"""The axis names of the mesh `no_ambient_mesh` set aside (the caller's)."""
+
+
+def model_axis_names(model: nnx.Module) -> tuple[str, ...]:
+  """The mesh axis names a model's forward may name: those of the mesh the caller set (set
+  aside by `no_ambient_mesh`) and of its parameters' sharding annotations, in that order."""
+  names = list(_caller_axes.get())
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Variable):
+      for axis in node.get_metadata().get("out_sharding") or ():
+        for n in (axis if isinstance(axis, tuple) else (axis,)):
+          if isinstance(n, str) and n not in names:
+            names.append(n)
+  return tuple(names)
+
+
+@contextlib.contextmanager
+def layout_requests_as_hints(names: tuple[str, ...]) -> Iterator[None]:
+  """Traces the body under a mesh of `names`, every axis of size 1 and `Auto` (a sharding
+  constraint is a hint there, a no-op on one device), with `jax.sharding.reshard` (which only
+  explicit axes take) an identity: a forward written for the mesh its model was built under
+  traces as it would run on one of a worker's devices. The cut then drops those requests
+  (`model.cut`), and the library lays the stage out itself."""
+  if not names:
     yield
+    return
+  mesh = AbstractMesh((1,) * len(names), names,
+                      axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+  original = jax.sharding.reshard
+  jax.sharding.reshard = lambda x, *_, **__: x
+  try:
+    with jax.sharding.use_abstract_mesh(mesh):
+      yield
+  finally:
+    jax.sharding.reshard = original
 
 
 def outside_ambient_mesh(fn: Callable) -> Callable:

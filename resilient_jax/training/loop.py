@@ -261,9 +261,8 @@ class Trainer:
     before = run.builds.built()
     try:
       with reporting(run.log, lambda t: _still_running(step, t, run.builds.built() - before)):
-        result = run.interpreter.run_step(
-          batch, step=step, attempt=run.attempts, profile=profile, after_op=hook,
-          seeds=recipe.sample_seeds(step, mb_ids))
+        result = run.interpreter.run_step(batch, step=step, attempt=run.attempts, profile=profile,
+                                          after_op=hook, seeds=recipe.sample_seeds(step, mb_ids))
     except WorkerLost as lost:
       return StepResult(0.0, {}, 0.0, [], [], committed=False, lost=frozenset({lost.node}),
                         detected_at=time.time()), mb_ids
