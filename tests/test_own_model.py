@@ -480,7 +480,7 @@ def test_readme_orbax_example_loads_the_run_without_resilient_jax(readme_run):
   model (the example's own class), whose parameters are the trainer's."""
   run, _ = readme_run
   own = _readme_block("own-model-example")
-  classes = own[own.index("import jax\n"):own.index("\nmodel = MyModel()")]
+  classes = own[own.index("import grain\n"):own.index("\ndef loss_fn")]
   orbax = _readme_block("orbax-load-example").replace("/tmp/my_model_run", str(run))
   example = classes + "\n" + orbax
   assert "resilient_jax" not in example

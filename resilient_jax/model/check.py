@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from resilient_jax.config import ConfigError
@@ -130,7 +131,7 @@ def _trial(model: Any, batch: Mapping[str, Any], layers: str, loss_fn: Any) -> l
 @outside_ambient_mesh
 def check_stageable(model: Any, *, num_stages: int | None = None, seq_len: int | None = None,
                     batch: Mapping[str, Any] | None = None, layers: str = "",
-                    loss_fn: Any = None) -> None:
+                    loss_fn: Any = None, data: Any = None) -> None:
   """Checks that `model` (and `loss_fn(model, batch)`, or the model's own loss) can be cut.
 
   Args:
@@ -138,12 +139,21 @@ def check_stageable(model: Any, *, num_stages: int | None = None, seq_len: int |
     num_stages: the pipeline depth it will be cut into, if known.
     seq_len: trace the loss on the shipped token batch of this length (`token_batch`).
     batch: or on one micro-batch of these entries (`{key: array or ShapeDtypeStruct}`).
+    data: or on one sample of this source (`train`'s `data`).
     layers: `model.layers`, the dotted path of the blocks ("" finds them).
     loss_fn: the user's loss (None: the model's own, `cut.default_loss_fn`).
 
   Raises:
     NotStageableError: listing every problem found.
   """
+  if batch is None and data is not None:
+    from resilient_jax.data import RecordSource
+
+    try:
+      one = RecordSource(data).batch(np.zeros(1, np.int64))
+    except ValueError as e:
+      raise NotStageableError(str(e)) from None
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in one.items()}
   if batch is None and seq_len is not None:
     batch = token_batch(seq_len)
   problems = _problems(model, num_stages, batch, layers, loss_fn)
