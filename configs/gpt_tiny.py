@@ -27,6 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dtype="float32",  # compute dtype; bfloat16 for mixed precision
     param_dtype="float32",
     remat="none",  # per block: none, full, or a jax.checkpoint_policies name (dots_saveable)
+    module="",  # your own model instead: package.module:build_model (README, own model)
   )
   # tp: devices per worker (tensor parallelism in a stage); placement: multi-process jobs (README)
   c.mesh = dict(dp=2, pp=2, tp=1, placement="pipeline")
@@ -35,7 +36,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     steps=20,
     global_batch=32,
     seed=0,
-    data="synthetic",  # or text, or tokens (train.data_path, train.data_dtype)
+    data="synthetic",  # or text, or tokens (train.data_path, train.data_dtype), or pkg.mod:source
+    loss_fn="",  # your own loss_fn(model, batch): package.module:loss_fn
     data_path="",
     data_dtype="uint16",
     stop_after=0,

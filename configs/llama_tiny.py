@@ -32,5 +32,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dtype=c.model.dtype,  # compute dtype; bfloat16 for mixed precision
     param_dtype=c.model.param_dtype,
     remat=c.model.remat,  # per block: none, full, or a jax.checkpoint_policies name
+    module=c.model.module,
   ))
   return c

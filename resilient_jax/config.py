@@ -353,8 +353,10 @@ class RunConfig:
 
   def __post_init__(self):
     m, mesh, pipe, train = self.model, self.mesh, self.pipeline, self.train
+    named = getattr(m, "module", "") and not m.fingerprint  # built later: its blocks unknown
     try:
-      partition_layers(m.num_layers, mesh.pp, pipe.partition or None)
+      if not named:
+        partition_layers(m.num_layers, mesh.pp, pipe.partition or None)
     except ValueError as e:
       raise ConfigError(str(e)) from None
     per_step = mesh.dp * pipe.microbatches

@@ -124,3 +124,17 @@ class TiedScanned(nnx.Module):
 
 CARRIES = {"rezero": ReZero, "denseformer": DenseFormer, "layerdrop": LayerDrop,
            "early_late": EarlyLate}
+
+
+def build_model(seed: int = 0) -> ReZero:
+  """What `--config.model.module=tests.carry_models:build_model` builds."""
+  return ReZero(seed=seed)
+
+
+def loss_fn(model, batch):
+  """A user's loss, named by `--config.train.loss_fn=tests.carry_models:loss_fn`: per-token
+  cross-entropy of the model's logits, averaged."""
+  import optax
+
+  logits = model(batch["tokens"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()

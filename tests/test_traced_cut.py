@@ -187,3 +187,38 @@ def test_refusals_say_what_to_change_in_the_users_names():
   bad.blocks[1].out = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
   refused(bad, r"its loss fails on .*TypeError|dot_general")
   assert isinstance(Block(nnx.Rngs(0)), nnx.Module)
+
+
+def test_the_launcher_names_the_users_model_and_loss_by_module(tmp_path):
+  """`--config.model.module=pkg.mod:build` and `--config.train.loss_fn=pkg.mod:fn`, parsed as
+  the launcher parses them: `train` builds the model from the seed, traces the named loss, and
+  trains as one device would; a name that cannot be imported is one line."""
+  from launch.cli import parse_train_args
+  from resilient_jax.config import ConfigError
+  from resilient_jax.training.api import user_code
+  from tests import carry_models
+
+  flags = ["--config=configs/gpt_tiny.py:runlocal", f"--workdir={tmp_path / 'run'}",
+           "--config.model.module=tests.carry_models:build_model",
+           "--config.train.loss_fn=tests.carry_models:loss_fn", "--config.mesh.dp=1",
+           "--config.train.steps=4", "--config.train.seed=3"]
+  cfg, _ = parse_train_args(["launch.train", *flags])
+  model, loss_fn, data = user_code(cfg)
+  assert isinstance(model, carry_models.ReZero) and loss_fn is carry_models.loss_fn
+  assert data is None
+  result = train(cfg, tmp_path / "run", log=lambda _: None)
+  described = run_config(cfg, carry_models.build_model(3), loss_fn=carry_models.loss_fn)
+  assert described.model.module == "tests.carry_models:build_model"
+  losses, _ = train_reference(one_device(described), model=carry_models.build_model(3),
+                              loss_fn=carry_models.loss_fn)
+  np.testing.assert_allclose([m["loss"] for m in result.metrics], losses, rtol=LOSS_RTOL)
+  for bad, match in (("--config.model.module=tests.no_such_module:f",
+                      r"model.module=.*importing tests.no_such_module failed"),
+                     ("--config.train.loss_fn=tests.carry_models:nothing",
+                      r"train.loss_fn=.*has no nothing")):
+    cfg, _ = parse_train_args(["launch.train", *flags, bad])
+    with pytest.raises(ConfigError, match=match):
+      user_code(cfg)
+  with pytest.raises(SystemExit) as end:  # refused as the flags are read: exit 2
+    parse_train_args(["launch.train", *flags, "--config.train.loss_fn=not a name"])
+  assert end.value.code == 2
