@@ -101,7 +101,13 @@ def main(argv: list[str] | None = None) -> None:
                  help="another checkout: its library runs too, interleaved (library-before)")
   p.add_argument("--jax_cache", action="store_true",
                  help="the library with JAX's persistent compilation cache on too")
+  p.add_argument("--trace_layers", type=int, default=0,
+                 help="only time tracing the loss and cutting it, for a model of this many "
+                      "layers (no compile): the start-up share of the traced cut")
   args = p.parse_args(argv)
+  if args.trace_layers:
+    trace_and_cut(args.trace_layers, args.repeats)
+    return
   global BEFORE
   BEFORE = os.path.abspath(args.before) if args.before else ROOT
   grids = [tuple(int(x) for x in g.split("x")) for g in args.grids.split(",")]
@@ -139,6 +145,54 @@ def main(argv: list[str] | None = None) -> None:
       cold = statistics.median(x["cold"]["seconds"] for x in runs[c])
       warm = statistics.median(x["warm"]["seconds"] for x in runs[c])
       print(f"  {c[0]}x{c[1]} {c[2]}: {warm:.2f}s / {cold:.2f}s = {warm / cold:.2f}")
+
+
+def trace_and_cut(layers: int, repeats: int) -> None:
+  """Times, in this process, tracing the tiny GPT's loss at `layers` layers (`cut.LossCut`)
+  and cutting it for pp = 2, 4 and 8 (`segments`, each a fresh cut of the same trace), against
+  `jax.make_jaxpr` of the plain whole loss (the trace any jit of the step pays). Medians."""
+  import time
+
+  sys.path.insert(0, ROOT)
+  from resilient_jax.runtime import setup as runtime_setup
+
+  runtime_setup.configure_jax(num_cpu_devices=1)
+  import jax
+
+  from resilient_jax.model.check import token_batch
+  from resilient_jax.model.config import partition_layers
+  from resilient_jax.model.cut import LossCut, default_loss_fn
+  from resilient_jax.model.staging import Binder, flat_params, variable_names
+  from tests.helpers import tiny_config
+
+  cfg = tiny_config(model__num_layers=layers)
+  model = cfg.model.build(0)
+  batch = token_batch(cfg.model.seq_len, 4)
+  bind = Binder(model, variable_names(model))
+  params = flat_params(model)
+  loss = default_loss_fn(model)
+  print(f"load average at start: {os.getloadavg()[0]:.2f}")
+  times: dict[str, list[float]] = {"plain make_jaxpr": [], "trace": []}
+  for pp in (2, 4, 8):
+    times[f"cut pp={pp}"] = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.make_jaxpr(lambda p, b: bind.run(p, loss, (b,)))(params, batch)
+    times["plain make_jaxpr"].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    cut = LossCut(model, None, batch)
+    times["trace"].append(time.perf_counter() - t0)
+    for pp in (2, 4, 8):
+      cut._segments.clear()
+      t0 = time.perf_counter()
+      cut.segments(partition_layers(layers, pp))
+      times[f"cut pp={pp}"].append(time.perf_counter() - t0)
+  print(f"{layers} layers, {len(cut._flat.eqns)} equations; medians of {repeats}:")
+  for name, ts in times.items():
+    print(f"  {name}: {statistics.median(ts):.3f} s")
+  print(f"trace_s_{layers}: {statistics.median(times['trace']):.3f}")
+  print(f"cut_s_{layers}_pp4: {statistics.median(times['cut pp=4']):.3f}")
+  print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -143,19 +143,22 @@ class PlainStep:
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    from resilient_jax.model.forward import ModelCut
 
-    from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names
+    from resilient_jax.model.staging import (
+      Binder,
+      flat_params,
+      token_cross_entropy,
+      variable_names,
+    )
     from resilient_jax.recipe import make_data, make_model, reference_optimizer
 
     self.cfg = cfg
     model = make_model(cfg)
-    stage = ModelCut(model, cfg.model.seq_len).whole()
     names = variable_names(model)
-    bind = Binder(model, names)
+    bind = Binder(model, names)  # nnx.merge of the model with flat parameters
     if bind.uses_rng:
       raise ValueError("the plain steps here do not draw per-sample random numbers")
-    per_token = loss_fn(model)
+    per_token = token_cross_entropy
     optimizer = reference_optimizer(cfg)
     self.source, self.plan = make_data(cfg)
     dp = cfg.mesh.dp
@@ -171,7 +174,7 @@ class PlainStep:
     self.form = form
 
     def loss_sum(p, x, y):
-      return per_token(bind.run(p, stage, (None, x)), y).sum() / tokens
+      return per_token(bind.run(p, lambda m, x: m(x), (x,)), y).sum() / tokens
 
     def step(p, o, xs, ys):
       if form == "scan":
@@ -222,9 +225,13 @@ class PlainPipeline:
   def __init__(self, cfg, devices):
     import jax
     import jax.numpy as jnp
-    from resilient_jax.model.forward import ModelCut, stage_reads
 
-    from resilient_jax.model.staging import Binder, flat_params, loss_fn, variable_names
+    from resilient_jax.model.staging import (
+      Binder,
+      flat_params,
+      token_cross_entropy,
+      variable_names,
+    )
     from resilient_jax.recipe import make_data, make_model, make_optimizer
 
     if cfg.mesh.pp != 2 or cfg.mesh.dp != 1:
@@ -236,17 +243,28 @@ class PlainPipeline:
     if getattr(cfg.model, "tied_head", False):
       raise ValueError("a tied head puts one weight on both stages; not in this baseline")
     names = variable_names(model)
-    per_token = loss_fn(model)
+    per_token = token_cross_entropy
     optimizer = make_optimizer(cfg)
     self.source, self.plan = make_data(cfg)
     first, last = cfg.partition
-    model_cut, bind = ModelCut(model, cfg.model.seq_len), Binder(model, names)
-    s0 = model_cut.stage(first, first=True, last=False)
-    s1 = model_cut.stage(last, first=False, last=True)
-    one = jax.ShapeDtypeStruct((1, cfg.model.seq_len), jnp.int32)  # what each stage reads
-    used = [stage_reads(bind, s0, None, one)[0],
-            stage_reads(bind, s1, model_cut.hidden(first.stop - 1, 1), one)[0]]
+    bind = Binder(model, names)  # nnx.merge of the model with flat parameters
+
+    def s0(m, x):  # the model's own parts, as a user splits a GPT by hand
+      x = m.embed(x)
+      for i in first:
+        x = m.blocks[i](x)
+      return x
+
+    def s1(m, x):
+      for i in last:
+        x = m.blocks[i](x)
+      return m.head(x)
+
     everything = flat_params(model, names)
+    used = [[n for n in everything if n.startswith("embed.") or any(
+              n.startswith(f"blocks.{i}.") for i in first)],
+            [n for n in everything if n.startswith("head.") or any(
+              n.startswith(f"blocks.{i}.") for i in last)]]
     self.devs = devices[:2]
     self.params = [jax.device_put({n: everything[n] for n in u}, d)
                    for u, d in zip(used, self.devs, strict=True)]
@@ -254,8 +272,7 @@ class PlainPipeline:
                                                                       strict=True)]
     tokens = cfg.step_batch * cfg.model.seq_len
 
-    fwd0, bwd0 = jax.fwd_and_bwd(lambda p, x: bind.run(p, s0, (None, x)), argnums=0,
-                                 jitted=False)
+    fwd0, bwd0 = jax.fwd_and_bwd(lambda p, x: bind.run(p, s0, (x,)), argnums=0, jitted=False)
     self.fwd0 = jax.jit(fwd0)
 
     def bwd0_acc(res, g, acc):
@@ -265,7 +282,7 @@ class PlainPipeline:
 
     def last_acc(p, h, y, acc):
       loss, (gp, gh) = jax.value_and_grad(
-        lambda p, h: per_token(bind.run(p, s1, (h, y)), y).sum() / tokens,
+        lambda p, h: per_token(bind.run(p, s1, (h,)), y).sum() / tokens,
         argnums=(0, 1))(p, h)
       return loss, gh, jax.tree.map(jnp.add, acc, gp)
 

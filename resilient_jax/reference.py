@@ -15,11 +15,7 @@ import numpy as np
 
 from resilient_jax.config import RunConfig
 from resilient_jax.model.cut import default_loss_fn, loss_terms
-from resilient_jax.model.sharding import (
-  layout_requests_as_hints,
-  model_axis_names,
-  outside_ambient_mesh,
-)
+from resilient_jax.model.sharding import layout_requests_dropped, outside_ambient_mesh
 from resilient_jax.model.staging import Binder, flat_params, run_block, variable_names
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.recipe import (
@@ -50,10 +46,8 @@ def mean_loss_fn(model: Any, cfg: RunConfig, loss_fn: Any = None):
       swap_blocks(m, path, [_Remat(b, remat) for b in _get(m, path)])
     return loss_terms(loss_fn(m, batch))
 
-  names = model_axis_names(model)
-
   def mean(p: dict, batch: dict, seeds: Any) -> Any:
-    with layout_requests_as_hints(names):  # as the model's own mesh would see them
+    with layout_requests_dropped():  # one device: a layout request means nothing
       losses, weights = bind.run(p, call, (batch,), seeds if bind.uses_rng else None)
     if weights is None:
       return losses.mean()

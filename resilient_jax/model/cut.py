@@ -20,9 +20,10 @@ the batch entries it needs, which every stage can read directly: a mask costs a 
 length per position to send and a few elementwise operations to rebuild. What does travel
 crosses as one array (`Carry`): the values themselves when there is one, else packed.
 
-Sharding annotations in the forward (`reshard`, `with_sharding_constraint`, `mesh_cast`) are
-layout requests for the mesh the model was built under; a stage runs on its worker's own
-devices, laid out by the library (`model.sharding`), so they are identities here.
+Sharding annotations in the forward (`jax.lax.with_sharding_constraint`, `jax.sharding.reshard`)
+are layout requests for the mesh the model was built under; a stage runs on its worker's own
+devices, laid out by the library (`model.sharding`), so the loss is traced with them as
+identities (`sharding.layout_requests_dropped`) and without that mesh.
 
 Growth: tracing and cutting cost one trace of the whole loss per micro-batch size and a pass
 over its equations per layout (O(equations)); per stage boundary the bytes that travel are those
@@ -51,7 +52,7 @@ from resilient_jax.model.blocks import (  # noqa: F401 (re-exported: the cut's v
   swap_blocks,
 )
 from resilient_jax.model.carry import Carry
-from resilient_jax.model.sharding import layout_requests_as_hints, model_axis_names
+from resilient_jax.model.sharding import layout_requests_dropped
 from resilient_jax.model.staging import Binder, token_cross_entropy, variable_names
 
 Array = jax.Array
@@ -312,7 +313,7 @@ class LossCut:
     params = self.binder.abstract_params()
     seeds = jax.ShapeDtypeStruct((self.microbatch, 2), jnp.int32) if self.uses_rng else None
     try:
-      with layout_requests_as_hints(model_axis_names(model)):
+      with layout_requests_dropped():
         closed = jax.make_jaxpr(whole)(params, self.batch_specs, seeds)
     except CutError:
       raise

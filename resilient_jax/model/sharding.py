@@ -23,7 +23,6 @@ are the unsharded ones; only where their pieces live differs.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -138,55 +137,28 @@ def no_ambient_mesh() -> Iterator[None]:
   model's values itself (`staging.flat_params` and `Binder` read them to the host), so its
   traces and compiles run as if no mesh were set, and the caller's comes back on exit.
   """
-  ambient = jax.sharding.get_abstract_mesh()
-  if ambient.empty:
+  if jax.sharding.get_abstract_mesh().empty:
     yield
     return
-  token = _caller_axes.set(tuple(ambient.axis_names))
-  try:
-    with jax.set_mesh(None):
-      yield
-  finally:
-    _caller_axes.reset(token)
-
-
-_caller_axes: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
-  "caller_axes", default=())
-"""The axis names of the mesh `no_ambient_mesh` set aside (the caller's)."""
-
-
-def model_axis_names(model: nnx.Module) -> tuple[str, ...]:
-  """The mesh axis names a model's forward may name: those of the mesh the caller set (set
-  aside by `no_ambient_mesh`) and of its parameters' sharding annotations, in that order."""
-  names = list(_caller_axes.get())
-  for _, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Variable):
-      for axis in node.get_metadata().get("out_sharding") or ():
-        for n in (axis if isinstance(axis, tuple) else (axis,)):
-          if isinstance(n, str) and n not in names:
-            names.append(n)
-  return tuple(names)
+  with jax.set_mesh(None):
+    yield
 
 
 @contextlib.contextmanager
-def layout_requests_as_hints(names: tuple[str, ...]) -> Iterator[None]:
-  """Traces the body under a mesh of `names`, every axis of size 1 and `Auto` (a sharding
-  constraint is a hint there, a no-op on one device), with `jax.sharding.reshard` (which only
-  explicit axes take) an identity: a forward written for the mesh its model was built under
-  traces as it would run on one of a worker's devices. The cut then drops those requests
-  (`model.cut`), and the library lays the stage out itself."""
-  if not names:
-    yield
-    return
-  mesh = AbstractMesh((1,) * len(names), names,
-                      axis_types=(jax.sharding.AxisType.Auto,) * len(names))
-  original = jax.sharding.reshard
+def layout_requests_dropped() -> Iterator[None]:
+  """Traces the body with `jax.lax.with_sharding_constraint` and `jax.sharding.reshard`
+  identities: a forward written for the mesh its model was built under (its activations
+  constrained to `P("data", ...)`, its logits resharded) traces as it runs on one of a worker's
+  devices, which the library lays out itself. Module attributes, replaced for the trace and
+  put back after: a model that imported the functions by name (`from jax.lax import ...`)
+  still calls them, and needs a mesh its trace does not have (refused in one line)."""
+  saved = jax.lax.with_sharding_constraint, jax.sharding.reshard
+  jax.lax.with_sharding_constraint = lambda x, *_, **__: x
   jax.sharding.reshard = lambda x, *_, **__: x
   try:
-    with jax.sharding.use_abstract_mesh(mesh):
-      yield
+    yield
   finally:
-    jax.sharding.reshard = original
+    jax.lax.with_sharding_constraint, jax.sharding.reshard = saved
 
 
 def outside_ambient_mesh(fn: Callable) -> Callable:
