@@ -14,9 +14,10 @@ import jax
 import numpy as np
 
 from resilient_jax.config import RunConfig
+from resilient_jax.model.blocks import _Marked, blocks_at, layers_path, swap_blocks
 from resilient_jax.model.cut import default_loss_fn, loss_terms
 from resilient_jax.model.sharding import layout_requests_dropped, outside_ambient_mesh
-from resilient_jax.model.staging import Binder, flat_params, run_block, variable_names
+from resilient_jax.model.staging import Binder, flat_params, variable_names
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.recipe import (
   eval_data,
@@ -40,10 +41,9 @@ def mean_loss_fn(model: Any, cfg: RunConfig, loss_fn: Any = None):
 
   def call(m: Any, batch: Any) -> Any:
     if remat != "none":  # the same blocks rematerialised, as the pipeline runs them
-      from resilient_jax.model.cut import _get, layers_path, swap_blocks
-
       path = layers_path(m, getattr(cfg.model, "layers", ""))
-      swap_blocks(m, path, [_Remat(b, remat) for b in _get(m, path)])
+      swap_blocks(m, path, [_Marked(b, i, remat, False, mark=False)
+                            for i, b in enumerate(blocks_at(m, path))])
     return loss_terms(loss_fn(m, batch))
 
   def mean(p: dict, batch: dict, seeds: Any) -> Any:
@@ -54,19 +54,6 @@ def mean_loss_fn(model: Any, cfg: RunConfig, loss_fn: Any = None):
     return (losses * weights).sum() / weights.sum()
 
   return mean
-
-
-class _Remat:
-  """A block run through `run_block` (`model.remat`), its attributes its own."""
-
-  def __init__(self, block: Any, remat: str):
-    self._block, self._remat = block, remat
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._block, name)
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return run_block(self._block, *args, remat=self._remat, **kwargs)
 
 
 @outside_ambient_mesh

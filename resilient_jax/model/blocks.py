@@ -36,19 +36,21 @@ class _Marked:
   last block also marks where the blocks end (boundary `index + 1`: a stage of no blocks after
   them holds what follows)."""
 
-  def __init__(self, block: Any, index: int, remat: str, last: bool):
+  def __init__(self, block: Any, index: int, remat: str, last: bool, mark: bool = True):
     object.__setattr__(self, "_block", block)
     object.__setattr__(self, "_index", index)
     object.__setattr__(self, "_remat", remat)
     object.__setattr__(self, "_last", last)
+    object.__setattr__(self, "_mark", mark)  # False: only rematerialised (the reference)
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self._block, name)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    boundary_p.bind(index=self._index)
+    if self._mark:
+      boundary_p.bind(index=self._index)
     out = run_block(self._block, *args, remat=self._remat, **kwargs)
-    if self._last:
+    if self._mark and self._last:
       boundary_p.bind(index=self._index + 1)
     return out
 

@@ -483,11 +483,10 @@ def build_stage_programs(
   `SHARED_PROGRAMS` distinct requests are kept; `clear_shared_programs` drops them.
   """
   names = variable_names(model)
-  specs = tuple(sorted((k, tuple(np.shape(v)), str(np.dtype(v.dtype))) for k, v in batch.items()))
   key = None
   if optimizer_key is not None:
-    key = (model_signature(model), tuple((r.start, r.stop) for r in partition), specs,
-           global_batch, tp, optimizer_key, remat, layers, loss_fn)
+    key = (model_signature(model), tuple((r.start, r.stop) for r in partition),
+           _batch_key(batch), global_batch, tp, optimizer_key, remat, layers, loss_fn)
     try:
       hash(key)
     except TypeError:  # a static attribute of the model that cannot be hashed: not shared
@@ -519,8 +518,7 @@ def loss_cut(model: Any, batch: Mapping[str, Any], loss_fn: Callable | None = No
   """The model's loss traced on one micro-batch's shapes (`cut.LossCut`), once per process for
   a model of the same `model_signature`, batch shapes, loss, blocks and remat (the last
   `SHARED_PROGRAMS` kept): every split of the layers cuts the same trace."""
-  specs = tuple(sorted((k, tuple(np.shape(v)), str(np.dtype(v.dtype))) for k, v in batch.items()))
-  key = (model_signature(model), specs, loss_fn, layers, remat)
+  key = (model_signature(model), _batch_key(batch), loss_fn, layers, remat)
   try:
     hash(key)
   except TypeError:
@@ -535,6 +533,11 @@ def loss_cut(model: Any, batch: Mapping[str, Any], loss_fn: Callable | None = No
         while len(_cuts) > SHARED_PROGRAMS:
           _cuts.popitem(last=False)
   return cut
+
+
+def _batch_key(batch: Mapping[str, Any]) -> tuple:
+  """A micro-batch's entries, shapes and dtypes, hashable (what its trace depends on)."""
+  return tuple(sorted((k, tuple(np.shape(v)), str(np.dtype(v.dtype))) for k, v in batch.items()))
 
 
 SHARED_PROGRAMS = 8
