@@ -222,3 +222,26 @@ def test_the_launcher_names_the_users_model_and_loss_by_module(tmp_path):
   with pytest.raises(SystemExit) as end:  # refused as the flags are read: exit 2
     parse_train_args(["launch.train", *flags, "--config.train.loss_fn=not a name"])
   assert end.value.code == 2
+
+
+def test_a_carry_of_mixed_dtypes_crosses_as_one_array_and_back():
+  """Values of several dtypes (float32, bfloat16, int32, bool) cross a cut packed into one
+  vector of the widest float and come back bit for bit; the cotangent of the packed vector is
+  that of the float values (the integers have none)."""
+  from resilient_jax.model.carry import Carry
+
+  values = [jnp.linspace(-1, 1, 6, dtype=jnp.float32).reshape(2, 3),
+            jnp.asarray([0.5, -2.25], jnp.bfloat16),
+            jnp.asarray([[7, -1 << 30], [1 << 24 | 1, 0]], jnp.int32),
+            jnp.asarray([True, False, True])]
+  carry = Carry(tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values))
+  packed = jax.jit(carry.pack)(values)
+  assert packed.dtype == jnp.float32 and packed.shape == (6 + 2 + 4 + 3,)
+  for got, want in zip(jax.jit(carry.unpack)(packed), values, strict=True):
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  grads = jax.grad(lambda p: sum(jnp.sum(v.astype(jnp.float32) * (i + 1)) for i, v in
+                                 enumerate(carry.unpack(p)[:2])))(packed)
+  np.testing.assert_array_equal(grads, np.r_[np.full(6, 1.0), np.full(2, 2.0), np.zeros(7)])
+  assert Carry((values[0].shape and jax.ShapeDtypeStruct((2, 3), jnp.float32),)).spec.shape \
+    == (2, 3)  # one value crosses as itself

@@ -41,17 +41,19 @@ def token_batch(seq_len: int, samples: int = 1) -> dict[str, jax.ShapeDtypeStruc
 
 
 def _problems(model: Any, num_stages: int | None, batch: Mapping[str, Any] | None,
-              layers: str, loss_fn: Any) -> list[str]:
+              layers: str, loss_fn: Any) -> tuple[list[str], cut_lib.LossCut | None]:
+  """Every problem found, and the traced loss when it could be traced without one."""
   if not isinstance(model, nnx.Module):
-    return [f"the model is a {type(model).__name__}, not a flax.nnx.Module"]
+    return [f"the model is a {type(model).__name__}, not a flax.nnx.Module"], None
   try:
     path = cut_lib.layers_path(model, layers)
   except cut_lib.CutError as e:
-    return [str(e)]
+    return [str(e)], None
   if loss_fn is None and not cut_lib.defines_call(model) and any(
       getattr(model, part, None) is None for part in ("embed", "head")):
     return ["it has no `__call__(tokens)` (nor `embed` and `head` around its blocks) and no "
-            "loss_fn was given: pass loss_fn(model, batch), the loss your own loop computes"]
+            "loss_fn was given: pass loss_fn(model, batch), the loss your own loop computes"], \
+      None
   name = ".".join(map(str, path))
   blocks = cut_lib.blocks_at(model, path)
   out = []
@@ -74,7 +76,7 @@ def _problems(model: Any, num_stages: int | None, batch: Mapping[str, Any] | Non
     out.append("`loss` is not callable: it must be loss(logits, targets) -> per-token losses, "
                "or loss(logits, batch) -> per-token losses or (losses, weights)")
   if out or batch is None:
-    return out
+    return out, None
   return _trial(model, batch, layers, loss_fn)
 
 
@@ -110,28 +112,29 @@ def _shared_blocks(model: Any, blocks: Sequence[Any], name: str) -> list[str]:
   return out
 
 
-def _trial(model: Any, batch: Mapping[str, Any], layers: str, loss_fn: Any) -> list[str]:
+def _trial(model: Any, batch: Mapping[str, Any], layers: str, loss_fn: Any
+           ) -> tuple[list[str], cut_lib.LossCut | None]:
   """Traces the loss on abstract values of `batch`'s shapes, and what the cut needs of it."""
   try:
     cut = cut_lib.LossCut(model, loss_fn, batch, layers)
   except cut_lib.CutError as e:
-    return [str(e)]
+    return [str(e)], None
   if cut.weights_read_params():
     return ["the weights the loss returns, (losses, weights), depend on the model's "
             "parameters: they must come from the batch (a pad mask, per-token weights), which "
-            "is summed before the step"]
+            "is summed before the step"], None
   unused = cut.unused_params()
   if not unused:
-    return []
+    return [], cut
   listed = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
   return [f"parameter(s) {listed} are never read by the loss, so no stage would train them: "
-          "use them or delete them"]
+          "use them or delete them"], None
 
 
 @outside_ambient_mesh
 def check_stageable(model: Any, *, num_stages: int | None = None, seq_len: int | None = None,
                     batch: Mapping[str, Any] | None = None, layers: str = "",
-                    loss_fn: Any = None, data: Any = None) -> None:
+                    loss_fn: Any = None, data: Any = None) -> cut_lib.LossCut | None:
   """Checks that `model` (and `loss_fn(model, batch)`, or the model's own loss) can be cut.
 
   Args:
@@ -142,6 +145,10 @@ def check_stageable(model: Any, *, num_stages: int | None = None, seq_len: int |
     data: or on one sample of this source (`train`'s `data`).
     layers: `model.layers`, the dotted path of the blocks ("" finds them).
     loss_fn: the user's loss (None: the model's own, `cut.default_loss_fn`).
+
+  Returns:
+    The loss traced on one sample (`cut.LossCut`, what `describe` measures), when a batch was
+    given.
 
   Raises:
     NotStageableError: listing every problem found.
@@ -156,10 +163,11 @@ def check_stageable(model: Any, *, num_stages: int | None = None, seq_len: int |
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in one.items()}
   if batch is None and seq_len is not None:
     batch = token_batch(seq_len)
-  problems = _problems(model, num_stages, batch, layers, loss_fn)
+  problems, cut = _problems(model, num_stages, batch, layers, loss_fn)
   if problems:
     raise NotStageableError("the model cannot be cut into pipeline stages: "
                             + "; ".join(problems))
+  return cut
 
 
 def _flops(fn: Any, *specs: Any) -> float:
@@ -180,13 +188,14 @@ def _vocab(model: Any) -> int:
 
 @outside_ambient_mesh
 def describe(model: Any, batch: Mapping[str, Any], layers: str = "", loss_fn: Any = None,
-             seq_len: int | None = None) -> CustomModelConfig:
+             seq_len: int | None = None, cut: cut_lib.LossCut | None = None
+             ) -> CustomModelConfig:
   """The cost description of a user's model, measured from its traced loss on one sample
   (`batch`: one sample's entries, leading axis 1): FLOPs from XLA's cost analysis of a middle
   block's segment and of the last segment less its block (the head), parameter counts by what
   each segment reads, the bytes crossing the first cut, and a fingerprint of its parameter
-  names and shapes."""
-  cut = cut_lib.LossCut(model, loss_fn, batch, layers)
+  names and shapes. `cut`: that loss already traced on `batch` (`check_stageable`'s)."""
+  cut = cut or cut_lib.LossCut(model, loss_fn, batch, layers)
   n = cut.num_blocks
   segments = cut.segments([range(i, i + 1) for i in range(n)])
   params = cut.binder.abstract_params()

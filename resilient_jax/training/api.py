@@ -56,11 +56,11 @@ def run_config(config: RunConfig | Mapping[str, Any], model: Any = None, *, loss
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in one.items()}
     tokens = one.get("tokens", one.get("inputs"))
     seq_len = tokens.shape[-1] if tokens is not None and tokens.ndim > 1 else seq_len
-  check_stageable(model, num_stages=pp, batch=batch, layers=layers, loss_fn=loss_fn)
+  cut = check_stageable(model, num_stages=pp, batch=batch, layers=layers, loss_fn=loss_fn)
   try:
     module = getattr(config.model, "module", "") if isinstance(config, RunConfig) else \
       dict(config.get("model", {}) or {}).get("module", "")
-    described = dataclasses.replace(describe(model, batch, layers, loss_fn, seq_len),
+    described = dataclasses.replace(describe(model, batch, layers, loss_fn, seq_len, cut),
                                      remat=remat, layers=layers, module=module or "")
   except ValueError as e:
     raise ConfigError(str(e)) from None
