@@ -67,7 +67,7 @@ def _train(cfg: RunConfig, workdir: str, started: float, attach: Callable[[Any],
     from resilient_jax.runtime.cluster import Cluster
 
     try:
-      cluster = Cluster(cfg.distributed)
+      cluster = Cluster(cfg.distributed, join_log=_join_log(cfg, workdir))
     except ValueError as e:  # jax.distributed found no cluster and no coordinator was given
       cli.fail(f"distributed.enabled=true: {cli.last_line(e)} (no SLURM, TPU VM, GKE or MPI "
                "environment was detected; set distributed.coordinator, num_processes and "
@@ -117,6 +117,17 @@ def _train(cfg: RunConfig, workdir: str, started: float, attach: Callable[[Any],
   if cluster is not None:
     # A normal interpreter exit would block in the distributed client's shutdown.
     cluster.finish(EXIT_OK)
+
+
+def _join_log(cfg: RunConfig, workdir: str) -> str:
+  """Where JAX's own log of this process's join goes, for a join that never forms to end in one
+  line naming it (`Cluster`'s `join_log`): in the workdir, which every process can write, under
+  a name of its own (the host's, when the process id is left to auto-detection)."""
+  import socket
+
+  pid = cfg.distributed.process_id
+  return os.path.join(workdir, f"join.process_{pid}.log" if pid >= 0 else
+                      f"join.{socket.gethostname()}.{os.getpid()}.log")
 
 
 def config_lines(cfg) -> list[str]:

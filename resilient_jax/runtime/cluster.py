@@ -50,7 +50,9 @@ is bounded:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import socket
 import threading
 import time
@@ -73,6 +75,7 @@ from resilient_jax.runtime.joining import (
   await_coordinator,
   bind_address,
   exit_on_abort,
+  native_log_to,
 )
 from resilient_jax.runtime.kvstore import KeyValueStore
 from resilient_jax.runtime.liveness import (
@@ -124,9 +127,18 @@ class Cluster(KeyValueStore):
   """Joins the job, starts this process's transfer server and the coordinator watchdog.
 
   Must be created before JAX initialises its backends.
+
+  Args:
+    cfg: the job's settings.
+    log: where progress lines go.
+    join_log: a file for what JAX's native runtime writes to stderr while this process joins
+      (`joining.native_log_to`): a join that never forms then ends with one line naming it, not
+      JAX's fatal log and C++ stack; removed once the join returns (what it caught goes to
+      stderr). None: stderr is left as it is (the library's default; `launch.train` sets it).
   """
 
-  def __init__(self, cfg: DistributedConfig, log: Logger = info):
+  def __init__(self, cfg: DistributedConfig, log: Logger = info,
+               join_log: str | os.PathLike | None = None):
     self.cfg = cfg
     self.log = log
     jax.config.update("jax_enable_recoverability", True)
@@ -155,13 +167,15 @@ class Cluster(KeyValueStore):
     exit_on_abort(EXIT_WAIT_TIMEOUT, (
       f"{who}: the job at {cfg.coordinator or 'the detected coordinator'} did not form within "
       f"{wait_s}s (distributed.wait_timeout_s): did all {cfg.num_processes or 'its'} processes "
-      "start, with this coordinator address?"))
+      "start, with this coordinator address?"
+      + (f" (JAX's own log of it: {join_log})" if join_log is not None else "")))
     # Said before, not during: JAX's join holds the GIL until it returns, so no thread of this
     # process can report while it waits (a reporter thread printed nothing).
     log(f"{who}: joining the job at {cfg.coordinator or 'the detected coordinator'} "
         f"({cfg.num_processes or 'all its'} processes), waiting at most {wait_s}s "
         "(distributed.wait_timeout_s)")
-    jax.distributed.initialize(**kwargs)
+    with (contextlib.nullcontext() if join_log is None else native_log_to(join_log)):
+      jax.distributed.initialize(**kwargs)
     from jax._src import distributed
 
     self.client = distributed.global_state.client
