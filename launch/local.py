@@ -47,8 +47,9 @@ stderr and exit 2.
 Exit code: 0 if every process that was not killed finished with 0, or if process 0 did (the job
 completed) and the others it went on without were declared dead (7) or ended by a signal (a
 crash from outside, survived like a --kill); else the first other code among them
-(`launch/train.py` documents them; 5 means process 0 was lost; a process ended by signal N
-counts as 128 + N). No process outlives the launcher.
+(`launch/train.py` documents them; 5 means a process lost the coordination service: process 0
+was lost, or its host was cut off; a process ended by signal N counts as 128 + N). No process
+outlives the launcher.
 """
 
 from __future__ import annotations
