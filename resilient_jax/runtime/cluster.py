@@ -164,11 +164,13 @@ class Cluster(KeyValueStore):
     who = f"process {cfg.process_id}" if cfg.process_id >= 0 else "this process"
     if cfg.coordinator and cfg.process_id > 0:
       await_coordinator(cfg.coordinator, wait_s, who)
-    exit_on_abort(EXIT_WAIT_TIMEOUT, (
+    never_formed = (
       f"{who}: the job at {cfg.coordinator or 'the detected coordinator'} did not form within "
       f"{wait_s}s (distributed.wait_timeout_s): did all {cfg.num_processes or 'its'} processes "
-      "start, with this coordinator address?"
-      + (f" (JAX's own log of it: {join_log})" if join_log is not None else "")))
+      "start, with this coordinator address?")
+    exit_on_abort(EXIT_WAIT_TIMEOUT, lambda: never_formed + (
+      f" (JAX's own log of it: {join_log})" if join_log is not None and os.path.exists(join_log)
+      else ""))
     # Said before, not during: JAX's join holds the GIL until it returns, so no thread of this
     # process can report while it waits (a reporter thread printed nothing).
     log(f"{who}: joining the job at {cfg.coordinator or 'the detected coordinator'} "

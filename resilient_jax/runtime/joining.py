@@ -42,6 +42,8 @@ def native_log_to(path: str | os.PathLike) -> Iterator[None]:
   try:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
   except OSError:
+    fd = None
+  if fd is None:
     yield
     return
   _REAL_STDERR = os.dup(2)
