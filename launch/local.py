@@ -41,17 +41,20 @@ point then.
 The arguments after `--` are `launch.train`'s (`python -m launch.train --help` lists them; absl's
 logging flags there apply to every worker, e.g. `--log_dir=D`: one log file per process). They
 are checked as `launch.train` reads them (`launch/cli.py`) before any process starts: a bad
-flag, config, workdir or process count is one line on stderr and exit 2.
+flag, config, workdir or process count, or a `--port` another program holds, is one line on
+stderr and exit 2.
 
 Exit code: 0 if every process that was not killed finished with 0, or if process 0 did (the job
 completed) and the others it went on without were declared dead (7) or ended by a signal (a
 crash from outside, survived like a --kill); else the first other code among them
-(`launch/train.py` documents them; 5 means process 0 was lost; a process ended by signal N
-counts as 128 + N). No process outlives the launcher.
+(`launch/train.py` documents them; 5 means a process lost the coordination service: process 0
+was lost, or its host was cut off; a process ended by signal N counts as 128 + N). No process
+outlives the launcher.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -277,6 +280,26 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def port_problem(port: int) -> str | None:
+  """Why process 0's coordination service could not listen on 127.0.0.1:`port`, or None.
+
+  A bind of our own, released at once: found here, a taken port is one line before any
+  process starts. Found by process 0's gRPC server instead, it was a traceback or a SIGSEGV
+  there, and the other processes waited out their join and printed C++ stacks. SO_REUSEADDR,
+  as that server sets it: a port whose earlier connections linger in TIME_WAIT is free to it.
+  """
+  with socket.socket() as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind(("127.0.0.1", port))
+    except OSError as e:
+      if e.errno == errno.EADDRINUSE:
+        return f"127.0.0.1:{port} is already taken by another program (pick another port, or " \
+               "--port=0 for a free one)"
+      return f"cannot listen on 127.0.0.1:{port} ({e.strerror or e})"
+  return None
 
 
 def simulated_devices_env(env: dict[str, str], devices: int) -> dict[str, str]:
@@ -616,6 +639,9 @@ def main(argv: list[str]) -> None:
     cli.fail(f"--num_processes must be >= 1, got {num}")
   if not 0 <= _PORT.value <= 65535:
     cli.fail(f"--port={_PORT.value} is not a port (0..65535; 0 picks a free one)")
+  taken = _PORT.value and port_problem(_PORT.value)
+  if taken:  # before the workdir is made or any process starts
+    cli.fail(f"--port={_PORT.value}: {taken}")
   if _TIMEOUT.value < 1:
     cli.fail(f"--timeout must be >= 1 (seconds), got {_TIMEOUT.value}")
   if not train_args:

@@ -9,10 +9,14 @@ launch/CLUSTERS.md); the same training loop runs either way. Exit codes
 device to continue on (or a whole stage, with resilience.restore_on_stage_loss=false), 4 a
 checkpoint could not be written, 8 too many non-finite steps in a row, 9 preempted (SIGTERM or
 SIGINT: stopped after the step in flight with a checkpoint of it); multi-process jobs also: 5
-the coordination service (process 0) was lost, requeue the job; 6 a survivor waited past
-distributed.wait_timeout_s; 7 the other processes declared this one dead (its heartbeat stopped
-for distributed.heartbeat_timeout_s) and went on without it, or (any run) a newer job took the
-workdir's lease, so this one stopped before committing a checkpoint: do not requeue it.
+this process lost the coordination service (process 0 lost, or this host cut off: once process
+0 is gone, requeue the job); 6 a wait passed distributed.wait_timeout_s (joining included: JAX's
+own log of a join that never formed is in WORKDIR/join.process_N.log); 7 the other processes
+declared this one dead (its heartbeat stopped for distributed.heartbeat_timeout_s) and went on
+without it, or (any run) a newer job took the workdir's lease, so this one stopped before
+committing a checkpoint: do not requeue it. Bad input is one `error:` line and exit 2 (an
+unusable workdir too: a file where its `checkpoints` folder belongs); the README's "Exit codes"
+table has the line of each end.
 
 Progress lines are absl log lines at INFO (stdout by default; `--log_dir`, `--alsologtostderr`,
 `--verbosity`: see `--helpfull`); the final loss and the list of outputs are printed to stdout.
@@ -67,7 +71,7 @@ def _train(cfg: RunConfig, workdir: str, started: float, attach: Callable[[Any],
     from resilient_jax.runtime.cluster import Cluster
 
     try:
-      cluster = Cluster(cfg.distributed)
+      cluster = Cluster(cfg.distributed, join_log=_join_log(cfg, workdir))
     except ValueError as e:  # jax.distributed found no cluster and no coordinator was given
       cli.fail(f"distributed.enabled=true: {cli.last_line(e)} (no SLURM, TPU VM, GKE or MPI "
                "environment was detected; set distributed.coordinator, num_processes and "
@@ -124,6 +128,17 @@ def _train(cfg: RunConfig, workdir: str, started: float, attach: Callable[[Any],
   if cluster is not None:
     # A normal interpreter exit would block in the distributed client's shutdown.
     cluster.finish(EXIT_OK)
+
+
+def _join_log(cfg: RunConfig, workdir: str) -> str:
+  """Where JAX's own log of this process's join goes, for a join that never forms to end in one
+  line naming it (`Cluster`'s `join_log`): in the workdir, which every process can write, under
+  a name of its own (the host's, when the process id is left to auto-detection)."""
+  import socket
+
+  pid = cfg.distributed.process_id
+  return os.path.join(workdir, f"join.process_{pid}.log" if pid >= 0 else
+                      f"join.{socket.gethostname()}.{os.getpid()}.log")
 
 
 def config_lines(cfg) -> list[str]:

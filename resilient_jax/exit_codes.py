@@ -2,8 +2,9 @@
 and the one way a process ends at once (`end_process`).
 
 A cluster scheduler acts on them: 2 and 3 need a person (a bad configuration; nothing left to
-train on), 4 a look at the storage, 5 a requeue of the whole job (it resumes from the local
-copies its survivors wrote, or its latest checkpoint), 6 and 7 end one process while the
+train on), 4 a look at the storage, 5 a requeue of the whole job once process 0 is gone (it
+resumes from the local copies its survivors wrote, or its latest checkpoint), 6 and 7 end one
+process while the
 others go on (7 also ends a job that a newer job on the same workdir superseded: never requeue
 a 7), 9 a requeue (preempted: it stopped with a checkpoint of its last step).
 
@@ -27,9 +28,11 @@ EXIT_NO_DEVICES = 3
 EXIT_CHECKPOINT = 4
 """A checkpoint could not be written."""
 EXIT_COORDINATOR_LOST = 5
-"""The coordination service (process 0) died: requeue the job. Each process wrote its stages'
-state of the last committed step to `checkpoint.local_dir` first; the job resumes from the
-newest step every stage can be read at (those copies, or a checkpoint)."""
+"""This process lost the coordination service: process 0 was lost, or this host was cut off
+from the job (it cannot tell which; its last line names both, and where its local copy went).
+It wrote its stages' state of the last committed step to `checkpoint.local_dir` first. Once
+process 0 is gone (every other process exits 5), requeue the job: it resumes from the newest
+step every stage can be read at (those copies, or a checkpoint)."""
 EXIT_WAIT_TIMEOUT = 6
 """A blocking wait passed `distributed.wait_timeout_s` (a live peer stopped making progress)."""
 EXIT_DECLARED_DEAD = 7

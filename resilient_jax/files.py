@@ -7,9 +7,10 @@ target (atomic on POSIX), and readers of append-only logs drop a torn last line,
 
 A damaged log never stops a run either: a line that is not UTF-8, not JSON or not a row of its
 file (a stray `[]`) is set aside in `NAME.damaged` with one log line, and the run goes on with
-the rows that read. Only a path that is not a file at all (a directory where `metrics.jsonl`
-belongs) stops it, before anything is written: one line, exit 2, as for any unusable workdir,
-because moving a directory of someone's out of the way is not the library's call.
+the rows that read. Only a path of the wrong kind (a directory where `metrics.jsonl` belongs,
+a file where the `checkpoints` folder does) stops it, before anything is written: one line,
+exit 2, as for any unusable workdir, because moving someone's directory or file out of the way
+is not the library's call.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ DAMAGED_SUFFIX = ".damaged"
 RUN_FILES = ("metrics.jsonl", "config.json", "recovery.json", "goodput.json", "schedule.txt",
              "lease")
 """Files a run rewrites or reads back in its workdir: each must be a file if it exists."""
+RUN_DIRS = ("checkpoints",)
+"""Folders a run reads back and writes in its workdir: each must be a folder if it exists. Any
+run may save a checkpoint (preempted, `train.stop_after`), not only one that saves every few
+steps, so a file there is refused for every run."""
 
 
 class UnusableFile(ValueError):
@@ -40,14 +45,21 @@ class UnusableFile(ValueError):
   exit_code = EXIT_BAD_CONFIG
 
 
-def check_run_files(workdir: str | os.PathLike, names: Iterable[str] = RUN_FILES) -> None:
-  """Raises `UnusableFile` if one of the workdir's `names` exists and is not a file (one stat
-  each: run before anything is written, so a refused run changes nothing)."""
+def check_run_files(workdir: str | os.PathLike, names: Iterable[str] = RUN_FILES,
+                    dirs: Iterable[str] = RUN_DIRS) -> None:
+  """Raises `UnusableFile` if one of the workdir's `names` exists and is not a file, or one of
+  its `dirs` exists and is not a directory (one stat each: run before anything is written, so
+  a refused run changes nothing)."""
   for name in names:
     path = Path(workdir) / name
     if path.exists() and not path.is_file():
       raise UnusableFile(f"{path} is {'a directory' if path.is_dir() else 'not a regular file'}"
                          ", not the file a run keeps there: move it out of the way")
+  for name in dirs:
+    path = Path(workdir) / name
+    if path.exists() and not path.is_dir():
+      raise UnusableFile(f"{path} is {'a file' if path.is_file() else 'not a directory'}, not "
+                         "the folder a run keeps its checkpoints in: move it out of the way")
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -83,7 +95,7 @@ def read_jsonl(path: str | os.PathLike, log: Logger | None = None,
   path = Path(path)
   if not path.exists():
     return []
-  check_run_files(path.parent, [path.name])
+  check_run_files(path.parent, [path.name], dirs=())
   try:
     raw = path.read_bytes()
   except OSError as e:

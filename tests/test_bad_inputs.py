@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ SIM = ("--config=configs/sim/gpt3_1_3b.py:runlocal", "--out={tmp}/sim")
 @dataclasses.dataclass(frozen=True)
 class Case:
   """`python -m launcher ARGS` must fail naming every needle (`{tmp}`: a scratch directory,
-  `{ro}`: a directory nobody may write to)."""
+  `{ro}`: a directory nobody may write to, `{port}`: a port another program listens on)."""
 
   id: str
   launcher: str
@@ -75,6 +76,9 @@ CASES = [
         needles=("--workdir={tmp}/metrics_dir", "metrics.jsonl is a directory")),
   train("config-json-is-a-directory", TRAIN[0], "--workdir={tmp}/config_dir",
         needles=("--workdir={tmp}/config_dir", "config.json is a directory")),
+  train("checkpoints-is-a-file", TRAIN[0], "--workdir={tmp}/checkpoints_file",
+        "--config.checkpoint.every_steps=2",
+        needles=("--workdir={tmp}/checkpoints_file", "checkpoints is a file")),
   train("workdir-on-a-full-disk", TRAIN[0], "--workdir={tmp}/full",
         needles=("--workdir={tmp}/full", "cannot write there"), file_size_limit=1024),
   # ---- the config file
@@ -215,6 +219,9 @@ CASES = [
   local("local-processes-not-an-int", "--num_processes=four", "--", *TRAIN,
         needles="--num_processes=four: not an integer"),
   local("local-bad-port", "--port=70000", "--", *TRAIN, needles="--port=70000"),
+  local("local-port-taken", "--num_processes=4", "--port={port}", "--", TRAIN[0],
+        "--workdir={tmp}/port_taken", *GRID,
+        needles=("--port={port}", "127.0.0.1:{port} is already taken by another program")),
   local("local-no-train-args", "--num_processes=4", needles="after --"),
   local("local-no-workdir", *LOCAL, TRAIN[0], *GRID, needles="--workdir is required"),
   local("local-workdir-is-a-file", *LOCAL, TRAIN[0], "--workdir={tmp}/file", *GRID,
@@ -281,21 +288,29 @@ def results(tmp_path_factory) -> tuple[dict, dict]:
     f.write("not a directory\n")
   os.makedirs(os.path.join(tmp, "metrics_dir", "metrics.jsonl"))
   os.makedirs(os.path.join(tmp, "config_dir", "config.json"))
+  os.makedirs(os.path.join(tmp, "checkpoints_file"))
+  with open(os.path.join(tmp, "checkpoints_file", "checkpoints"), "w") as f:
+    f.write("not a folder\n")
   with open(os.path.join(tmp, "syntax.py"), "w") as f:
     f.write("import ml_collections\ndef get_config(:\n  pass\n")
   with open(os.path.join(tmp, "raises.py"), "w") as f:
     f.write("def get_config(arg=None):\n  raise ValueError('no tiny model today')\n")
-  names = {"tmp": tmp, "ro": _read_only_dir(tmp) or "{ro}"}
+  # Another program's port: listening all through the cases.
+  taken = socket.socket()
+  taken.bind(("127.0.0.1", 0))
+  taken.listen()
+  names = {"tmp": tmp, "ro": _read_only_dir(tmp) or "{ro}", "port": taken.getsockname()[1]}
   cases = [
     {"id": c.id, "launcher": c.launcher, "argv": [a.format(**names) for a in c.args],
      "env": dict(c.env), "file_size_limit": c.file_size_limit}
     for c in CASES
   ]
   out = os.path.join(tmp, "results.json")
-  proc = subprocess.run(
-    [sys.executable, "-m", "tests.test_bad_inputs", out], input=json.dumps(cases), cwd=ROOT,
-    capture_output=True, text=True, timeout=600,
-  )
+  with taken:
+    proc = subprocess.run(
+      [sys.executable, "-m", "tests.test_bad_inputs", out], input=json.dumps(cases), cwd=ROOT,
+      capture_output=True, text=True, timeout=600,
+    )
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(out) as f:
     return json.load(f), names
@@ -322,6 +337,31 @@ def test_bad_input_is_one_line_and_exit_2(results, case):
     assert needle.format(**names) in lines[0], lines[0]
   if not case.jax:
     assert not r["jax_started"], "a JAX backend started before the input was rejected"
+
+
+def test_a_workdir_entry_of_the_wrong_kind_is_left_as_it_was(results):
+  """A directory where a run's file belongs, or a file where its `checkpoints` folder does:
+  refused at the start (the latter used to train, then exit 4 at the first save), and the
+  workdir holds what it held before."""
+  got, names = results
+  for case, entry in (("metrics-jsonl-is-a-directory", "metrics_dir"),
+                      ("config-json-is-a-directory", "config_dir"),
+                      ("checkpoints-is-a-file", "checkpoints_file")):
+    assert got[case]["code"] == 2, got[case]
+    workdir = os.path.join(names["tmp"], entry)
+    assert len(os.listdir(workdir)) == 1, os.listdir(workdir)
+  with open(os.path.join(names["tmp"], "checkpoints_file", "checkpoints")) as f:
+    assert f.read() == "not a folder\n"
+
+
+def test_a_taken_port_is_refused_before_anything_starts(results):
+  """`launch.local --port=P` with P another program's: refused before the workdir is made or
+  any process started (process 0 died of a traceback or a SIGSEGV there, and the others
+  waited out their join printing C++ stacks)."""
+  got, names = results
+  r = got["local-port-taken"]
+  assert r["code"] == 2 and "[p0]" not in r["stdout"], r
+  assert not os.path.exists(os.path.join(names["tmp"], "port_taken"))
 
 
 # ---------------------------------------------------------------- the harness

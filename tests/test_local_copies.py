@@ -141,3 +141,50 @@ def test_a_step_with_a_stage_nobody_copied_is_not_covered(tmp_path):
   held = [(c.step, c.names) for c in copies]
   assert local.covered_steps(needs_of(0), held) == set()
   assert local.covered_steps(needs_of(1), held) == {6}
+
+
+def test_the_exit_line_says_what_was_lost_and_where_the_copy_went(monkeypatch):
+  """A process that loses the coordination service cannot tell process 0's loss from its own
+  host being cut off (then the job goes on without it): its last line names both, and where
+  its local copy went; not that the job will be restarted. The watchdog and the runtime's
+  abort may both end the process: the copy is written once and both say the same."""
+  import threading
+  import types
+
+  from resilient_jax.runtime import cluster as cluster_module
+
+  ended = []
+  monkeypatch.setattr(cluster_module, "end_process", lambda code, line: ended.append((code, line)))
+
+  def process(last_words, wait_timeout_s=5):
+    c = object.__new__(cluster_module.Cluster)
+    c.process_id, c.coordinator = 1, "127.0.0.1:4321"
+    c.cfg = types.SimpleNamespace(wait_timeout_s=wait_timeout_s)
+    c.last_words, c._words_lock, c._words_said = last_words, threading.Lock(), None
+    return c
+
+  writes = []
+  c = process(lambda: writes.append(1) or "its stages' state of step 6 is in /w/local/process_1/6")
+  c.coordinator_lost()
+  c.coordinator_lost()  # the second of the two that noticed
+  line = ("process 1: lost the coordination service at 127.0.0.1:4321 (process 0 lost, or this "
+          "host cut off); its stages' state of step 6 is in /w/local/process_1/6; exiting with "
+          "code 5")
+  assert ended == [(5, line)] * 2 and writes == [1]
+  assert "restart" not in line and "\n" not in line
+
+  ended.clear()
+  process(None).coordinator_lost()  # lost before the trainer noted a step
+  assert ended[0][1].endswith("cut off); no local copy: no step was committed yet; exiting "
+                              "with code 5")
+  stuck = threading.Event()
+  ended.clear()
+  process(stuck.wait, wait_timeout_s=0.05).coordinator_lost()
+  stuck.set()
+  assert ended[0][1].endswith("cut off); its local copy did not finish within 0.05s "
+                              "(distributed.wait_timeout_s); exiting with code 5")
+  # The runtime's own abort says the same, naming what noticed.
+  assert cluster_module.lost_coordinator_line(2, "10.0.0.5:8476", "x", "its distributed runtime "
+                                              ) == ("process 2: its distributed runtime lost the "
+                                                    "coordination service at 10.0.0.5:8476 "
+                                                    "(process 0 lost, or this host cut off); x")

@@ -493,14 +493,21 @@ def test_killing_process_0_ends_every_process_with_exit_5_then_resumes(tmp_path)
   assert [r["schedule"] for r in rows] == ["1f1b"] * 3 + ["adaptive"] * 3, rows
   assert all("1.0" in rows[s - 1]["straggler_ratios"] for s in (2, 3)), rows
   # The survivor saw the coordination service go (its watchdog, or JAX's own abort of the
-  # process), not a heartbeat timeout, and wrote its stages' state of the last committed step.
-  assert re.search(r"\[p1\] .*the coordination service .*is gone", proc.stdout), tail(proc)
+  # process), not a heartbeat timeout, and wrote its stages' state of the last committed step;
+  # its last line says what it knows (it cannot tell process 0's loss from its own cut) and
+  # where the copy went.
   assert "no heartbeat from process 0" not in proc.stdout, tail(proc)
   assert re.search(r"\[p1\] .*process 1: wrote its stages' state of step 6 to ",
                    proc.stdout + proc.stderr), tail(proc)
-  # The launcher returned only after every process exited; none is left.
+  assert re.search(r"\[p1\] process 1: (its distributed runtime )?lost the coordination service "
+                   r"at 127\.0\.0\.1:\d+ \(process 0 lost, or this host cut off\); its stages' "
+                   rf"state of step 6 is in {re.escape(str(workdir))}/local/process_1/6; exiting "
+                   r"with code 5\n", proc.stdout), tail(proc)
+  # The launcher returned only after every process exited; none is left. Their joins
+  # returned, so no join log (`Cluster`'s `join_log`) is kept.
   out = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
   assert out.stdout.strip() == ""
+  assert not list(workdir.glob("join.*.log"))
   kills = (workdir / "kills.jsonl").read_text()
   proc = run_local(workdir, extra=flags, processes=2)
   assert proc.returncode == 0, tail(proc)
@@ -831,10 +838,38 @@ def test_a_process_that_never_arrives_ends_the_wait_with_one_line(tmp_path):
   # Before it waits it says what for, and for how long at most (a progress line: stdout).
   assert f"process 0: joining the job at 127.0.0.1:{port} (2 processes), waiting at most 2s " \
     "(distributed.wait_timeout_s)" in proc.stdout, proc.stdout[-2000:]
-  assert proc.stderr.strip().splitlines()[-1] == (
+  # The one line alone: JAX's fatal log and its C++ stack went to the file it names.
+  log = tmp_path / "join.process_0.log"
+  assert proc.stderr.splitlines() == [
     f"process 0: the job at 127.0.0.1:{port} did not form within 2s "
-    "(distributed.wait_timeout_s): did all 2 processes start, with this coordinator address?; "
-    "exiting with code 6")
+    "(distributed.wait_timeout_s): did all 2 processes start, with this coordinator address? "
+    f"(JAX's own log of it: {log}); exiting with code 6"], proc.stderr[-3000:]
+  assert "Terminating process because the JAX distributed service detected fatal errors" in \
+    log.read_text()
+
+
+def test_a_join_that_returns_prints_what_it_caught_and_keeps_no_file(tmp_path):
+  """`native_log_to` on its own: what the native side writes to stderr during a join that
+  returns reaches stderr as before, and the file goes; one that aborts leaves the user the
+  abort's one line, and the file."""
+  script = """
+import os, sys
+from resilient_jax.runtime.joining import exit_on_abort, native_log_to
+log = sys.argv[1]
+with native_log_to(log):
+  os.write(2, b"W native warning\\n")
+print("removed" if not os.path.exists(log) else "kept", flush=True)
+exit_on_abort(6, "the job did not form")
+with native_log_to(log):
+  os.write(2, b"F fatal log\\n*** Check failure stack trace: ***\\n")
+  os.abort()
+"""
+  log = tmp_path / "join.log"
+  proc = subprocess.run([sys.executable, "-c", script, str(log)], cwd=ROOT, capture_output=True,
+                        text=True, timeout=60)
+  assert proc.returncode == 6 and proc.stdout == "removed\n", proc
+  assert proc.stderr == "W native warning\nthe job did not form; exiting with code 6\n"
+  assert log.read_text() == "F fatal log\n*** Check failure stack trace: ***\n"
 
 
 def test_sigterm_to_the_launcher_preempts_the_job_with_a_checkpoint(tmp_path):

@@ -173,6 +173,38 @@ def test_a_model_without_annotations_runs_replicated(tmp_path):
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
 
+def test_a_tp_that_divides_only_some_dimensions_says_which_stay_whole(tmp_path):
+  """`mesh.tp=3` on the tiny GPT (hidden width 32, MLP 128, QKV 96): only QKV splits, and the
+  start says in one line which dimensions stay whole on every device of a worker, and that
+  the worker gains nothing from its extra devices for those (the run used to be silent)."""
+  lines = []
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, mesh__tp=3, train__steps=1)
+  trainer = Trainer(cfg, tmp_path, log=lines.append)
+  said = [x for x in lines if x.startswith("mesh.tp=3")]
+  assert len(said) == 1, lines
+  assert "does not divide heads of size 32 (4 parameters, e.g. blocks.0.attn.proj.kernel), " \
+    "mlp of size 128 (12 parameters, e.g. blocks.0.mlp.fc.bias): those parameters stay " \
+    "replicated, whole on each of a worker's 3 devices, which gain nothing from them" in said[0]
+  specs = {n: s for prog in trainer.programs for n, s in prog.param_specs.items()}
+  assert specs["blocks.0.attn.qkv.kernel"] == P(None, "tp")
+  assert specs["blocks.0.attn.proj.kernel"] == specs["blocks.0.mlp.fc.kernel"] == P()
+
+  # A tp that divides nothing (5: every split dimension is 32, 96 or 128): all replicated.
+  from resilient_jax.model.sharding import logical_axes, partition_specs
+  from resilient_jax.model.staging import flat_params, variable_names
+  from resilient_jax.training.run import replicated_over_tp
+
+  model = cfg.model.build(0)
+  axes = logical_axes(model, variable_names(model))
+  shapes = {n: v.shape for n, v in flat_params(model).items()}
+  line = replicated_over_tp(5, axes, shapes, partition_specs(axes, shapes, 5))
+  assert "heads of size 96 (8 parameters, e.g. blocks.0.attn.qkv.bias)" in line
+  assert line.endswith("and nothing else splits: every worker's stage runs replicated over its 5 "
+                       "devices: correct, but it gains nothing from its extra devices (neither "
+                       "faster nor smaller per device)")
+  assert replicated_over_tp(2, axes, shapes, partition_specs(axes, shapes, 2)) is None
+
+
 def test_too_few_devices_for_tp(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, mesh__tp=4)
   with pytest.raises(ConfigError, match=r"mesh.tp = 16 devices needed \(4 workers of 4\), found 8"):

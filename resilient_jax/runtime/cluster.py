@@ -42,13 +42,17 @@ is bounded:
   deadline; a survivor that waits past
   `distributed.wait_timeout_s` exits with `EXIT_WAIT_TIMEOUT` instead of hanging. Process 0
   hosts the coordination service: a thread in every other process probes it and exits with
-  `EXIT_COORDINATOR_LOST` as soon as it is gone (after its `last_words`: a local copy of its
-  stages), so a scheduler requeues the job, which resumes from the newest step it can read.
+  `EXIT_COORDINATOR_LOST` as soon as it cannot reach it (after its `last_words`: a local copy
+  of its stages). Process 0 lost and this host cut off look the same from here, so its last
+  line names both and where the copy went; a job that lost process 0 is requeued and resumes
+  from the newest step it can read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import socket
 import threading
 import time
@@ -71,6 +75,7 @@ from resilient_jax.runtime.joining import (
   await_coordinator,
   bind_address,
   exit_on_abort,
+  native_log_to,
 )
 from resilient_jax.runtime.kvstore import KeyValueStore
 from resilient_jax.runtime.liveness import (
@@ -101,13 +106,39 @@ def _local_ip(coordinator: str) -> str:
       return "127.0.0.1"
 
 
+def lost_coordinator_line(process_id: int, coordinator: str, copy: str, who: str = "") -> str:
+  """What a process says as it ends on losing the coordination service: what it knows.
+
+  It cannot tell process 0's loss from its own host being cut off from the job (the others
+  may go on without it), so it names both, and where its local copy went; not what happens
+  next, which is the scheduler's (and differs between the two).
+
+  Args:
+    process_id: this process.
+    coordinator: the coordination service's address.
+    copy: where its local copy went (`Cluster._say_last_words`).
+    who: what noticed it, when not this process's own watchdog ("its distributed runtime ").
+  """
+  return (f"process {process_id}: {who}lost the coordination service at {coordinator} "
+          f"(process 0 lost, or this host cut off); {copy}")
+
+
 class Cluster(KeyValueStore):
   """Joins the job, starts this process's transfer server and the coordinator watchdog.
 
   Must be created before JAX initialises its backends.
+
+  Args:
+    cfg: the job's settings.
+    log: where progress lines go.
+    join_log: a file for what JAX's native runtime writes to stderr while this process joins
+      (`joining.native_log_to`): a join that never forms then ends with one line naming it, not
+      JAX's fatal log and C++ stack; removed once the join returns (what it caught goes to
+      stderr). None: stderr is left as it is (the library's default; `launch.train` sets it).
   """
 
-  def __init__(self, cfg: DistributedConfig, log: Logger = info):
+  def __init__(self, cfg: DistributedConfig, log: Logger = info,
+               join_log: str | os.PathLike | None = None):
     self.cfg = cfg
     self.log = log
     jax.config.update("jax_enable_recoverability", True)
@@ -133,16 +164,20 @@ class Cluster(KeyValueStore):
     who = f"process {cfg.process_id}" if cfg.process_id >= 0 else "this process"
     if cfg.coordinator and cfg.process_id > 0:
       await_coordinator(cfg.coordinator, wait_s, who)
-    exit_on_abort(EXIT_WAIT_TIMEOUT, (
+    never_formed = (
       f"{who}: the job at {cfg.coordinator or 'the detected coordinator'} did not form within "
       f"{wait_s}s (distributed.wait_timeout_s): did all {cfg.num_processes or 'its'} processes "
-      "start, with this coordinator address?"))
+      "start, with this coordinator address?")
+    exit_on_abort(EXIT_WAIT_TIMEOUT, lambda: never_formed + (
+      f" (JAX's own log of it: {join_log})" if join_log is not None and os.path.exists(join_log)
+      else ""))
     # Said before, not during: JAX's join holds the GIL until it returns, so no thread of this
     # process can report while it waits (a reporter thread printed nothing).
     log(f"{who}: joining the job at {cfg.coordinator or 'the detected coordinator'} "
         f"({cfg.num_processes or 'all its'} processes), waiting at most {wait_s}s "
         "(distributed.wait_timeout_s)")
-    jax.distributed.initialize(**kwargs)
+    with (contextlib.nullcontext() if join_log is None else native_log_to(join_log)):
+      jax.distributed.initialize(**kwargs)
     from jax._src import distributed
 
     self.client = distributed.global_state.client
@@ -156,18 +191,19 @@ class Cluster(KeyValueStore):
     """How long this process last went without a heartbeat past the timeout (0: never): it was
     frozen (SIGSTOP, a hung host) long enough for the others to give up on it."""
     self._stall_seen = -math.inf  # when that stall was noticed
-    self.last_words: Callable[[], None] | None = None
-    """Run before this process exits on the loss of process 0 (`_say_last_words`)."""
+    self.last_words: Callable[[], str] | None = None
+    """Run before this process exits on the loss of the coordination service
+    (`_say_last_words`); returns where its local copy went (`LocalCopies.write`)."""
     self._words_lock = threading.Lock()
+    self._words_said: str | None = None  # what `last_words` returned (a second caller's too)
     if self.process_id == 0:
       # It hosts the service. Its clients abort once it stalls past the heartbeat timeout and
       # exit 5; so does it then, whichever it notices first (the runtime's abort, or the others
       # gone), never training on alone. Any other abort here is a bug, shown as one.
       exit_on_abort(EXIT_COORDINATOR_LOST, self._why_stalled, only_if=self._stalled)
     else:
-      exit_on_abort(EXIT_COORDINATOR_LOST, lambda: self._say_last_words(
-        "the distributed runtime aborted this process (the coordination service on process 0 "
-        "is gone)"))
+      exit_on_abort(EXIT_COORDINATOR_LOST, lambda: lost_coordinator_line(
+        self.process_id, self.coordinator, self._say_last_words(), "its distributed runtime "))
       threading.Thread(target=self._watch_coordinator, name="coordinator-watchdog",
                        daemon=True).start()
 
@@ -219,26 +255,28 @@ class Cluster(KeyValueStore):
           self.coordinator_lost()
 
   def coordinator_lost(self) -> None:
-    end_process(
-      EXIT_COORDINATOR_LOST,
-      self._say_last_words(
-        f"process {self.process_id}: the coordination service (process 0 at "
-        f"{self.coordinator}) is gone; exiting with code {EXIT_COORDINATOR_LOST} so the job is "
-        "restarted from the newest step every stage can be read at (local copies, checkpoints)"),
-    )
+    line = lost_coordinator_line(self.process_id, self.coordinator, self._say_last_words())
+    end_process(EXIT_COORDINATOR_LOST, f"{line}; exiting with code {EXIT_COORDINATOR_LOST}")
 
-  def _say_last_words(self, message: str) -> str:
+  def _say_last_words(self) -> str:
     """Runs `last_words` (the loop's local copy, `training/local_copies.py`) once, waiting at
-    most `distributed.wait_timeout_s`; a second caller (the watchdog and the runtime's abort
-    race) waits for the first. Returns `message`, for the exit line."""
+    most `distributed.wait_timeout_s`, and returns where the copy went; a second caller (the
+    watchdog and the runtime's abort race) waits for the first and gets the same answer."""
     with self._words_lock:
+      if self._words_said is not None:
+        return self._words_said
       words, self.last_words = self.last_words, None
+      said = ["no local copy: no step was committed yet"]
       if words is not None:
-        t = threading.Thread(target=words, name="last-words", daemon=True)
+        t = threading.Thread(target=lambda: said.append(words()), name="last-words",
+                             daemon=True)
         t.start()
         t.join(self.cfg.wait_timeout_s)
-        message += " (its local copy timed out)" if t.is_alive() else ""
-    return message
+        if t.is_alive():
+          said.append(f"its local copy did not finish within {self.cfg.wait_timeout_s}s "
+                      "(distributed.wait_timeout_s)")
+      self._words_said = said[-1]
+      return self._words_said
 
   def check_coordinator(self) -> None:
     """Exits with `EXIT_COORDINATOR_LOST` if the coordination service is unreachable."""

@@ -2,20 +2,76 @@
 aborts it: one line and a documented exit code instead of a C++ stack and 134.
 
 Every wait here is bounded by `distributed.wait_timeout_s`: the probe of the coordinator's
-address before JAX's own join, and that join (`initialization_timeout`).
+address before JAX's own join, and that join (`initialization_timeout`). A join that outlasts
+it ends in the client's fatal log (`client.h:80] Terminating process ...` and a 20-line C++
+stack) written to stderr before the abort this module turns into an exit code; nothing in
+Python runs between the two (the join holds the GIL). So the join can run with the process's
+stderr in a file (`native_log_to`): the abort puts stderr back before its one line, which names
+the file; a join that returns writes what the file caught to stderr as it came, and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from resilient_jax.exit_codes import EXIT_WAIT_TIMEOUT, end_process
 from resilient_jax.runtime.liveness import probe_address
 
 _ABORT_HANDLER: Any = None
+_REAL_STDERR: int | None = None
+"""A duplicate of the process's stderr while `native_log_to` holds fd 2 (None otherwise)."""
+
+
+@contextlib.contextmanager
+def native_log_to(path: str | os.PathLike) -> Iterator[None]:
+  """Runs the body with file descriptor 2 (what C++ logs to) writing to `path`.
+
+  An abort inside the body (`exit_on_abort`) puts stderr back first and leaves the file for
+  its line to name. Otherwise, at the end, what the file caught goes to stderr and the file is
+  removed: a join that succeeds prints what it always printed. A file that cannot be created
+  leaves stderr as it is.
+  """
+  global _REAL_STDERR
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  except OSError:
+    fd = None
+  if fd is None:
+    yield
+    return
+  _REAL_STDERR = os.dup(2)
+  os.dup2(fd, 2)
+  os.close(fd)
+  try:
+    yield
+  finally:
+    sys.stderr.flush()
+    restore_stderr()
+    try:
+      with open(path, "rb") as f:
+        caught = f.read()
+      os.unlink(path)
+    except OSError:
+      caught = b""
+    if caught:
+      os.write(2, caught)
+
+
+def restore_stderr() -> None:
+  """Puts back the stderr `native_log_to` moved to a file (nothing when it has not). Safe from
+  a C-level signal handler (system calls only)."""
+  global _REAL_STDERR
+  saved, _REAL_STDERR = _REAL_STDERR, None
+  if saved is not None:
+    os.dup2(saved, 2)
+    os.close(saved)
 
 
 def exit_on_abort(code: int, why: str | Callable[[], str],
@@ -37,6 +93,7 @@ def exit_on_abort(code: int, why: str | Callable[[], str],
   handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
 
   def on_abort(signum: int) -> None:
+    restore_stderr()  # what the user sees from here on: the line below, or the bug's abort
     if only_if is not None and not only_if():
       default_on_abort()
       os.abort()

@@ -85,16 +85,17 @@ class LocalCopies:
     with self._lock:
       self._noted = None
 
-  def write(self) -> None:
+  def write(self) -> str:
     """Writes this process's stages at the last committed step to its local folder (the last
-    words of a process whose coordination service is gone; never raises)."""
+    words of a process whose coordination service is gone; never raises). Returns where the
+    copy went, or why there is none, for the process's exit line."""
     import jax
 
     run = self.run
     with self._lock:
       noted = self._noted
     if noted is None:
-      return
+      return "no local copy: no step was committed yet"
     step, params, opt, slots = noted
     t0 = time.perf_counter()
     me = self.cluster.process_id
@@ -104,11 +105,13 @@ class LocalCopies:
       meta = {"token": self.token, **checkpoint_meta(run.cfg, run.coordinator.plan, step)}
       path = local.write_copy(self.dir, me, step, host, meta)
     except Exception as e:  # the process is ending anyway: say why there is no copy
-      self.cluster.log(f"process {me}: no local copy of step {step} ({type(e).__name__}: {e})")
-      return
+      why = f"no local copy of step {step} ({type(e).__name__}: {' '.join(str(e).split())})"
+      self.cluster.log(f"process {me}: {why}")
+      return why
     size = sum(a.nbytes for g in host.values() for a in g.values())
     self.cluster.log(f"process {me}: wrote its stages' state of step {step} to {path} "
                      f"({size / 2**20:.2f} MiB in {time.perf_counter() - t0:.2f}s)")
+    return f"its stages' state of step {step} is in {path}"
 
   # ---------------------------------------------------------------- resuming
 

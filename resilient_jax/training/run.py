@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter
 from resilient_jax.config import ConfigError, RunConfig
 from resilient_jax.data import BatchPlan
 from resilient_jax.files import check_run_files
+from resilient_jax.model.sharding import TP_RULES, logical_axes
+from resilient_jax.model.staging import variable_names
 from resilient_jax.observe.goodput import GoodputLog
 from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
@@ -181,6 +184,50 @@ def activation_memory(cfg: RunConfig, programs: Programs, log: Logger) -> RunCon
   return dataclasses.replace(cfg, resilience=dataclasses.replace(cfg.resilience, memory_cap=cap))
 
 
+def replicated_over_tp(tp: int, axes: Mapping[str, tuple | None],
+                       shapes: Mapping[str, tuple[int, ...]],
+                       specs: Mapping[str, PartitionSpec]) -> str | None:
+  """The start's one line on what `mesh.tp` leaves whole on each of a worker's devices, or
+  None when every parameter that names a splitting axis is split.
+
+  A parameter whose split dimension `tp` does not divide is replicated (`partition_specs`):
+  the run is correct, but those parameters cost every device their whole size and their
+  compute is repeated on each, which nothing else would tell the user.
+
+  Args:
+    tp: devices per worker.
+    axes: each parameter's logical axes (`sharding.logical_axes`; None: not annotated).
+    shapes: the stages' parameters' shapes.
+    specs: their splits over a worker's sub-mesh (`StagePrograms.param_specs`).
+  """
+  undivided: dict[tuple[str, int], list[str]] = {}  # (logical axis, size) -> parameters
+  for name, shape in shapes.items():
+    logical = axes.get(name) or ()
+    if any(specs[name]) or len(logical) != len(shape):
+      continue
+    for axis, size in zip(logical, shape, strict=True):
+      if axis in TP_RULES and size % tp:
+        undivided.setdefault((axis, size), []).append(name)
+  split = any(any(spec) for spec in specs.values())
+  if not undivided:
+    if split:
+      return None
+    return (f"mesh.tp={tp}: no parameter of the model names a logical axis that splits "
+            "(resilient_jax/model/sharding.py), so every worker's stage runs replicated over "
+            f"its {tp} devices: correct, but it gains nothing from its extra devices (neither "
+            "faster nor smaller per device)")
+  dims = ", ".join(
+    f"{axis} of size {size} ({len(names)} parameter{'s' if len(names) > 1 else ''}, e.g. "
+    f"{sorted(names)[0]})" for (axis, size), names in sorted(undivided.items()))
+  if split:
+    return (f"mesh.tp={tp} does not divide {dims}: those parameters stay replicated, whole on "
+            f"each of a worker's {tp} devices, which gain nothing from them (only the others "
+            "are split)")
+  return (f"mesh.tp={tp} does not divide {dims}, and nothing else splits: every worker's stage "
+          f"runs replicated over its {tp} devices: correct, but it gains nothing from its extra "
+          "devices (neither faster nor smaller per device)")
+
+
 def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None,
               log: Logger, cluster: Any, model: Any, loss_fn: Any = None, data: Any = None
               ) -> Run:
@@ -221,11 +268,13 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
     interpreter = new_interpreter(cfg, programs, transport, coordinator.plan,
                                   replicas=not group.relaunched)
     group.warm_up(cfg, transport, interpreter)
-  tp = cfg.mesh.tp
-  if tp > 1 and not any(any(s) for prog in programs.configured
-                        for s in prog.param_specs.values()):
-    log(f"mesh.tp={tp}: no parameter of the model names a logical axis that splits "
-        "(resilient_jax/model/sharding.py), so every worker's stage runs replicated over "
-        f"its {tp} devices: correct, but neither faster nor smaller per device")
+  if cfg.mesh.tp > 1:
+    stages = programs.configured
+    line = replicated_over_tp(
+      cfg.mesh.tp, logical_axes(model, variable_names(model)),
+      {n: tuple(v.shape) for prog in stages for n, v in prog.abstract_params().items()},
+      {n: spec for prog in stages for n, spec in prog.param_specs.items()})
+    if line:
+      log(line)
   return Run(cfg, workdir, log, group, model, data_source, batches, transport, coordinator,
              programs, interpreter, writer, builds=builds)
