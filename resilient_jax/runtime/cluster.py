@@ -169,8 +169,7 @@ class Cluster(KeyValueStore):
       f"{wait_s}s (distributed.wait_timeout_s): did all {cfg.num_processes or 'its'} processes "
       "start, with this coordinator address?")
     exit_on_abort(EXIT_WAIT_TIMEOUT, lambda: never_formed + (
-      f" (JAX's own log of it: {join_log})" if join_log is not None and os.path.exists(join_log)
-      else ""))
+      f" (JAX's own log of it: {join_log})" if join_log and os.path.exists(join_log) else ""))
     # Said before, not during: JAX's join holds the GIL until it returns, so no thread of this
     # process can report while it waits (a reporter thread printed nothing).
     log(f"{who}: joining the job at {cfg.coordinator or 'the detected coordinator'} "
