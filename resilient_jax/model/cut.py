@@ -53,6 +53,7 @@ from resilient_jax.model.blocks import (  # noqa: F401 (re-exported: the cut's v
 )
 from resilient_jax.model.carry import Carry
 from resilient_jax.model.sharding import layout_requests_dropped
+from resilient_jax.model.split import eval_eqns, read_var
 from resilient_jax.model.staging import Binder, token_cross_entropy, variable_names
 
 Array = jax.Array
@@ -131,8 +132,6 @@ def _describe(value: Any) -> str:
 
 # ---------------------------------------------------------------- tracing
 
-_SHARDING = ("sharding_constraint", "reshard", "mesh_cast")
-"""Layout requests that are identities on a stage's own devices (module docstring)."""
 _INLINE = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 """Equations whose nested jaxpr is inlined when it holds a boundary (a call computes the same
 inlined; a custom derivative around blocks would not, and is refused)."""
@@ -216,26 +215,6 @@ def _flatten(closed: jcore.ClosedJaxpr, where: str) -> _Flat:
   return _Flat(list(closed.jaxpr.invars), outvars, eqns, consts)
 
 
-def _read(env: dict, v: Any) -> Any:
-  return v.val if isinstance(v, jcore.Literal) else env[v]
-
-
-def _eval(eqns: Sequence[jcore.JaxprEqn], env: dict) -> None:
-  """Evaluates `eqns` in order, reading and writing `env`; sharding requests pass through."""
-  for eqn in eqns:
-    invals = [_read(env, v) for v in eqn.invars]
-    if eqn.primitive.name in _SHARDING:
-      outs = invals[: len(eqn.outvars)]
-    else:
-      with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
-    for v, o in zip(eqn.outvars, outs, strict=True):
-      if not isinstance(v, jcore.DropVar):
-        env[v] = o
-
-
 # ---------------------------------------------------------------- one stage's piece
 
 @dataclasses.dataclass(frozen=True)
@@ -266,8 +245,8 @@ class Segment:
     for v, (kind, key) in self._inputs:
       env[v] = params[key] if kind == "param" else batch[key] if kind == "batch" else seeds
     env.update(zip(self._ins, xs, strict=True))
-    _eval(self.eqns, env)
-    outs = [_read(env, v) for v in self._outs]
+    eval_eqns(self.eqns, env)
+    outs = [read_var(env, v) for v in self._outs]
     if self.carry_out is not None:
       return outs
     return (outs[0], outs[1] if self.weighted else None)
@@ -402,8 +381,8 @@ class LossCut:
           env[v] = batch[key]
         elif kind == "seeds":
           env[v] = seeds
-      _eval(eqns, env)
-      return _read(env, target).sum()
+      eval_eqns(eqns, env)
+      return read_var(env, target).sum()
 
     return total
 

@@ -38,18 +38,29 @@ _INLINE = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 """Equations whose nested jaxpr is evaluated inline (`remat2` is `jax.checkpoint`'s)."""
 
 
-def _read(env: dict, v: Any) -> Any:
+_LAYOUT = ("sharding_constraint", "reshard", "mesh_cast")
+"""Layout requests: identities on a stage's own devices, which the library lays out itself
+(`model.cut`: a forward written for another mesh)."""
+
+
+def read_var(env: dict, v: Any) -> Any:
+  """The value of `v` (a variable or a literal) in `env`."""
   return v.val if isinstance(v, jcore.Literal) else env[v]
 
 
-def _eval_eqns(eqns: Sequence[jcore.JaxprEqn], env: dict) -> None:
-  """Evaluates `eqns` in order, reading and writing `env` (variables to values)."""
+def eval_eqns(eqns: Sequence[jcore.JaxprEqn], env: dict) -> None:
+  """Evaluates `eqns` in order, reading and writing `env` (variables to values): each bound
+  again, so a trace around it (differentiation, a jit) sees them; layout requests pass their
+  values through."""
   for eqn in eqns:
-    invals = [_read(env, v) for v in eqn.invars]
-    with eqn.ctx.manager:
-      outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
+    invals = [read_var(env, v) for v in eqn.invars]
+    if eqn.primitive.name in _LAYOUT:
+      outs = invals[: len(eqn.outvars)]
+    else:
+      with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
     for v, o in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, jcore.DropVar):
         env[v] = o
@@ -64,13 +75,13 @@ def _inline_eval(jaxpr: jcore.Jaxpr, consts: Sequence[Any], *args: Any) -> list[
     if isinstance(inner, jcore.Jaxpr):  # `remat2` holds an open jaxpr (no constants)
       inner = jcore.ClosedJaxpr(inner, ())
     if isinstance(inner, jcore.ClosedJaxpr):
-      outs = _inline_eval(inner.jaxpr, inner.consts, *[_read(env, v) for v in eqn.invars])
+      outs = _inline_eval(inner.jaxpr, inner.consts, *[read_var(env, v) for v in eqn.invars])
       for v, o in zip(eqn.outvars, outs, strict=True):
         if not isinstance(v, jcore.DropVar):
           env[v] = o
     else:
-      _eval_eqns([eqn], env)
-  return [_read(env, v) for v in jaxpr.outvars]
+      eval_eqns([eqn], env)
+  return [read_var(env, v) for v in jaxpr.outvars]
 
 
 def _needed(jaxpr: jcore.Jaxpr, outs: Sequence[Any], skip: set[int] = frozenset()) -> list[int]:
@@ -219,7 +230,7 @@ class BackwardSplit:
     res_vars = j.invars[: self.num_residuals]
     env.update(zip([res_vars[i] for i in self.b_residuals], residuals, strict=True))
     env.update(zip(j.invars[self.num_residuals :], cotangents, strict=True))
-    _eval_eqns([j.eqns[i] for i in self._b_eqns], env)
+    eval_eqns([j.eqns[i] for i in self._b_eqns], env)
     return ([self._out(env, j.outvars[k]) for k in self.input_outs],
             [env[v] for v in self._handover])
 
@@ -230,7 +241,7 @@ class BackwardSplit:
     res_vars = j.invars[: self.num_residuals]
     env.update(zip([res_vars[i] for i in self.w_residuals], residuals, strict=True))
     env.update(zip(self._handover, handover, strict=True))
-    _eval_eqns([j.eqns[i] for i in self._w_eqns], env)
+    eval_eqns([j.eqns[i] for i in self._w_eqns], env)
     return [self._out(env, j.outvars[k]) for k in self.weight_outs]
 
   @staticmethod
