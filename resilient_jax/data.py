@@ -43,6 +43,7 @@ __all__ = [
   "TokenSource",
   "held_out",
   "make_source",
+  "sample_shapes",
   "prepare_tokens",
   "sample_digest",
   "split_microbatches",
@@ -372,6 +373,13 @@ class RecordSource:
                          f"{ {k: f'{d}{list(s)}' for k, (s, d) in self.spec.items()} }: "
                          "every sample must have the same entries and shapes")
     return {k: np.stack([r[k] for r in rows]) for k in self.spec}
+
+
+def sample_shapes(source: Batched) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """Each entry of one of `source`'s samples: its shape (no samples axis) and dtype, what a
+  loss is traced on."""
+  one = source.batch(np.zeros(1, np.int64))
+  return {k: (v.shape[1:], v.dtype) for k, v in one.items()}
 
 
 def _shapes(arrays: dict) -> str:

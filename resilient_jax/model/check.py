@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from resilient_jax.config import ConfigError
@@ -154,13 +153,13 @@ def check_stageable(model: Any, *, num_stages: int | None = None, seq_len: int |
     NotStageableError: listing every problem found.
   """
   if batch is None and data is not None:
-    from resilient_jax.data import RecordSource
+    from resilient_jax.data import RecordSource, sample_shapes
 
     try:
-      one = RecordSource(data).batch(np.zeros(1, np.int64))
+      shapes = sample_shapes(RecordSource(data))
     except ValueError as e:
       raise NotStageableError(str(e)) from None
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in one.items()}
+    batch = {k: jax.ShapeDtypeStruct((1, *s), d) for k, (s, d) in shapes.items()}
   if batch is None and seq_len is not None:
     batch = token_batch(seq_len)
   problems, cut = _problems(model, num_stages, batch, layers, loss_fn)

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from resilient_jax.config import ConfigError, RunConfig, from_config_dict
+from resilient_jax.data import sample_shapes
 from resilient_jax.model.sharding import outside_ambient_mesh
 from resilient_jax.training.loop import Trainer, TrainResult
 
@@ -52,10 +52,10 @@ def run_config(config: RunConfig | Mapping[str, Any], model: Any = None, *, loss
   if data is None:
     batch = token_batch(seq_len)
   else:
-    one = as_source(data).batch(np.zeros(1, np.int64))
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in one.items()}
-    tokens = one.get("tokens", one.get("inputs"))
-    seq_len = tokens.shape[-1] if tokens is not None and tokens.ndim > 1 else seq_len
+    shapes = sample_shapes(as_source(data))
+    batch = {k: jax.ShapeDtypeStruct((1, *s), d) for k, (s, d) in shapes.items()}
+    tokens = shapes.get("tokens", shapes.get("inputs"))
+    seq_len = tokens[0][-1] if tokens is not None and tokens[0] else seq_len
   cut = check_stageable(model, num_stages=pp, batch=batch, layers=layers, loss_fn=loss_fn)
   try:
     module = getattr(config.model, "module", "") if isinstance(config, RunConfig) else \

@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from resilient_jax.checkpoint import CheckpointError, CheckpointWriter
 from resilient_jax.config import ConfigError, RunConfig
-from resilient_jax.data import BatchPlan
+from resilient_jax.data import BatchPlan, sample_shapes
 from resilient_jax.files import check_run_files
 from resilient_jax.model.sharding import TP_RULES, logical_axes
 from resilient_jax.model.staging import variable_names
@@ -58,8 +57,7 @@ class Programs:
   def __init__(self, cfg: RunConfig, model: Any, source: Any, loss_fn: Any = None):
     self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
     self.microbatch_size = cfg.step_batch // cfg.pipeline.microbatches
-    one = source.batch(np.zeros(1, np.int64))
-    self._sample = {k: (v.shape[1:], v.dtype) for k, v in one.items()}
+    self._sample = sample_shapes(source)
     self._built: dict[tuple, list[StagePrograms]] = {}
 
   def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
