@@ -160,9 +160,9 @@ def trace_and_cut(layers: int, repeats: int) -> None:
   import jax
 
   from resilient_jax.model.check import token_batch
-  from resilient_jax.model.config import partition_layers
   from resilient_jax.model.cut import LossCut, default_loss_fn
   from resilient_jax.model.staging import Binder, flat_params, variable_names
+  from resilient_jax.spec.model import partition_layers
   from tests.helpers import tiny_config
 
   cfg = tiny_config(model__num_layers=layers)

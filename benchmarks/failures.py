@@ -107,7 +107,7 @@ def record(path: Path) -> None:
   import json
 
   from resilient_jax.observe.profiling import costs_from_records, write_profile
-  from resilient_jax.runtime.records import OpRecord
+  from resilient_jax.observe.records import OpRecord
 
   out = {"dp": 2, "pp": 4, "m": 8, "failed": [[1, 1]], "base": "zb-h1", "policies": {}}
   path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """What a host failure costs under each placement, side by side in one run (the simulator).
 
 For `configs/sim/hosts.py` (GPT-3 6.7B, 64 hosts of 8 A100s, dp 64 x pp 8) and each placement
-(`resilient_jax/runtime/placement.py`: "pipeline", a host is one pipeline; "stage", a host is
+(`resilient_jax/spec/placement.py`: "pipeline", a host is one pipeline; "stage", a host is
 one stage of 8 pipelines), prints the re-routing policy's steady-state throughput with k hosts
 failed at once (k = 1, 2, 4, 8; mean and worst over `--draws` random choices of the hosts: the
 failed set depends on which hosts fail, so one draw says little), and each placement's samples/s
@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs.sim.hosts import get_config  # noqa: E402
 from resilient_jax.policy.base import Grid  # noqa: E402
 from resilient_jax.policy.registry import build_policies  # noqa: E402
-from resilient_jax.runtime.placement import PLACEMENTS  # noqa: E402
 from resilient_jax.sim import build_costs, build_trace, from_config_dict  # noqa: E402
 from resilient_jax.sim.engine import run_trace, sweep  # noqa: E402
+from resilient_jax.spec.placement import PLACEMENTS  # noqa: E402
 
 HOSTS_FAILED = (1, 2, 4, 8)
 

@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
   import numpy as np
   import optax
 
-  from resilient_jax.model.config import family
   from resilient_jax.programs.stages import StageInfo, StagePrograms
+  from resilient_jax.spec.model import family
 
   heads = args.heads or max(args.d_model // 64, 1)
   keys = dict(vocab_size=256, seq_len=args.seq_len, num_layers=3 * args.layers, num_heads=heads,

@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> None:
   import numpy as np
   import optax
 
-  from resilient_jax.model.config import family
   from resilient_jax.model.sharding import target, worker_mesh
   from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.spec.model import family
 
   devices = jax.devices()
   if len(devices) < 1 + args.tp:

@@ -30,7 +30,7 @@ _EXPORTS = {
   "StageLost": "resilient_jax.policy",
   "NoDevicesLeft": "resilient_jax.policy",
   "Interpreter": "resilient_jax.runtime.interpreter",
-  "WorkerLost": "resilient_jax.runtime.records",
+  "WorkerLost": "resilient_jax.observe.records",
   "StagePrograms": "resilient_jax.programs.stages",
   "Schedule": "resilient_jax.schedule.core",
   "Op": "resilient_jax.schedule.core",

@@ -17,9 +17,7 @@ from typing import Any
 
 from resilient_jax import data
 from resilient_jax.checks import ConfigError, is_int, require_ints, require_numbers
-from resilient_jax.model.config import CustomModelConfig, ModelConfig, family, partition_layers
-from resilient_jax.runtime.placement import DEFAULT_PLACEMENT, check_placement
-from resilient_jax.training.fault_specs import (  # noqa: F401 (re-exported: the config's names)
+from resilient_jax.spec.faults import (  # noqa: F401 (re-exported: the config's names)
   Fault,
   FaultsConfig,
   Slowdown,
@@ -28,6 +26,8 @@ from resilient_jax.training.fault_specs import (  # noqa: F401 (re-exported: the
   parse_faults,
   parse_slowdowns,
 )
+from resilient_jax.spec.model import CustomModelConfig, ModelConfig, family, partition_layers
+from resilient_jax.spec.placement import DEFAULT_PLACEMENT, check_placement
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 DATA_KINDS = data.SOURCE_KINDS
@@ -44,7 +44,7 @@ class MeshConfig:
   placement: str = DEFAULT_PLACEMENT
   """How a multi-process job's workers sit on its processes (hosts): "pipeline" (a host holds
   stages of one pipeline) or "stage" (one stage of several pipelines); see
-  `resilient_jax/runtime/placement.py`."""
+  `resilient_jax/spec/placement.py`."""
 
   def __post_init__(self):
     for key in ("dp", "pp", "tp"):

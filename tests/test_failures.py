@@ -139,8 +139,8 @@ def test_failure_outside_the_grid_is_a_config_error(tmp_path):
 
 def test_digest_changes_if_a_microbatch_is_lost():
   """The metric is computed from what ran, so a dropped micro-batch cannot go unnoticed."""
+  from resilient_jax.observe.records import StepResult
   from resilient_jax.recipe import processed_ids
-  from resilient_jax.runtime.records import StepResult
 
   mb_ids = np.arange(8).reshape(4, 2)
   ok = StepResult(0.0, {}, 0.0, [], processed=[2, 0, 1, 3])

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from resilient_jax.config import ConfigError
-from resilient_jax.runtime import placement
 from resilient_jax.sim.layout import Layout
+from resilient_jax.spec import placement
 from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
 

@@ -10,9 +10,9 @@ import pytest
 from resilient_jax import policy as policies
 from resilient_jax.config import ConfigError
 from resilient_jax.observe.profiling import costs_from_records, measured_durations
+from resilient_jax.observe.records import WorkerLost
 from resilient_jax.recipe import step_data
 from resilient_jax.runtime.interpreter import Interpreter
-from resilient_jax.runtime.records import WorkerLost
 from resilient_jax.schedule.bamboo import bamboo_set
 from resilient_jax.schedule.core import FR
 from resilient_jax.schedule.errors import ScheduleError

@@ -86,7 +86,7 @@ def test_launcher_commands_parse(tmp_path, index):
   elif module == "launch.local":
     ours, train_args = args[:args.index("--")], args[args.index("--") + 1:]
     cfg, _ = cli.parse_train_args(["launch.train", *train_args])
-    from resilient_jax.runtime.placement import process_slots
+    from resilient_jax.spec.placement import process_slots
 
     num = int(next(a.split("=", 1)[1] for a in ours if a.startswith("--num_processes=")))
     devices = int(next((a.split("=", 1)[1] for a in ours

@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from resilient_jax import recipe
-from resilient_jax.runtime.records import StepResult, WorkerLost
+from resilient_jax.observe.records import StepResult, WorkerLost
 from resilient_jax.runtime.step_run import AfterOp
 from resilient_jax.training.failures import Failures, Restored
 from resilient_jax.training.hooks import StepInfo

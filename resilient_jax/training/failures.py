@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from resilient_jax.files import UnusableFile, read_jsonl, write_json_atomic
+from resilient_jax.observe.records import StepResult, WorkerLost
 from resilient_jax.policy import Decision, NoDevicesLeft, StageLost
-from resilient_jax.runtime.records import StepResult, WorkerLost
 from resilient_jax.schedule.core import AR, Op
 from resilient_jax.schedule.plan import describe
 from resilient_jax.training.checkpoints import Checkpoints

@@ -26,8 +26,8 @@ from resilient_jax import data as data_lib
 from resilient_jax.exit_codes import EXIT_NONFINITE
 from resilient_jax.files import read_jsonl, write_text_atomic
 from resilient_jax.observe.profiling import RunTimelines, costs_from_records, write_step_timeline
+from resilient_jax.observe.records import StepResult
 from resilient_jax.observe.utilization import mfu
-from resilient_jax.runtime.records import StepResult
 from resilient_jax.schedule.cost import Timeline
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.run import Run

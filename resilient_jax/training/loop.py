@@ -42,11 +42,11 @@ from resilient_jax.model.sharding import outside_ambient_mesh
 from resilient_jax.observe.logs import info
 from resilient_jax.observe.profiling import RunTimelines, StepTraces, replay_records
 from resilient_jax.observe.progress import reporting
+from resilient_jax.observe.records import Built, StepResult, WorkerLost
 from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
 from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.interpreter import Interpreter
-from resilient_jax.runtime.records import Built, StepResult, WorkerLost
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.checkpoints import Checkpoints
 from resilient_jax.training.evaluation import Evaluation

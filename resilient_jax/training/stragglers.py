@@ -77,7 +77,7 @@ from typing import Any, Protocol
 
 from resilient_jax.config import RunConfig
 from resilient_jax.observe.profiling import RunTimelines
-from resilient_jax.runtime.records import OpRecord
+from resilient_jax.observe.records import OpRecord
 from resilient_jax.schedule.core import BW, B, W, Worker
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.run import Run
