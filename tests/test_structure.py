@@ -209,3 +209,12 @@ def test_no_function_of_the_library_passes_100_lines():
         if lines > 100:
           long[f"{name}:{node.name} (line {node.lineno})"] = lines
   assert not long, f"functions over 100 lines: {long}"
+
+
+def test_the_public_surface_is_what_users_call():
+  """At most 20 names, each importable (the runtime's parts stay in their modules)."""
+  import resilient_jax
+
+  assert len(resilient_jax.__all__) <= 20
+  assert all(getattr(resilient_jax, n) is not None for n in resilient_jax.__all__)
+  assert not {"Interpreter", "StagePrograms", "Op", "RunCoordinator"} & set(resilient_jax.__all__)
