@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
   def run(name: str, t: int) -> tuple[float, float, float, float, float]:
     trainer = trainers[name]
     c0, w0 = time.thread_time(), time.perf_counter()
-    result, _ = trainer.run_step(t)
+    result = trainer.run_step(t).result
     cpu = time.thread_time() - c0
     jax.block_until_ready(list(trainer.interpreter.params.values()))
     step = time.perf_counter() - w0

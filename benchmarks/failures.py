@@ -59,7 +59,7 @@ def _run(policy: str, steps: int, profile_steps: set[int], fail_step: int):
     replayed, predicted, from_profile, profiled = {}, {}, {}, {}
     for step in range(1, steps + 1):
       prof = step in profile_steps
-      result, _ = trainer.run_step(step, profile=prof)
+      result = trainer.run_step(step, profile=prof).result
       phase = "before" if step < fail_step else "after"
       if prof:
         sched = trainer.coordinator.schedule
@@ -153,7 +153,7 @@ def _run_many(policy: str, repeats: int = 5):
     scheds = {}
     for step in range(1, cfg.train.steps + 1):
       warm = step not in (1, 2, fail, fail + 1)  # skip compile steps
-      result, _ = trainer.run_step(step, profile=warm)
+      result = trainer.run_step(step, profile=warm).result
       if warm:
         phase = "before" if step < fail else "after"
         scheds[phase] = trainer.coordinator.schedule

@@ -114,7 +114,7 @@ class LibraryStep:
   def __call__(self, t: int) -> float:
     import jax
 
-    result, _ = self.trainer.run_step(t)
+    result = self.trainer.run_step(t).result
     self.dispatch_s.append(result.dispatch_time_s)
     jax.block_until_ready(list(self.trainer.interpreter.params.values()))
     return result.loss

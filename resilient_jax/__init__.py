@@ -1,7 +1,8 @@
 """resilient_jax: DP x PP training in JAX that keeps running when workers fail.
 
-What a user calls is re-exported here (`__all__`), lazily, so `import resilient_jax.schedule` (pure Python:
-schedules, planners, cost model) stays free of JAX for the simulator and fast tests.
+What a user calls is re-exported here (`__all__`), lazily, so `import resilient_jax.schedule`
+(pure Python: schedules, planners, cost model) stays free of JAX for the simulator and fast
+tests.
 """
 
 from __future__ import annotations

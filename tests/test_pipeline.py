@@ -322,7 +322,8 @@ def test_progress_lines_only_while_work_runs_long():
 
 def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
   """`Trainer.add_hook(fn, every=N)`: after the standard hooks (the metrics line is written
-  when `fn` sees it), on steps N, 2N, ... and the last."""
+  when `fn` sees it), on steps N, 2N, ... and the last; it sees the row read-only, and what it
+  returns joins the row kept in memory (`TrainResult.metrics`)."""
   cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=5, faults__nonfinite="2:0")
   lines = []
   trainer = Trainer(cfg, tmp_path, log=lines.append)
@@ -330,7 +331,10 @@ def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
 
   def hook(info):
     written = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    seen.append((info.step, info.last, info.row, json.loads(written[-1])))
+    seen.append((info.step, info.last, dict(info.row), json.loads(written[-1])))
+    with pytest.raises(TypeError):
+      info.row["loss"] = 0.0
+    return {"mine": info.step}
 
   trainer.add_hook(hook, every=2)
   with pytest.raises(ValueError, match="every N >= 1"):
@@ -339,7 +343,9 @@ def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
   assert [(s, last) for s, last, _, _ in seen] == [(2, False), (4, False), (5, True)]
   same = lambda *rows: len({json.dumps(r, sort_keys=True) for r in rows}) == 1  # noqa: E731 (NaN)
   for _, _, row, written in seen:
-    assert same(row, written, result.metrics[row["step"] - 1])
+    kept = dict(result.metrics[row["step"] - 1])
+    assert kept.pop("mine") == row["step"]
+    assert same(row, written, kept)
   # The learning rate each step's optimizer step used: step 2 was skipped (non-finite), so
   # step 3 is the schedule's second update, not its third.
   from resilient_jax.recipe import learning_rate

@@ -1,7 +1,6 @@
 """The Oobleck, Bamboo and auto policies on the real runtime: same failures, same training."""
 
 import dataclasses
-import re
 
 import jax
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 
 from resilient_jax import policy as policies
 from resilient_jax.config import ConfigError
+from resilient_jax.observe.events import Failure
 from resilient_jax.observe.profiling import costs_from_records, measured_durations
 from resilient_jax.observe.records import WorkerLost
 from resilient_jax.recipe import step_data
@@ -40,10 +40,10 @@ def run_policy(tmp_path, policy, dp, pp, **overrides):
   result = Trainer(cfg, tmp_path, log=lines.append, faults=[mid]).run()
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
-  failures = sum("FAILURE" in line for line in lines)
+  failed = [e for e in result.events if isinstance(e, Failure)]
+  failures = len(failed)
   # Faults at the start of the same step fail together: one decision for all of them.
-  decisions = len({re.search(r"(during|at the start of) step (\d+)", line).groups()
-                   for line in lines if "FAILURE" in line})
+  decisions = len({(e.mid_step, e.step) for e in failed})
   if policy == "restart":
     # The smaller grid after a restore may leave a later fault's device out: it never fails.
     assert 1 <= failures <= 1 + len(cfg.faults.schedule)
