@@ -294,7 +294,7 @@ def train_inputs(remaining: Sequence[str], train_flags: TrainFlags) -> tuple[Run
   Returns:
     `(cfg, workdir)`; any bad input is a one-line error and exit 2 instead.
   """
-  from resilient_jax.config import check_paths, from_config_dict
+  from resilient_jax.config import check_paths, from_config_dict, names_code
   from resilient_jax.files import UnusableFile, check_run_files
 
   if len(remaining) > 1:
@@ -303,6 +303,10 @@ def train_inputs(remaining: Sequence[str], train_flags: TrainFlags) -> tuple[Run
   def convert(cd: Any) -> RunConfig:
     cfg = from_config_dict(cd)
     check_paths(cfg)
+    if not names_code(cfg):  # else the user's modules may register the policy: checked at start
+      from resilient_jax.policy.registry import check_config
+
+      check_config(cfg)
     return cfg
 
   cfg = load_config(train_flags.config, convert, "configs/gpt_tiny.py")

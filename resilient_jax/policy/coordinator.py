@@ -47,7 +47,7 @@ from resilient_jax.observe.logs import info
 from resilient_jax.policy.base import Grid, Layout, Policy, Transition, plans_speeds
 from resilient_jax.policy.costs import analytic_costs, even_partition, recovery_params
 from resilient_jax.policy.phases import Phase, PhaseLog
-from resilient_jax.policy.registry import build_policies
+from resilient_jax.policy.registry import build_policies, check_config
 from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.policy.restart import NoDevicesLeft, restore_layout
 from resilient_jax.policy.shared import PlanExchange
@@ -111,6 +111,7 @@ class RunCoordinator(PhaseLog):
 
   def __init__(self, cfg: RunConfig, nodes: Sequence[int], log: Callable[[str], None] = info,
                events: EventLog | None = None):
+    check_config(cfg)  # the policy is registered, and can serve this run
     self.cfg = cfg
     self.log = log
     self.events = events if events is not None else EventLog(log)
@@ -312,7 +313,7 @@ class RunCoordinator(PhaseLog):
     """`reweigh`'s decision on `grid` (the current one with the new speeds)."""
     old = self.planned if isinstance(self.planned, Schedule) else None
     self.grid = grid
-    if not getattr(self.active, "reweights", False) or (grid.speeds
+    if not self.active.reweights or (grid.speeds
                                                         and not plans_speeds(self.active, grid)):
       self.log(f"  {self.policy} does not re-weight stragglers (on this grid): its plan runs at "
                "the slow worker's pace")
