@@ -40,7 +40,7 @@ def planner_part() -> dict[str, float]:
   print(report.format_table(rows))
   # The table's `ad/bnd` column at its lowest, per layout of the failures (target >= 0.95 where
   # they are in one stage).
-  return {f"min_adaptive_over_bound_{layout}": round(min(r.of_bound for r in rows
+  return {f"min_adaptive_over_bound_{layout.replace(' ', '')}": round(min(r.of_bound for r in rows
                                                           if r.layout == layout), 3)
           for layout in sorted({r.layout for r in rows})}
 

@@ -91,7 +91,7 @@ def record(name: str, figures: dict[str, float | int | str], command: str | None
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, f"{name}.json")
   with open(path + ".tmp", "w") as f:
-    json.dump(result, f, indent=1, sort_keys=True)
+    json.dump(result, f, indent=1)  # the figures in the order the script prints them
     f.write("\n")
   os.replace(path + ".tmp", path)
   print(f"recorded {os.path.relpath(path, ROOT)}")
@@ -117,6 +117,10 @@ def _value(v: float | int | str) -> str:
   return str(v)
 
 
+def _short(commit: str) -> str:
+  return commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
+
+
 def table(results: list[dict]) -> str:
   """The results as markdown: a summary table, then per benchmark its figures and how."""
   out = ["| benchmark | date | machine | load (1 min) start -> end | commit |",
@@ -124,7 +128,7 @@ def table(results: list[dict]) -> str:
   for r in results:
     m = r["machine"]
     out.append(f"| [{r['name']}](#{r['name']}) | {r['date']} | {m['cpu']}, {m['cores']} cores | "
-               f"{m['load_start'][0]:.2f} -> {m['load_end'][0]:.2f} | `{r['commit'][:12]}` |")
+               f"{m['load_start'][0]:.2f} -> {m['load_end'][0]:.2f} | `{_short(r['commit'])}` |")
   for r in results:
     out += ["", f"### {r['name']}", "", f"`{r['command']}`", "", "| figure | value |",
             "| --- | ---: |"]
