@@ -6,7 +6,7 @@ one stage of 8 pipelines), prints the re-routing policy's steady-state throughpu
 failed at once (k = 1, 2, 4, 8; mean and worst over `--draws` random choices of the hosts: the
 failed set depends on which hosts fail, so one draw says little), and each placement's samples/s
 through the same 24-hour trace of host failures (`--seeds` traces). The last line is the ratio
-pipeline / stage of the means. `mesh.placement`'s default follows from it (README).
+pipeline / stage of the means. `mesh.placement`'s default follows from it (docs/clusters.md).
 
 Run:
   python benchmarks/placement.py               # 20 draws per point, 4 traces: about a minute

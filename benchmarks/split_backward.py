@@ -14,7 +14,7 @@ Times, interleaved and repeated (medians):
     the baseline a pipeline without split backward would run. It shares the model, whose
     dense layers run on 2-D `[tokens, features]` (`models.gpt.tokens`): the fastest plain form
     on XLA:CPU, whose backward of the 3-D product is 1.3-1.6x slower per stage (figures before
-    2026-11-24's "Honest baselines" in docs/benchmarks.md were against that slower baseline);
+    2026-11-24 in docs/benchmarks.md's history were against that slower baseline);
   - BW: `StagePrograms.backward_fused` (B then W in one program, what 1F1B runs);
   - F split (`StagePrograms.forward`) against F plain (the fwd half of the same fwd_and_bwd).
 
