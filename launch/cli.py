@@ -145,8 +145,8 @@ _CONFIG_ARG = re.compile(r"^(--?config=)([^:]+)(:.*)?$")
 def packaged_configs(argv: list[str]) -> list[str]:
   """`argv` with `--config=configs/NAME.py[:VARIANT]`, or the bare `--config=NAME[:VARIANT]`,
   pointing at the configs shipped with the package (`configs/NAME.py`, else
-  `configs/sim/NAME.py`) when no such file is here: the README's commands then run from any
-  directory (a file of that name in the working directory comes first)."""
+  `configs/sim/NAME.py`) when no such file is here: the commands of the README and docs/ then
+  run from any directory (a file of that name in the working directory comes first)."""
   import importlib
 
   # Installed as `resilient_jax.configs` (`pyproject.toml`): found from any directory.

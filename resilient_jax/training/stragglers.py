@@ -39,7 +39,7 @@ op of the process was waited for, so no time includes a wait on another process 
 job's steps unprofiled before the inbox: an op queued behind a pending pull read as slow). On
 this loaded 2-core machine (tiny model, ops of ~0.4 ms), the worker that read slowest against
 its stage peer on the other process read 1.1-3.0x in fault-free steps, and a worker slowed 6x
-read 4.1-19.8x (`docs/benchmarks.md`). Agreement is `Group.gather`, then
+read 4.1-19.8x (`docs/benchmark_results.md`). Agreement is `Group.gather`, then
 `Group.agree` (as the replica check's, `integrity.py`): each process publishes, per worker and
 backward kind, its `op_times` in 4 significant digits and whether it compiled in the step,
 under `step/{S}/stragglers/{attempt}/{pid}`; process 0 waits (bounded) for every process that
