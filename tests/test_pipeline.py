@@ -357,3 +357,21 @@ def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
     assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * cfg.model.seq_len, rel=1e-3)
   step_lines = [x for x in lines if x.startswith("step ")]
   assert f"lr {result.metrics[3]['lr']:.2e}" in step_lines[3] and "grad_norm" in step_lines[3]
+
+
+def test_a_resilient_step_takes_a_state_and_returns_the_next(tmp_path):
+  """`ResilientStep(state) -> (state, record)`: the state is a value (the arrays of step 0 are
+  still step 0's after steps 1 and 2 ran), and the record says what committed."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=2)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  before = trainer.step.state(0, 0)
+  kept = {slot: {k: np.asarray(v) for k, v in p.items()} for slot, p in before.params.items()}
+  after, record = trainer.step(trainer.step(before)[0])  # step 1's learning rate is 0 (warmup)
+  assert (after.step, after.updates, record.step, record.committed) == (2, 2, 2, True)
+  assert after.plan is trainer.coordinator.plan and set(after.params) == set(before.params)
+  for slot, params in before.params.items():
+    assert all(np.array_equal(np.asarray(v), kept[slot][k]) for k, v in params.items())
+    assert any(not np.array_equal(np.asarray(after.params[slot][k]), kept[slot][k])
+               for k in params)
+  with pytest.raises(TypeError):
+    after.params[(0, 0)] = {}

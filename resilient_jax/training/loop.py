@@ -169,26 +169,24 @@ class Trainer:
       metrics = self.metrics_file.resume(start, run.log, self.checkpoints.why_none)
       if run.chief:
         run.board = Board(run.workdir / "tb", start, log=run.log)
-      end, step, result = self.timelines.end, start, None
+      end, result = self.timelines.end, None
       self.nonfinite.resume(start, metrics)  # counts on from before a resume
-      updates = _updates(metrics)  # optimizer steps applied so far: the schedule's count
-      while step <= end:
-        record = self.step(step, updates)
+      # The optimizer steps applied so far (the schedule's count), from the committed rows.
+      state = self.step.state(start - 1, _updates(metrics))
+      while state.step < end:
+        state, record = self.step(state)
         back = record.restored
         if record.committed:
           result = record.result
           rollback = self.hooks.after_step(
-            step, step == end, result, record.row, replayed=record.replayed,
+            state.step, state.step == end, result, record.row, replayed=record.replayed,
             compiles=record.compiles, params=run.interpreter.all_params)
           back = rollback.step if rollback is not None else None
         if back is not None:  # the policy restored a checkpoint: on after its step
-          step = back + 1
-          metrics = self.metrics_file.rewind([m for m in metrics if m["step"] < step])
-          updates = _updates(metrics)
+          metrics = self.metrics_file.rewind([m for m in metrics if m["step"] <= back])
+          state = self.step.state(back, _updates(metrics))
           continue
         metrics.append(record.row)
-        updates += not result.skipped
-        step += 1
       self.checkpoints.wait()
       if end < cfg.train.steps:
         run.log(f"stopped after step {end} (train.stop_after); run again on the same workdir "

@@ -1,7 +1,9 @@
 """One resilient step: attempt -> lost -> decide -> place -> retry, until the step commits or
 the policy goes back to a checkpoint.
 
-`ResilientStep(step)` returns a `StepRecord`, never raises to steer the loop:
+`ResilientStep(state)` takes the run's `TrainState` (the last committed step, the optimizer's
+update count, the plan in force and this process's slots' committed parameters and optimizer
+state) and returns the next one with the step's `StepRecord`; it never raises to steer the loop:
   1. rejoins due at the step's start are admitted (`rejoin.py`), failures due at its start are
      handed to the policy (`Failures.fail`), relaunched processes are admitted between steps
      (`relaunch.py`);
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -31,12 +35,36 @@ from resilient_jax.observe.profiling import RunTimelines, StepTraces, replay_rec
 from resilient_jax.observe.progress import reporting
 from resilient_jax.observe.records import Built, StepResult, WorkerLost
 from resilient_jax.schedule.cost import Timeline
-from resilient_jax.schedule.plan import GridPlan
+from resilient_jax.schedule.plan import GridPlan, Plan, Slot
 from resilient_jax.training.checkpoints import Checkpoints
 from resilient_jax.training.failures import Failures
 from resilient_jax.training.hooks import metrics_row
 from resilient_jax.training.rejoin import apply_rejoin
 from resilient_jax.training.run import Run
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """The run between two steps, as a value.
+
+  The data position is the step itself: a step's samples are a pure function of the seed and
+  the step (`recipe.step_data`), so no iterator state exists to save. Arrays are immutable: the
+  mappings hold the arrays committed at `step`, never changed in place.
+
+  Attributes:
+    step: the last committed step (0: none yet).
+    updates: optimizer updates applied so far (a skipped, non-finite step applies none): the
+      learning-rate schedule's position. After a restore the loop recounts it from the metrics
+      rows it keeps.
+    plan: the plan in force (the policy's, on the live nodes).
+    params, opt_state: this process's slots' committed parameters and optimizer state.
+  """
+
+  step: int
+  updates: int
+  plan: Plan
+  params: Mapping[Slot, Any]
+  opt_state: Mapping[Slot, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +105,22 @@ class ResilientStep:
     self.admissions, self.timelines, self.traces = admissions, timelines, traces
     self.learning_rate = learning_rate
 
-  def __call__(self, step: int, updates: int) -> StepRecord:
+  def state(self, step: int, updates: int) -> TrainState:
+    """The run's state now, committed `step` having applied `updates` optimizer updates."""
+    ip = self.run.interpreter
+    return TrainState(step, updates, self.run.coordinator.plan,
+                      types.MappingProxyType(dict(ip.params)),
+                      types.MappingProxyType(dict(ip.opt_state)))
+
+  def __call__(self, state: TrainState) -> tuple[TrainState, StepRecord]:
+    """Runs the step after `state.step` until it commits; the state after it (or after the
+    checkpoint a restore went back to) and the step's record."""
+    record = self._run(state.step + 1, state.updates)
+    if not record.committed:
+      return self.state(record.restored, state.updates), record
+    return self.state(record.step, state.updates + (not record.result.skipped)), record
+
+  def _run(self, step: int, updates: int) -> StepRecord:
     """Runs `step` (the optimizer having applied `updates` steps before it) until it commits."""
     run = self.run
     xla0 = run.builds.xla
