@@ -17,7 +17,7 @@ import shlex
 
 import pytest
 
-from tests.helpers import ROOT, run_launcher
+from tests.helpers import ROOT, events_jsonl, run_launcher
 
 DOCS = ["README.md", *sorted(f"docs/{f}" for f in os.listdir(f"{ROOT}/docs") if f.endswith(".md"))]
 """The files whose commands are checked: the README first, then every guide in docs/."""
@@ -85,7 +85,9 @@ def test_the_main_job_runs_as_written(tmp_path):
   rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == list(range(1, 21))
   assert [r["live_workers"] for r in rows[::5]] == [8, 7, 6, 6]  # failures at steps 5 and 10
-  assert out.count("FAILURE") == 2 and "done: 20 steps" in out
+  failures = events_jsonl(tmp_path, "failure")
+  assert [(e["step"], e["worker"]) for e in failures] == [(5, [1, 1]), (10, [0, 3])]
+  assert "done: 20 steps" in out
   assert str(tmp_path / "metrics.jsonl") in out  # it says where its outputs went
 
 
