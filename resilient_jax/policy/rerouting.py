@@ -147,7 +147,10 @@ class PlannerPolicy(InPlacePolicy):
       self._plans[key], makespan = adaptive.plan_timed(
         self.planner,
         FailureState(dp, grid.pp, grid.m, planned_failed,
-                     grid.speeds if self.plans_speeds(grid) else ()),
+                     grid.speeds if self.plans_speeds(grid) else (),
+                     # Pieces on grids planned whole: a reduced grid has fewer peers to spread
+                     # them over than the grid it stands for, so it keeps micro-batches whole.
+                     grid.samples if state[0] == "exact" and self.planner == "adaptive" else 1),
         op,
         memory_cap=grid.memory_cap,
         base=grid.base,
