@@ -38,7 +38,7 @@ from resilient_jax.schedule.core import (
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import GENERATORS, generate
-from resilient_jax.schedule.list_scheduler import _KIND, _VARIANTS, _list_schedule
+from resilient_jax.schedule.list_scheduler import _KIND, _VARIANTS, _list_schedule, _nodes
 from resilient_jax.schedule.routing import (
   FailureState,
   Route,
@@ -242,6 +242,7 @@ def _adaptive_on_route(
   speed_of = dict(speeds)
   speed = [speed_of.get(w, 1.0) for w in live] if speeds else None
   loads = _loads(route, pieces)
+  graph = _nodes(pp, route, live, pieces, samples, costs.fixed)
   ramp = [math.ceil((pp - s) * loads[(d, s)] / m) for d, s in live]
   # Each variant costs one O(#ops log #ops) pass; past ~50k ops only the first few are tried so
   # that planning a 64x16 grid stays within a few seconds.
@@ -260,7 +261,7 @@ def _adaptive_on_route(
     out, starts, span, peak, feed_was_local, crit_is_mb = _list_schedule(
       pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None, speed,
       beat=math.inf if best is None else best[0], beat_peak=0 if best is None else best[1],
-      pieces=pieces, samples=samples)
+      pieces=pieces, samples=samples, graph=graph)
     if feed_was_local:
       same_as_local.add((order, limit))
     score = (round(span, 9), peak)

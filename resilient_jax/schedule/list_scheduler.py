@@ -74,6 +74,7 @@ def _list_schedule(
   beat_peak: int = 0,
   pieces: PieceMap | None = None,
   samples: int = 1,
+  graph: _Graph | None = None,
 ) -> _Listed:
   """Event-driven list scheduling of F, B and W over the cost model.
 
@@ -107,6 +108,8 @@ def _list_schedule(
       of its own on its worker, timed at `costs.piece_scale` of the whole op; the next stage's
       forward waits for every piece (a gather), each piece's backward for the whole gradient.
     samples: samples in a micro-batch (what `pieces` divide).
+    graph: `_nodes` of these routes and pieces, when the caller built it already (it plans
+      several variants on the same routes).
 
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
@@ -122,7 +125,8 @@ def _list_schedule(
   Raises:
     ScheduleError: if the ops cannot all be placed (a limit below 1).
   """
-  graph = _nodes(pp, route, live, pieces, samples, costs.fixed)
+  if graph is None:
+    graph = _nodes(pp, route, live, pieces, samples, costs.fixed)
   node_w = graph.node_w
   crit, crit_is_mb = _criticality(graph, len(live))
   f_entry = _f_entries(f_key, m, crit, graph.node_mb)
@@ -165,6 +169,8 @@ class _Graph(NamedTuple):
     nxt: per node, the nodes of the next stage of its micro-batch (its forward's consumers).
     prv: per node, the nodes of the stage before (its forward's inputs).
     scale: per node, the share of the whole op's time it takes (`OpCosts.piece_scale`).
+    feeds: per node, the workers whose supply of forwards its F adds one to (the next stage's:
+      each piece of a split one; a gathered whole one once, by its first piece).
   """
 
   node_w: list[int]
@@ -173,6 +179,7 @@ class _Graph(NamedTuple):
   nxt: list[tuple[int, ...]]
   prv: list[tuple[int, ...]]
   scale: list[float]
+  feeds: list[tuple[int, ...]]
 
 
 def _nodes(pp: int, route: Route, live: Sequence[Worker], pieces: PieceMap | None,
@@ -183,13 +190,16 @@ def _nodes(pp: int, route: Route, live: Sequence[Worker], pieces: PieceMap | Non
   if not pieces:
     n = n_mb * pp
     last = pp - 1
+    node_w = [wid[(route[mb][s], s)] for mb in range(n_mb) for s in range(pp)]
+    nxt = [(i + 1,) if i % pp < last else () for i in range(n)]
     return _Graph(
-      [wid[(route[mb][s], s)] for mb in range(n_mb) for s in range(pp)],
+      node_w,
       list(range(pp)) * n_mb,
       [mb for mb in range(n_mb) for _ in range(pp)],
-      [(i + 1,) if i % pp < last else () for i in range(n)],
+      nxt,
       [(i - 1,) if i % pp else () for i in range(n)],
       [1.0] * n,
+      [(node_w[i + 1],) if i % pp < last else () for i in range(n)],
     )
   node_w: list[int] = []
   node_s: list[int] = []
@@ -209,7 +219,8 @@ def _nodes(pp: int, route: Route, live: Sequence[Worker], pieces: PieceMap | Non
       at.append(tuple(range(first, len(node_w))))
   nxt = [at[mb * pp + s + 1] if s < pp - 1 else () for mb, s in zip(node_mb, node_s, strict=True)]
   prv = [at[mb * pp + s - 1] if s else () for mb, s in zip(node_mb, node_s, strict=True)]
-  return _Graph(node_w, node_s, node_mb, nxt, prv, scale)
+  feeds = [tuple(node_w[n] for n in nxt[i] if prv[n][0] == i) for i in range(len(node_w))]
+  return _Graph(node_w, node_s, node_mb, nxt, prv, scale, feeds)
 
 
 def _criticality(graph: _Graph, n_w: int) -> tuple[list[int], bool]:
@@ -291,7 +302,7 @@ def _place(
     Per worker its `(kind, mb)` in order, their starts and its last op's end (None: stopped);
     the most micro-batches in flight; (for "feed") whether every F picked was its heap's head.
   """
-  node_w, node_s, node_mb, nxt, prv, scale = graph
+  node_w, node_s, node_mb, nxt, prv, scale, feeds = graph
   n_w, n_nodes = len(live), len(node_w)
   tail, beat, tie_peak = deadline
   # B of a node waits for its own F and, below the last stage, for the Bs of the stage above;
@@ -349,9 +360,8 @@ def _place(
         peak = max(peak, inflight[w])
         active[w] += 1
         supply[w] -= 1
-        for n in nxt[node]:
-          if prv[n][0] == node:  # a gathered forward is supplied once
-            supply[node_w[n]] += 1
+        for v in feeds[node]:
+          supply[v] += 1
       elif pick == _B:
         active[w] -= 1
       end = t + left[w] + tail[w]  # the pass's makespan at the earliest; the call only near it
@@ -444,11 +454,13 @@ def _land(
     if kind == _F:
       at = t + comm
       for n in nxt[node]:
+        if f_need[n] > 1:  # a gather: the last piece's output completes the input
+          f_need[n] -= 1
+          if at > f_ready[n]:
+            f_ready[n] = at
+          continue
         if at > f_ready[n]:
           f_ready[n] = at
-        f_need[n] -= 1
-        if f_need[n]:
-          continue
         if f_ready[n] > t:
           seq += 1
           push(events, (f_ready[n], seq, (n * 3 + _F) * 2))
