@@ -240,6 +240,10 @@ class Schedule:
     if moved:
       lines.append("re-routed micro-batches:")
       lines.extend(moved)
+    if self.pieces:
+      lines.append(f"split into pieces (of {self.samples} samples):")
+      lines.extend(f"  mb{mb} s{s}: " + " ".join(f"d{d}[{lo}:{hi}]" for d, lo, hi in split)
+                   for (mb, s), split in sorted(self.pieces.items()))
     return "\n".join(lines)
 
   def __str__(self) -> str:
