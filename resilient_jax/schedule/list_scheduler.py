@@ -396,14 +396,12 @@ def _feed_pick(fq: list[int], supply: list[int], node_w: list[int],
                nxt: list[tuple[int, ...]]) -> tuple[int, bool]:
   """Takes "feed"'s F out of the heap `fq`: the F whose next stage has the fewest forwards
   coming or waiting, which keeps every worker of the next stage fed instead of queueing work at
-  one of them (of a split next stage, its first piece's worker). Returns its node and whether
-  it was the heap's head ("local"'s pick)."""
+  one of them (of a split next stage, its first piece's worker; `nxt`: `_Graph.nxt`).
+  Returns its node and whether it was the heap's head ("local"'s pick)."""
   n_nodes = len(node_w)
   best_i = min(
     range(len(fq)),
-    key=lambda i: (
-      supply[node_w[nxt[fq[i] % n_nodes][0]]] if nxt[fq[i] % n_nodes] else 0, fq[i]
-    ),
+    key=lambda i: (supply[node_w[n[0]]] if (n := nxt[fq[i] % n_nodes]) else 0, fq[i]),
   )
   was_head = fq[best_i] == fq[0]
   node = fq[best_i] % n_nodes
@@ -459,23 +457,31 @@ def _land(
           if at > f_ready[n]:
             f_ready[n] = at
           continue
-        if at > f_ready[n]:
-          f_ready[n] = at
-        if f_ready[n] > t:
+        ready = f_ready[n] if f_ready[n] > at else at
+        if ready > t:
           seq += 1
-          push(events, (f_ready[n], seq, (n * 3 + _F) * 2))
+          push(events, (ready, seq, (n * 3 + _F) * 2))
         else:
           push(queues[node_w[n]][_F], f_entry[n])
           dirty.add(node_w[n])
-      ups, at = (node,), t
-    elif kind == _B:
-      push(queues[w][_W], node)
-      ups, at = prv[node], t + comm
-    else:
+      # Its own B needs this F (and every B of the stage above).
+      if t > b_ready[node]:
+        b_ready[node] = t
+      b_need[node] -= 1
+      if b_need[node] == 0:
+        if b_ready[node] > t:
+          seq += 1
+          push(events, (b_ready[node], seq, (node * 3 + _B) * 2))
+        else:
+          push(queues[w][_B], node)
+      continue
+    if kind == _W:
       inflight[w] -= 1
       continue
-    # B of `up` is ready once its own F and every B of the stage above are done.
-    for up in ups:
+    push(queues[w][_W], node)
+    # B of each node of the stage below is ready once its own F and every B above are done.
+    at = t + comm
+    for up in prv[node]:
       if at > b_ready[up]:
         b_ready[up] = at
       b_need[up] -= 1
