@@ -211,7 +211,12 @@ def _split_candidates(state: FailureState) -> list[tuple[Route, tuple]]:
   """Sample-granular routes for `plan_adaptive` to time besides the whole-micro-batch ones
   (`split_route`): the failed workers' samples over `2m, 4m, ...` takers per stage and over
   every survivor (few large pieces or many small ones: the fixed cost of an op decides which
-  is faster), and a slow worker's proportional share of samples, shedding a little more."""
+  is faster), and a slow worker's proportional share of samples, shedding a little more.
+
+  Cost: `log2(D / 2m) + 1` more plans for failures (4 for a straggler), each as a plan of
+  whole micro-batches with at most one more node per taking worker and micro-batch split; only
+  asked for when `FailureState.samples` is above 1, which the policies set on grids they plan
+  whole (the runtime's recovery path, on grids planned by footprint, never pays it)."""
   dp, pp, m, size = state.dp, state.pp, state.m, state.samples
   if state.speeds:
     sheds = dict.fromkeys(h * size // 2 for h in _SHED_SAMPLES)
