@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     total_fixed += a
     total_whole += whole
     print(f"  {kind}: " + " ".join(f"{y:7.2f}" for y in ys)
-          + f"   fixed {a:6.2f} ms + {b:6.2f} ms/sample: {a / whole:.3f} of a {args.batch}-sample op")
+          + f"   fixed {a:6.2f} ms + {b:6.2f} ms/sample: {a / whole:.3f} of a "
+          f"{args.batch}-sample op")
   print(f"fixed_share: {total_fixed / total_whole:.3f}")
 
 

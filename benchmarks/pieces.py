@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
   lay = cfg.layout
   costs = WithFixed(build_costs(cfg), args.fixed)
   recycle = build_policies(["recycle"], exact_ops=10**9)["recycle"]
-  print(f"{cfg.model.name}, dp {lay.dp} x pp {lay.pp}, m={lay.microbatches}, {args.samples} sequences "
-        f"a micro-batch, fixed share {args.fixed}; k workers of the last stage failed")
+  print(f"{cfg.model.name}, dp {lay.dp} x pp {lay.pp}, m={lay.microbatches}, {args.samples} "
+        f"sequences a micro-batch, fixed share {args.fixed}; k workers of the last stage failed")
   print(f"{'k':>3} {'bound':>6} {'whole':>6} {'pieces':>7} {'takers':>7} {'plan s':>7}")
   for k in (int(x) for x in args.failures.split(",")):
     failed = frozenset((lay.dp - 1 - i, lay.pp - 1) for i in range(k))

@@ -10,7 +10,7 @@ import pytest
 
 from resilient_jax.schedule import F, Op, OpCosts, ScheduleError, generate, simulate, validate
 from resilient_jax.schedule.adaptive import plan_adaptive_timed
-from resilient_jax.schedule.core import B, W, Piece
+from resilient_jax.schedule.core import B, Piece, W
 from resilient_jax.schedule.routing import FailureState, split_route
 
 COSTS = OpCosts(f=1.0, b=1.0, w=0.8, ar=0.5, opt=0.2, comm=0.05, fixed=0.1)
@@ -19,7 +19,7 @@ COSTS = OpCosts(f=1.0, b=1.0, w=0.8, ar=0.5, opt=0.2, comm=0.05, fixed=0.1)
 def _samples_at(schedule, stage: int, kind: str) -> Counter:
   """How many times each (micro-batch, sample) runs `kind` at `stage`."""
   runs: Counter = Counter()
-  for (d, s), ops in schedule.ops.items():
+  for (_, s), ops in schedule.ops.items():
     if s != stage:
       continue
     for op in ops:
@@ -49,7 +49,7 @@ def test_a_failed_workers_samples_spread_over_its_stage():
   # The stage after a split one gathers: nothing at stage 3 is split on the whole grid but the
   # failed pipeline's, whose backward at stage 2 waits for every piece's B.
   spans = {(sp.worker, sp.op): sp for sp in simulate(split, COSTS).spans}
-  for (mb, s), parts in split.pieces.items():
+  for (mb, _), parts in split.pieces.items():
     b2 = spans[((split.route[mb][2], 2), Op(B, mb))]
     for d, lo, hi in parts:
       assert b2.start >= spans[((d, 3), Piece(B, mb, lo, hi, 8))].end + COSTS.comm - 1e-9

@@ -44,7 +44,6 @@ from resilient_jax.schedule.routing import (
   Route,
   _live_workers,
   _loads,
-  default_memory_cap,
   memory_cap_for_load,
   reroute,
   speed_scaled,
