@@ -22,6 +22,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -67,8 +68,11 @@ def main(argv: list[str] | None = None) -> None:
   dev = jax.devices()[0]
   sizes = [int(n) for n in args.sizes.split(",")]
   fns = {}
+  compile_s = {}
   for n in sizes:
-    # One middle stage's programs for a micro-batch of n samples: a piece's programs.
+    # One middle stage's programs for a micro-batch of n samples: a piece's programs. Every
+    # stage of the split is built (and compiled) for it: what a job would add per piece size.
+    c0 = time.process_time()
     prog = build_stage_programs(model, split, token_batch(args.seq_len, n), optax.sgd(1e-3),
                                 n)[1]
     params = prog.initial_params(dev)
@@ -81,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     g = jax.tree.map(lambda a, k=kg: jax.random.normal(k, a.shape, a.dtype), out)
     _, handover = prog.backward_input(residuals, g)
     acc = {"grads": prog.zero_grads(params, dev)}  # W donates its accumulator: chained
+    jax.block_until_ready(prog.backward_weight(params, saved, handover, acc["grads"]))
+    acc["grads"] = prog.zero_grads(params, dev)
+    compile_s[n] = time.process_time() - c0
 
     def weight(prog=prog, params=params, saved=saved, h=handover, acc=acc):
       acc["grads"] = prog.backward_weight(params, saved, h, acc["grads"])
@@ -103,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {kind}: " + " ".join(f"{y:7.2f}" for y in ys)
           + f"   fixed {a:6.2f} ms + {b:6.2f} ms/sample: {a / whole:.3f} of a "
           f"{args.batch}-sample op")
+  print("building and compiling every stage's programs for a piece size (CPU s): "
+        + ", ".join(f"{n} samples {t:.1f}" for n, t in compile_s.items()))
   print(f"fixed_share: {total_fixed / total_whole:.3f}")
 
 
