@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
   import jax
   import jax.numpy as jnp
   import optax
+  from resilient_jax.model.config import family
 
   from resilient_jax.model.check import token_batch
-  from resilient_jax.model.config import family
   from resilient_jax.programs.stages import build_stage_programs
 
   heads = max(args.d_model // 64, 1)

@@ -311,12 +311,10 @@ def _place(
   b_ready = [0.0] * n_nodes
   f_need = [len(p) for p in prv]
   f_ready = [0.0] * n_nodes
-  queues: list[tuple[list, list, list]] = [([], [], []) for _ in range(n_w)]
+  queues, supply, rank = _start(graph, live, f_entry)
   inflight = [0] * n_w
   active = [0] * n_w
   busy = [False] * n_w
-  # Forwards started upstream or waiting here that this worker has not started yet.
-  supply = [0] * n_w
   last_end = [0.0] * n_w
   out: list[list[tuple[int, int]]] = [[] for _ in range(n_w)]
   starts: list[list[float]] = [[] for _ in range(n_w)]
@@ -325,13 +323,6 @@ def _place(
   events: list[tuple[float, int, int]] = []
   seq = 0
   push, pop = heapq.heappush, heapq.heappop
-  for node in range(n_nodes):
-    if not prv[node]:
-      push(queues[node_w[node]][_F], f_entry[node])
-      supply[node_w[node]] += 1
-  # Downstream stages first, then by worker: `(-stage, w)` as one int.
-  pp = max(node_s, default=0) + 1
-  rank = [(pp - 1 - s) * n_w + w for w, (_, s) in enumerate(live)]
   peak = 0
   dirty = set(range(n_w))
   t = 0.0
@@ -380,6 +371,25 @@ def _place(
     t = events[0][0]
     seq = _land(t, events, seq, graph, f_entry, queues, busy, last_end, inflight,
                 (b_need, b_ready, f_need, f_ready), dirty, comm)
+
+
+def _start(graph: _Graph, live: Sequence[Worker], f_entry: list[int]
+           ) -> tuple[list[tuple[list, list, list]], list[int], list[int]]:
+  """`_place`'s start: per worker its queues of ready F, B and W (the first stage's forwards
+  queued), its supply (forwards started upstream or waiting here that it has not started yet),
+  and the order idle workers pick in (downstream stages first, then by worker: `(-stage, w)` as
+  one int)."""
+  node_w, node_s, _, _, prv, _, _ = graph
+  n_w = len(live)
+  queues: list[tuple[list, list, list]] = [([], [], []) for _ in range(n_w)]
+  supply = [0] * n_w
+  for node in range(len(node_w)):
+    if not prv[node]:
+      heapq.heappush(queues[node_w[node]][_F], f_entry[node])
+      supply[node_w[node]] += 1
+  pp = max(node_s, default=0) + 1
+  rank = [(pp - 1 - s) * n_w + w for w, (_, s) in enumerate(live)]
+  return queues, supply, rank
 
 
 def _cannot_win(end: float, beat: float, tie_loses: bool) -> bool:
