@@ -142,7 +142,7 @@ def test_tied_head_is_reduced_by_name_across_different_splits(tmp_path):
     ),
     4,
   )
-  ex = Interpreter(trainer.state.programs, trainer.transport, plan)
+  ex = Interpreter(trainer.run_state.programs, trainer.transport, plan)
   holders = [slot for slot in plan.slots if "embed.wte.embedding" in ex.params[slot]]
   assert holders == [(0, 0), (1, 0), (1, 1)]
   metrics = []
