@@ -309,8 +309,12 @@ def test_bad_policy_settings_exit_2(tmp_path, flags, message):
 
 
 def test_config_rejects_unknown_policy():
-  with pytest.raises(ConfigError, match="not one of"):
-    tiny_config(resilience__policy="spares")
+  """A name that is no policy's is refused by the config; one that no policy is registered
+  under, by the registry (at the CLI before JAX, and when the run starts)."""
+  with pytest.raises(ConfigError, match="must be a policy's name"):
+    tiny_config(resilience__policy="re cycle")
+  with pytest.raises(ConfigError, match="is not one of recycle, naive, oobleck"):
+    policies.check_config(tiny_config(resilience__policy="spares"))
 
 
 def test_devices_hold_only_their_slots(tmp_path):
