@@ -189,7 +189,12 @@ class ProcessTransport(Transport):
       self.pause(step, "start")
 
   def _tid(self, key: Key) -> int:
-    mb, stage, kind = key
+    mb, stage, kind, row = key
+    if row:
+      # `transfer_id` has no bits left for a row; `training.run.start_run` refuses pieces
+      # (`resilience.pieces`) in a job, so no plan with pieces gets here.
+      raise ValueError(f"a transfer of rows {row}.. of micro-batch {mb}: pieces of "
+                       "micro-batches do not cross processes yet")
     return transfer_id(self.step, self.attempt, mb, stage, kind)
 
   def send(self, key: Key, value: jax.Array, consumer: int) -> None:
