@@ -253,10 +253,6 @@ class PlannerPolicy(InPlacePolicy):
     return self.plan_step_time(grid, failed, costs)
 
   def runtime_plan(self, planned: Schedule, layout: Layout, costs: PlanCosts) -> GridPlan:
-    if planned.pieces:
-      # The coordinator's grid has `samples` 1, so this is a caller's mistake, not a failure.
-      raise ValueError("the runtime's interpreter does not run pieces of micro-batches yet: "
-                       "plan with Grid.samples=1")
     # Counting the plan's ops would build every worker's list of an expanded plan: a larger
     # grid's plan was validated where it changed, its footprint's sub-grid (`_expanded`).
     if layout.grid.compute_ops <= VALIDATE_MAX_OPS:
