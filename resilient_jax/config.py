@@ -266,8 +266,8 @@ class ResilienceConfig:
   `auto` while it re-routes) may split a failed or slow worker's micro-batches into pieces
   spread over more of its stage's peers (`schedule.routing.split_route`), when the cost model
   says that is faster. A piece runs its stage's programs built for its number of samples,
-  compiled on the first attempt after the failure that split a micro-batch. One process only
-  (transfers of pieces between processes are not keyed yet)."""
+  compiled on the first attempt after the failure that split a micro-batch. In a job, at most
+  `runtime.multiprocess.PIECE_ROWS` (64) samples a micro-batch (`training.run.start_run`)."""
 
   def __post_init__(self):
     if not isinstance(self.policy, str) or not self.policy.isidentifier():

@@ -21,16 +21,16 @@ from collections import Counter
 
 import pytest
 
-from resilient_jax.config import ConfigError
+from resilient_jax.config import ConfigError, ResilienceConfig
 from resilient_jax.schedule.core import F, Op, Piece
 from resilient_jax.training.faults import FaultEvent
 from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
 
 
-def _config(pieces=True):
+def _config():
   return tiny_config(mesh__dp=4, mesh__pp=2, pipeline__microbatches=1, train__steps=4,
-                     faults__schedule="2:1.1", resilience__pieces=pieces)
+                     faults__schedule="2:1.1", resilience__pieces=True)
 
 
 def test_a_sample_split_plan_trains_as_one_device(tmp_path):
@@ -61,14 +61,18 @@ def test_a_sample_split_plan_trains_as_one_device(tmp_path):
   assert result.metrics[-1]["live_workers"] == 6
 
 
-def test_pieces_are_refused_in_a_job_and_checked_as_a_boolean():
+def test_pieces_in_a_job_need_small_micro_batches_and_the_option_is_a_boolean():
+  """Transfers between processes name a piece's first row in 6 bits
+  (`multiprocess.PIECE_ROWS`): a job with larger micro-batches is refused before it starts."""
   from resilient_jax.training.run import start_run
 
-  with pytest.raises(ConfigError, match="one process only"):
-    start_run(_config(), "/nonexistent", devices=None, log=lambda _: None, cluster=object(),
+  cfg = tiny_config(mesh__dp=4, mesh__pp=2, pipeline__microbatches=1, train__global_batch=512,
+                    resilience__pieces=True)
+  with pytest.raises(ConfigError, match="at most 64 samples"):
+    start_run(cfg, "/nonexistent", devices=None, log=lambda _: None, cluster=object(),
               model=None)
   with pytest.raises(ConfigError, match="resilience.pieces"):
-    _config(pieces="yes")
+    ResilienceConfig(pieces="yes")
 
 
 def test_a_plan_with_pieces_encodes_and_decodes_op_for_op():
@@ -89,3 +93,40 @@ def test_a_plan_with_pieces_encodes_and_decodes_op_for_op():
   other = encode_plan(plan)
   other["grid"]["schedule"]["whole"]["pieces"][0][2][0][2] -= 1  # another split of the rows
   assert digest(other) != digest(encode_plan(plan))
+
+
+@pytest.mark.slow  # four processes: about 25 s of wall time, 40 of CPU
+def test_a_sample_split_plan_across_processes(tmp_path):
+  """The same grid as a job of four processes, a pipeline each (`mesh.placement=pipeline`),
+  both failures at the start of their steps: micro-batch 1's last stage runs in pieces on
+  processes 2 and 3, which take their activations' rows from process 1, send it their gradient
+  rows and each report a share of its loss (summed in process order); micro-batch 3's first
+  stage in pieces on processes 0 and 1, gathered by process 3. Losses and samples are one
+  device's; the log names the pieces every process ran (process 0 publishes its plan's
+  digest, which covers the pieces, and the others check theirs against it)."""
+  import json
+  import subprocess
+  import sys
+
+  from tests.helpers import LOSS_RTOL, ROOT, reference_for
+
+  workdir = tmp_path / "job"
+  cmd = [sys.executable, "-m", "launch.local", "--num_processes=4", "--devices_per_process=2",
+         "--", "--config=configs/gpt_tiny.py:runlocal", f"--workdir={workdir}",
+         "--config.mesh.dp=4", "--config.mesh.pp=2", "--config.pipeline.microbatches=1",
+         "--config.train.steps=4", "--config.faults.schedule=2:1.1,3:3.0",
+         "--config.resilience.pieces=true", "--config.distributed.heartbeat_timeout_s=10"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out[-3000:]
+  assert "(dp=2, stage=1) takes samples 0:2 of micro-batch 1" in out, out[-3000:]
+  assert "(dp=0, stage=0) takes samples 0:2 of micro-batch 3" in out, out[-3000:]
+  checked = {x[:4] for x in out.splitlines() if "checks its plan against process 0's digest" in x}
+  assert checked == {"[p1]", "[p2]", "[p3]"}, out[-3000:]
+  rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x]
+  cfg = tiny_config(mesh__dp=4, mesh__pp=2, pipeline__microbatches=1, train__steps=4,
+                    faults__schedule="2:1.1,3:3.0", resilience__pieces=True)
+  assert [r["sample_digest"] for r in rows] == expected_digests(cfg)
+  ref_losses, _ = reference_for(cfg)
+  assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=LOSS_RTOL)
+  assert [r["live_workers"] for r in rows] == [8, 7, 6, 6]

@@ -269,9 +269,15 @@ class PlannerPolicy(InPlacePolicy):
     lines = []
     for d, s in sorted(workers):
       takers: dict[int, list[int]] = {}
+      pieces: dict[int, list[str]] = {}
       for mb in range(d * grid.m, (d + 1) * grid.m):
-        takers.setdefault(planned.route[mb][s], []).append(mb)
+        split = planned.pieces.get((mb, s)) if planned.pieces else None
+        if split is None:
+          takers.setdefault(planned.route[mb][s], []).append(mb)
+        for p, lo, hi in split or ():
+          pieces.setdefault(p, []).append(f"samples {lo}:{hi} of micro-batch {mb}")
       moved = ", ".join(
-        f"(dp={p}, stage={s}) takes micro-batches {mbs}" for p, mbs in sorted(takers.items()))
+        [f"(dp={p}, stage={s}) takes micro-batches {mbs}" for p, mbs in sorted(takers.items())]
+        + [f"(dp={p}, stage={s}) takes {', '.join(x)}" for p, x in sorted(pieces.items())])
       lines.append(f"  re-routed: {moved}")
     return [*lines, f"  replanned with the {planned.name} planner on {live}"]

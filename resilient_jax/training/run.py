@@ -234,14 +234,21 @@ def replicated_over_tp(tp: int, axes: Mapping[str, tuple | None],
           "devices (neither faster nor smaller per device)")
 
 
+def _check_pieces_in_a_job(cfg: RunConfig) -> None:
+  from resilient_jax.runtime.multiprocess import PIECE_ROWS
+
+  if cfg.microbatch_size > PIECE_ROWS:
+    raise ConfigError(f"resilience.pieces in a job needs micro-batches of at most {PIECE_ROWS} "
+                      f"samples (the ids of transfers between processes), not "
+                      f"{cfg.microbatch_size}")
+
+
 def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None,
               log: Logger, cluster: Any, model: Any, loss_fn: Any = None, data: Any = None
               ) -> Run:
   """Builds everything a run needs before its first step (see `Trainer`'s arguments)."""
   if cfg.resilience.pieces and cluster is not None:
-    # `ProcessTransport` names a transfer by micro-batch and stage, with no bits for its rows.
-    raise ConfigError("resilience.pieces runs in one process only: pieces of micro-batches do "
-                      "not cross processes yet")
+    _check_pieces_in_a_job(cfg)
   group = Solo() if cluster is None else Job(cluster)
   log = log if group.chief else (lambda _: None)
   workdir = Path(workdir)
