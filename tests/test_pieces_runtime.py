@@ -130,3 +130,20 @@ def test_a_sample_split_plan_across_processes(tmp_path):
   ref_losses, _ = reference_for(cfg)
   assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=LOSS_RTOL)
   assert [r["live_workers"] for r in rows] == [8, 7, 6, 6]
+
+
+def test_piece_transfer_ids_are_unique_and_apart_from_the_others():
+  """Across processes a piece's rows travel under an id naming its first row (6 bits, from
+  2**62 on): distinct per row and from every whole transfer's, reduction's and connection's."""
+  import types
+
+  from resilient_jax.runtime.multiprocess import PIECE_ROWS, ProcessTransport
+
+  tp = types.SimpleNamespace(step=4_000_000, attempt=63)
+  ids = {ProcessTransport._tid(tp, (mb, st, k, row)) for mb in (0, 65535) for st in (0, 1023)
+         for k in (0, 1) for row in range(PIECE_ROWS)}
+  assert len(ids) == 2 * 2 * 2 * PIECE_ROWS
+  whole = {i for i in ids if i < 1 << 60}
+  assert len(whole) == 8 and all(1 << 62 <= i < 1 << 63 for i in ids - whole)
+  with pytest.raises(ValueError, match="below row 64"):
+    ProcessTransport._tid(tp, (0, 0, 0, PIECE_ROWS))
