@@ -76,6 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     straggler_every=0,  # e.g. 1: time every op to find slow workers (training/stragglers.py)
     straggler_threshold=1.5,
     straggler_steps=3,
+    pieces=False,  # true: re-route samples, not only whole micro-batches, after a failure
   )
   c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="", local_dir="")
   c.profile = dict(trace_steps="", peak_tflops=0.0)  # trace_steps e.g. "3,4": jax.profiler traces

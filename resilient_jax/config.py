@@ -261,6 +261,13 @@ class ResilienceConfig:
   """How many times slower than its stage peers' median a worker's ops must be to count."""
   straggler_steps: int = 3
   """Measured steps in a row a worker must be slow (or back to normal) before the plan changes."""
+  pieces: bool = False
+  """Re-route samples, not only whole micro-batches: the re-routing planner (recycle, and
+  `auto` while it re-routes) may split a failed or slow worker's micro-batches into pieces
+  spread over more of its stage's peers (`schedule.routing.split_route`), when the cost model
+  says that is faster. A piece runs its stage's programs built for its number of samples,
+  compiled on the first attempt after the failure that split a micro-batch. In a job, at most
+  `runtime.multiprocess.PIECE_ROWS` (64) samples a micro-batch (`training.run.start_run`)."""
 
   def __post_init__(self):
     if not isinstance(self.policy, str) or not self.policy.isidentifier():
@@ -269,6 +276,8 @@ class ResilienceConfig:
             "straggler_every")
     require_ints("resilience.", {k: getattr(self, k) for k in keys}, 0, ConfigError)
     require_ints("resilience.", {"straggler_steps": self.straggler_steps}, 1, ConfigError)
+    if not isinstance(self.pieces, bool):
+      raise ConfigError(f"resilience.pieces must be true or false, got {self.pieces!r}")
     t = self.straggler_threshold
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1 < t < math.inf:
       raise ConfigError(f"resilience.straggler_threshold must be a number > 1, got {t!r}")

@@ -20,7 +20,7 @@ import jax
 
 from resilient_jax.observe import timeline
 from resilient_jax.observe.records import OpRecord
-from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
+from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Piece, Schedule, W, Worker
 from resilient_jax.schedule.cost import OpCosts, Timeline, replay
 
 
@@ -40,10 +40,14 @@ def costs_from_records(records: Sequence[OpRecord], pp: int) -> OpCosts:
   """Per-stage mean op times of a profiled step, as cost-model input (seconds).
 
   A stage with no measured op of some kind (e.g. no W in a fused-backward schedule) gets the
-  mean over the stages that have it, or 0.
+  mean over the stages that have it, or 0. Pieces of micro-batches (`core.Piece`) are left
+  out: the means are whole micro-batches' ops, of which the cost model prices a piece its share
+  (`OpCosts.fixed`).
   """
   sums: dict[tuple[str, int], list[float]] = {}
   for r in records:
+    if isinstance(r.op, Piece):
+      continue
     sums.setdefault((r.op.kind, r.worker[1]), []).append(r.end - r.start)
 
   def per_stage(kind: str) -> tuple[float, ...]:

@@ -54,8 +54,8 @@ class Grid:
       ...)` sorted, speed 1 left out (`routing.check_speeds`): a policy that re-weights
       (`reweights`) plans for them; the others run their plan at the slow worker's pace.
     samples: samples in a micro-batch. Above 1 the re-routing policies may move pieces of
-      micro-batches (`routing.split_route`) on grids they plan whole; 1 (the runtime's, until
-      its interpreter runs pieces): whole micro-batches only.
+      micro-batches (`routing.split_route`) on grids they plan whole; 1: whole micro-batches
+      only (the runtime's unless `resilience.pieces`).
   """
 
   dp: int

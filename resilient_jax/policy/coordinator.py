@@ -150,8 +150,11 @@ class RunCoordinator(PhaseLog):
     )
     self.grid_nodes = list(nodes)
     self._positions: dict[Worker, int] | None = None
+    # With `resilience.pieces` the re-routing planner may cut micro-batches into pieces of
+    # their samples (`Grid.samples`); else it moves whole micro-batches only.
+    samples = cfg.step_batch // (dp * cfg.step_microbatches) if cfg.resilience.pieces else 1
     self.grid = Grid(dp, pp, cfg.step_microbatches, self.base,
-                     cfg.resilience.memory_cap or None, cfg.step_batch)
+                     cfg.resilience.memory_cap or None, cfg.step_batch, samples=samples)
     self.costs = analytic_costs(self.layout, self.partition)
     self.dead: frozenset[Worker] = frozenset()
     # One pipeline has the grid's fault-free makespan (the pipelines only meet in each stage's

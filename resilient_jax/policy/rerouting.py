@@ -253,10 +253,6 @@ class PlannerPolicy(InPlacePolicy):
     return self.plan_step_time(grid, failed, costs)
 
   def runtime_plan(self, planned: Schedule, layout: Layout, costs: PlanCosts) -> GridPlan:
-    if planned.pieces:
-      # The coordinator's grid has `samples` 1, so this is a caller's mistake, not a failure.
-      raise ValueError("the runtime's interpreter does not run pieces of micro-batches yet: "
-                       "plan with Grid.samples=1")
     # Counting the plan's ops would build every worker's list of an expanded plan: a larger
     # grid's plan was validated where it changed, its footprint's sub-grid (`_expanded`).
     if layout.grid.compute_ops <= VALIDATE_MAX_OPS:
@@ -273,9 +269,15 @@ class PlannerPolicy(InPlacePolicy):
     lines = []
     for d, s in sorted(workers):
       takers: dict[int, list[int]] = {}
+      pieces: dict[int, list[str]] = {}
       for mb in range(d * grid.m, (d + 1) * grid.m):
-        takers.setdefault(planned.route[mb][s], []).append(mb)
+        split = planned.pieces.get((mb, s)) if planned.pieces else None
+        if split is None:
+          takers.setdefault(planned.route[mb][s], []).append(mb)
+        for p, lo, hi in split or ():
+          pieces.setdefault(p, []).append(f"samples {lo}:{hi} of micro-batch {mb}")
       moved = ", ".join(
-        f"(dp={p}, stage={s}) takes micro-batches {mbs}" for p, mbs in sorted(takers.items()))
+        [f"(dp={p}, stage={s}) takes micro-batches {mbs}" for p, mbs in sorted(takers.items())]
+        + [f"(dp={p}, stage={s}) takes {', '.join(x)}" for p, x in sorted(pieces.items())])
       lines.append(f"  re-routed: {moved}")
     return [*lines, f"  replanned with the {planned.name} planner on {live}"]

@@ -73,9 +73,10 @@ def dispatch(run: StepRun) -> None:
     if progressed:
       continue
     # Heads whose only missing input is on its way from another process.
-    pending = [run.remote_in[(s, lists[s][pos[s]][0])] for s in slots
+    pending = [k for s in slots
                if pos[s] < len(lists[s]) and (s, lists[s][pos[s]][0]) in run.remote_in
-               and all(d in done for d in lists[s][pos[s]][1])]
+               and all(d in done for d in lists[s][pos[s]][1])
+               for k in run.remote_in[(s, lists[s][pos[s]][0])] if not run.tp.arrived(k)]
     if pending:
       run.tp.wait_arrival(pending, f"step {run.step}'s activations and gradients from other "
                           "processes")
@@ -90,8 +91,8 @@ def _ready(run: StepRun, slot: Slot, op: Op, deps: tuple[tuple[Slot, Op], ...]) 
   another process has arrived (ops of other processes are not waited for; their data is)."""
   if not all(d in run.done for d in deps):
     return False
-  key = run.remote_in.get((slot, op))
-  return key is None or run.tp.arrived(key)
+  keys = run.remote_in.get((slot, op))
+  return keys is None or all(run.tp.arrived(k) for k in keys)
 
 
 def _try_reduce(run: StepRun, blocking_ok: bool) -> bool:

@@ -135,32 +135,55 @@ class Inbox:
 
 def transfer_in(
   sp: StepProgram, prog: StagePrograms, slot: Slot, op: Op
-) -> tuple[Key, int, jax.ShapeDtypeStruct] | None:
-  """What an op reads from another slot: (the transfer's key, the producing node, its spec);
-  None for an op that reads nothing from another slot (the first stage's F, the last stage's
-  B or BW, W, FR)."""
+) -> list[tuple[Key, int, jax.ShapeDtypeStruct]]:
+  """What an op reads from other slots: (the transfer's key, the producing node, its spec) per
+  transfer, in row order: one, several where it gathers a micro-batch's rows from pieces
+  (`StepProgram.links`), none for an op that reads nothing from another slot (the first
+  stage's F, the last stage's B or BW, W, FR). `prog` is the slot's whole-micro-batch program
+  (a piece's specs are its rows of them)."""
   p, mb = sp.slots[slot], op.mb
   if op.kind == F and p.stage > 0:
-    return (mb, p.stage - 1, ACT), sp.slots[sp.route[mb][p.stage - 1]].node, prog.input_spec
-  if op.kind in (B, BW) and not p.last:
-    return (mb, p.stage + 1, GRAD), sp.slots[sp.route[mb][p.stage + 1]].node, prog.output_spec
-  return None
+    s, kind, spec, side = p.stage - 1, ACT, prog.input_spec, 1
+  elif op.kind in (B, BW) and not p.last:
+    s, kind, spec, side = p.stage, GRAD, prog.output_spec, 0
+  else:
+    return []
+  if not sp.pieces:  # the common case, kept to one lookup
+    src = sp.route[mb][p.stage - 1] if kind == ACT else sp.route[mb][p.stage + 1]
+    return [((mb, s if kind == ACT else s + 1, kind, 0), sp.slots[src].node, spec)]
+  out = []
+  for link in sp.links(mb, s):
+    if link[side] == slot:
+      src, lo, hi = link[1 - side], link[2], link[3]
+      out.append(((mb, s if kind == ACT else s + 1, kind, lo), sp.slots[src].node,
+                  rows_spec(spec, hi - lo)))
+  return out
+
+
+def rows_spec(spec: jax.ShapeDtypeStruct, rows: int) -> jax.ShapeDtypeStruct:
+  """`spec` with `rows` samples in its leading (batch) dimension."""
+  if rows == spec.shape[0]:
+    return spec
+  return jax.ShapeDtypeStruct((rows, *spec.shape[1:]), spec.dtype)
 
 
 def expect_inputs(
   sp: StepProgram, program: Callable[[Slot], StagePrograms], device: Callable[[Slot], Where],
   tp: Transport, slots: Sequence[Slot],
-) -> dict[tuple[Slot, Op], Key]:
+) -> dict[tuple[Slot, Op], tuple[Key, ...]]:
   """Announces to `tp` every transfer the ops of `slots` read from other processes (so their
   pulls start now: `Transport.expect`); returns their keys by (slot, op)."""
-  out: dict[tuple[Slot, Op], Key] = {}
+  out: dict[tuple[Slot, Op], tuple[Key, ...]] = {}
   for slot in slots:
     prog = program(slot)
     for op in sp.slots[slot].ops:
-      incoming = transfer_in(sp, prog, slot, op)
-      if incoming is not None and not tp.is_local(incoming[1]):
-        tp.expect(*incoming, device(slot))
-        out[(slot, op)] = incoming[0]
+      keys = []
+      for incoming in transfer_in(sp, prog, slot, op):
+        if not tp.is_local(incoming[1]):
+          tp.expect(*incoming, device(slot))
+          keys.append(incoming[0])
+      if keys:
+        out[(slot, op)] = tuple(keys)
   return out
 
 

@@ -58,12 +58,15 @@ from resilient_jax.runtime.step_run import (
   local_dispatch_lists,
 )
 from resilient_jax.runtime.transport import Transport
+from resilient_jax.schedule.core import Op, Piece
 from resilient_jax.schedule.pipelines import LayerRange
 from resilient_jax.schedule.plan import Plan, Slot, StepProgram, step_program
 from resilient_jax.spec.faults import Slowdown
 
 Params = dict[str, jax.Array]
-ProgramsFor = Callable[[tuple[LayerRange, ...]], Sequence[StagePrograms]]
+ProgramsFor = Callable[..., Sequence[StagePrograms]]
+"""`programs_for(split)`: the stage programs of a layer split at the micro-batch size;
+`programs_for(split, samples)`: at `samples` samples a micro-batch (a piece's)."""
 __all__ = ["AfterOp", "Interpreter"]
 
 
@@ -107,6 +110,7 @@ class Interpreter(StateHandover):
     self._specs: dict[tuple, dict[str, Any]] = {}
     self._loss_seeds: dict[Where, jax.Array] = {}
     self._forward: ForwardOnly | None = None
+    self._piece_programs: dict[tuple, StagePrograms] = {}
     self._set_plan(plan)
     if state is not None:
       self.place(plan, state)
@@ -153,6 +157,31 @@ class Interpreter(StateHandover):
   def program(self, slot: Slot, sp: StepProgram | None = None) -> StagePrograms:
     p = (sp or self.step_program).slots[slot]
     return self.programs(p.split)[p.stage]
+
+  def op_program(self, slot: Slot, op: Op) -> StagePrograms:
+    """The programs `op` runs on `slot`: its stage's, or for a piece of a micro-batch
+    (`core.Piece`) the same stage's built for the piece's samples (another batch dimension:
+    the loss stays weighted over the global batch, so a piece's loss and gradients are its
+    rows' share). Those are built and compiled on the first op of a plan with pieces, i.e. in
+    the first attempt after the failure that split a micro-batch (`programs_for` keeps them)."""
+    if not isinstance(op, Piece):
+      return self.program(slot)
+    p = self.step_program.slots[slot]
+    rows = op.hi - op.lo
+    key = (p.split, p.stage, rows)
+    prog = self._piece_programs.get(key)
+    if prog is None:
+      prog = self._programs_for(p.split, rows)[p.stage]
+      whole = self.program(slot)
+      crossing = [("input", prog.input_spec, whole.input_spec)] if p.stage > 0 else []
+      if not p.last:
+        crossing.append(("output", prog.output_spec, whole.output_spec))
+      for name, a, b in crossing:
+        if a.shape[:1] != (rows,) or a.shape[1:] != b.shape[1:]:
+          raise ValueError(f"stage {p.stage}'s {name} {b.shape} does not carry the batch in "
+                           "its leading dimension: its micro-batches cannot run in pieces")
+      self._piece_programs[key] = prog
+    return prog
 
   def device(self, slot: Slot, sp: StepProgram | None = None) -> Where:
     """Where `slot`'s whole arrays go: its node's device, or replicated over its sub-mesh (the

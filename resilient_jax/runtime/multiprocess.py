@@ -77,6 +77,12 @@ PauseHook = Callable[[int, str], None]
 the op's text (e.g. "F1") after an op is dispatched, "AR" inside the all-reduce."""
 
 
+PIECE_ROWS = 64
+"""Pieces of micro-batches cross processes only where they start below this row: their
+transfers' ids (`ProcessTransport._tid`) have 6 bits for it. `training.run.start_run` refuses
+`resilience.pieces` in a job of larger micro-batches."""
+
+
 def transfer_id(step: int, attempt: int, mb: int, stage: int, kind: int) -> int:
   """A unique id per (step, attempt mod 64, micro-batch, stage, kind), below 2**60.
 
@@ -189,8 +195,16 @@ class ProcessTransport(Transport):
       self.pause(step, "start")
 
   def _tid(self, key: Key) -> int:
-    mb, stage, kind = key
-    return transfer_id(self.step, self.attempt, mb, stage, kind)
+    mb, stage, kind, row = key
+    uid = transfer_id(self.step, self.attempt, mb, stage, kind)
+    if not row:
+      return uid
+    # The rows of a piece of a micro-batch (`StepProgram.links`): apart from whole transfers
+    # (below 2**60), reductions' (2**60 on) and `Cluster.connect`'s (2**61 on).
+    if not 0 < row < PIECE_ROWS:
+      raise ValueError(f"a transfer of rows {row}.. of micro-batch {mb}: pieces start below "
+                       f"row {PIECE_ROWS} across processes")
+    return (1 << 62) + uid * PIECE_ROWS + row
 
   def send(self, key: Key, value: jax.Array, consumer: int) -> None:
     if self.is_local(consumer):
@@ -386,7 +400,12 @@ class ProcessTransport(Transport):
       # already failed).
       lost = set(self.layout.nodes_of(decision["lost"]))
       return Outcome(False, {}, lost, detected, remote=True)
-    mb_losses = {int(k): v for st in statuses.values() for k, v in st["losses"].items()}
+    # A micro-batch whose last stage ran in pieces on several processes has a share of its
+    # loss from each: summed in process order, the same sum on every process.
+    mb_losses: dict[int, float] = {}
+    for _, st in sorted(statuses.items()):
+      for k, v in st["losses"].items():
+        mb_losses[int(k)] = mb_losses.get(int(k), 0.0) + v
     total = sum(float(st["sumsq"]) for st in statuses.values())
     stop = any(st.get("stop") for st in statuses.values())
     sent, received = zip(*(st.get("bytes", (0, 0)) for st in statuses.values()), strict=True)

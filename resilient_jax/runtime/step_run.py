@@ -29,7 +29,7 @@ from resilient_jax.programs.packing import Packed
 from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.inbox import expect_inputs, transfer_in
 from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome, Transport
-from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
+from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Piece, W
 from resilient_jax.schedule.plan import Slot, StepProgram
 from resilient_jax.spec.faults import Slowdown, slowdowns_at
 
@@ -61,6 +61,7 @@ class Holder(Protocol):
 
   def programs(self, split: tuple[tuple[int, int], ...]) -> Sequence[StagePrograms]: ...
   def program(self, slot: Slot) -> StagePrograms: ...
+  def op_program(self, slot: Slot, op: Op) -> StagePrograms: ...
   def device(self, slot: Slot) -> Where: ...
   def loss_seed(self, where: Where) -> jax.Array: ...
   def refresh_replicas(self, tag: tuple[int, int] = (0, 0)) -> None: ...
@@ -123,7 +124,8 @@ class StepRun:
     self.saved: dict[tuple[Slot, int], Any] = {}
     self.taps: dict[tuple[Slot, int], Any] = {}
     self.fr_in: dict[tuple[Slot, int], jax.Array] = {}
-    self.losses: dict[int, jax.Array] = {}
+    self.losses: dict[int, list[jax.Array]] = {}
+    """Every micro-batch's loss on the last stage: one, or one per piece in dispatch order."""
     self.processed: list[int] = []
     self.acc: dict[Slot, Params] = {}
     self.new_state: dict[Slot, tuple[Params, Any]] = {}
@@ -136,8 +138,8 @@ class StepRun:
     self.arrived: set[Slot] = set()
     self.ar_start: dict[Slot, float] = {}
     self.done: set[tuple[Slot, Op]] = set()
-    self.remote_in: dict[tuple[Slot, Op], Key] = {}
-    """The transfer key of every local op's input from another process (`runtime.inbox`)."""
+    self.remote_in: dict[tuple[Slot, Op], tuple[Key, ...]] = {}
+    """The transfer keys of every local op's inputs from other processes (`runtime.inbox`)."""
     self.t0 = 0.0
     self.dispatch_cpu_s = 0.0
     self._cpu0 = 0.0
@@ -156,15 +158,16 @@ class StepRun:
     """The batch entries stage `stage`'s forward reads (`StagePrograms.batch_keys`) of every
     micro-batch `slot` runs that forward on (F of its own stage; FR of the stage a Bamboo
     replica runs), on its device: placed in one call at its first use (a call per micro-batch
-    cost more host time than the op that reads it)."""
+    cost more host time than the op that reads it). A piece's are its rows."""
     key = (slot, stage)
     if key not in self._placed:
       p = self.sp.slots[slot]
       keys = self.ip.programs(p.split)[stage].batch_keys
       kind = F if stage == p.stage else FR
-      mbs = sorted({op.mb for op in p.ops if op.kind == kind})
-      rows = [{k: self.batch[k][mb] for k in keys} for mb in mbs]
-      self._placed[key] = dict(zip(mbs, jax.device_put(rows, self.ip.device(slot)), strict=True))
+      ops = sorted({op.mb: op for op in p.ops if op.kind == kind}.items())
+      rows = [{k: self.batch[k][mb][_rows(op)] for k in keys} for mb, op in ops]
+      self._placed[key] = dict(zip([mb for mb, _ in ops],
+                                   jax.device_put(rows, self.ip.device(slot)), strict=True))
     return self._placed[key]
 
   def loss_factor(self) -> float:
@@ -183,29 +186,58 @@ class StepRun:
       self._seeds[dev] = jax.device_put(np.float32(factor), dev)
     return self._seeds[dev]
 
-  def seeds_of(self, prog: StagePrograms, mb: int, dev: Where) -> jax.Array | None:
+  def seeds_of(self, prog: StagePrograms, op: Op, dev: Where) -> jax.Array | None:
     if not prog.uses_rng:
       return None
     if self.seeds is None:
       raise ValueError("the model draws random numbers: run_step needs per-sample seeds")
-    return jax.device_put(self.seeds[mb], dev)
+    return jax.device_put(self.seeds[op.mb][_rows(op)], dev)
+
+  def receive(self, slot: Slot, op: Op, dev: Where) -> jax.Array | None:
+    """What `op` reads from other slots, on `dev`: one transfer, or the rows of a micro-batch
+    gathered from its pieces in row order; None if it reads nothing."""
+    incoming = transfer_in(self.sp, self.ip.program(slot), slot, op)
+    if not incoming:
+      return None
+    parts = [self.tp.recv(*transfer, dev) for transfer in incoming]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  def send(self, slot: Slot, op: Op, stage: int, kind: int, value: jax.Array) -> None:
+    """Sends `value`, what `op` on `slot` made of its rows, to the slots that read it: the
+    next stage's (ACT, `stage` this one) or the previous stage's (GRAD, `stage` that one),
+    each its rows (`StepProgram.links`)."""
+    sp, mb = self.sp, op.mb
+    if not sp.pieces:  # the common case, kept to one lookup
+      to = sp.route[mb][stage + 1] if kind == ACT else sp.route[mb][stage]
+      self.tp.send((mb, stage if kind == ACT else stage + 1, kind, 0), value,
+                   sp.slots[to].node)
+      return
+    side = 0 if kind == ACT else 1
+    lo0, hi0 = _bounds(op, sp.samples)
+    for link in sp.links(mb, stage):
+      if link[side] == slot:
+        lo, hi = link[2], link[3]
+        rows = value if (lo, hi) == (lo0, hi0) else value[lo - lo0:hi - lo0]
+        self.tp.send((mb, stage if kind == ACT else stage + 1, kind, lo), rows,
+                     sp.slots[link[1 - side]].node)
 
   def compute(self, slot: Slot, op: Op) -> list[jax.Array]:
-    """Dispatches a compute op (F, FR, B, W, BW); returns an output to wait on (profile)."""
-    sp, tp, ip = self.sp, self.tp, self.ip
+    """Dispatches a compute op (F, FR, B, W, BW) on a micro-batch or its piece (that many
+    rows, the programs of that size: `Holder.program`); returns an output to wait on."""
+    sp, ip = self.sp, self.ip
     p = sp.slots[slot]
     progs = ip.programs(p.split)
-    prog, dev, s, mb, key = progs[p.stage], ip.device(slot), p.stage, op.mb, (slot, op.mb)
-    incoming = transfer_in(sp, prog, slot, op)
+    prog, dev, s, mb, key = ip.op_program(slot, op), ip.device(slot), p.stage, op.mb, (slot, op.mb)
     if op.kind == F:
-      x = None if incoming is None else tp.recv(*incoming, dev)
+      x = self.receive(slot, op, dev)
       out, self.residuals[key], self.saved[key] = prog.forward(
-        ip.params[slot], x, self.data(slot, s)[mb], self.seeds_of(prog, mb, dev))
+        ip.params[slot], x, self.data(slot, s)[mb], self.seeds_of(prog, op, dev))
       if p.last:
-        self.losses[mb] = out
-        self.processed.append(mb)
+        self.losses.setdefault(mb, []).append(out)  # a piece's loss: its rows' share
+        if _bounds(op, sp.samples)[0] == 0:
+          self.processed.append(mb)
       else:
-        tp.send((mb, s, ACT), out, sp.slots[sp.route[mb][s + 1]].node)
+        self.send(slot, op, s, ACT, out)
         if p.replica is not None:
           self.fr_in[key] = out
       return [out]
@@ -216,24 +248,23 @@ class StepRun:
       x = None if p.last else self.fr_in.pop(key)
       rep = progs[r]
       return [rep.forward(ip.replicas[slot][0], x, self.data(slot, r)[mb],
-                          self.seeds_of(rep, mb, dev))[0]]  # unread
+                          self.seeds_of(rep, op, dev))[0]]  # unread
     if op.kind == W:
       self.acc[slot] = prog.backward_weight(ip.params[slot], self.saved.pop(key),
                                             self.taps.pop(key), self.grads_of(slot))
       return jax.tree.leaves(self.acc[slot])[:1]
     if op.kind not in (B, BW):
       raise ValueError(f"not a compute op: {op}")
-    if incoming is None:  # the last stage: the loss's own gradient, placed from the host
+    g = self.receive(slot, op, dev)
+    if g is None:  # the last stage: the loss's own gradient, placed from the host
       g = self.loss_seed(dev)
-    else:
-      g = tp.recv(*incoming, dev)
     if op.kind == B:
       dx, self.taps[key] = prog.backward_input(self.residuals.pop(key), g)
     else:
       dx, self.acc[slot] = prog.backward_fused(self.residuals.pop(key), self.saved.pop(key),
                                                ip.params[slot], g, self.grads_of(slot))
     if dx is not None:
-      tp.send((mb, s, GRAD), dx, sp.slots[sp.route[mb][s - 1]].node)
+      self.send(slot, op, s - 1, GRAD, dx)
       return [dx]
     if op.kind == B:
       return list(jax.tree.leaves(self.taps[key]))[:1]
@@ -359,7 +390,8 @@ class StepRun:
     self.dispatch_cpu_s = time.thread_time() - self._cpu0
     ip, tp, t0 = self.ip, self.tp, self.t0
     new_state = self.new_state
-    outcome: Outcome = tp.conclude(self.losses, [p for p, _ in new_state.values()], self.sumsq)
+    outcome: Outcome = tp.conclude(_whole_losses(self.losses), [p for p, _ in new_state.values()],
+                                   self.sumsq)
     if not outcome.committed:
       return StepResult(0.0, {}, time.perf_counter() - t0, self.records, [], dispatch_time,
                         self.dispatch_cpu_s, committed=False, lost=frozenset(outcome.lost),
@@ -412,6 +444,28 @@ def local_dispatch_lists(interp: Holder, slots: Sequence[Slot]) -> dict[Slot, Di
              for op in sp.slots[s].ops)
     for s in slots
   }
+
+
+def _rows(op: Op) -> slice:
+  """The rows of a micro-batch's batch entries `op` runs on: all, or its piece's."""
+  return slice(op.lo, op.hi) if isinstance(op, Piece) else slice(None)
+
+
+def _bounds(op: Op, samples: int) -> tuple[int, int]:
+  return (op.lo, op.hi) if isinstance(op, Piece) else (0, samples)
+
+
+def _whole_losses(losses: dict[int, list[jax.Array]]) -> dict[int, jax.Array]:
+  """Every micro-batch's loss: its pieces' summed on the first piece's device (the loss is
+  weighted over the global batch, so a piece's is its rows' share: `StagePrograms.loss_scale`)."""
+  out = {}
+  for mb, parts in losses.items():
+    if len(parts) == 1:
+      out[mb] = parts[0]
+    else:
+      where = parts[0].sharding
+      out[mb] = functools.reduce(jnp.add, [jax.device_put(x, where) for x in parts])
+  return out
 
 
 def _stretch(outs: Any, began: float, factor: float) -> None:

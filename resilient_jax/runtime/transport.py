@@ -58,8 +58,9 @@ from resilient_jax.schedule import ring
 
 Params = dict[str, jax.Array]
 ACT, GRAD, STATE = 0, 1, 2
-Key = tuple[int, int, int]
-"""(micro-batch, producing stage, ACT or GRAD): unique within one step attempt."""
+Key = tuple[int, int, int, int]
+"""(micro-batch, producing stage, ACT or GRAD, first row): unique within one step attempt. The
+row is 0 but for the rows of a micro-batch split into pieces (`StepProgram.links`)."""
 Transfer = tuple[int, int, Sequence[str]]
 """State keys to move from a source node to a destination node (`Transport.exchange`)."""
 Lookup = Callable[[int, str], jax.Array]

@@ -10,7 +10,8 @@ encoding it (for the digest) stays cheap at 16k devices:
   pipelines and their routes) and the sub-grid's op lists, which `expand` turns back into the
   full grid's lazily built lists on the reader: a few tens of kB for 16k devices, not the
   ~1.6M ops of the whole grid;
-* a plan of a small grid (planned whole): every worker's list;
+* a plan of a small grid (planned whole): every worker's list, with its pieces of micro-batches
+  if any (a piece's op string names its rows, `F3[0:2]`);
 * a pipeline set: each distinct per-pipeline schedule once (Bamboo's healthy pipelines all run
   the same lists), referenced by index.
 
@@ -31,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from resilient_jax.schedule import expand
-from resilient_jax.schedule.core import Op, Schedule, Worker
+from resilient_jax.schedule.core import Op, Piece, Schedule, Worker
 from resilient_jax.schedule.pipelines import Pipeline, PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
 
@@ -59,8 +60,9 @@ def unruns(encoded: Sequence[Sequence[int]]) -> list[int]:
 class _Ops:
   """Decodes op strings, building each distinct op once."""
 
-  def __init__(self):
+  def __init__(self, samples: int = 1):
     self._seen: dict[str, Op] = {}
+    self.samples = samples
 
   def __call__(self, text: str) -> tuple[Op, ...]:
     seen = self._seen
@@ -68,10 +70,18 @@ class _Ops:
     for token in text.split():
       op = seen.get(token)
       if op is None:
-        kind = token.rstrip("0123456789")
-        op = seen[token] = Op(kind, int(token[len(kind):])) if len(kind) < len(token) else Op(kind)
+        op = seen[token] = self._parse(token)
       out.append(op)
     return tuple(out)
+
+  def _parse(self, token: str) -> Op:
+    """`F3`, `AR`, or a piece `F3[0:2]` (of `samples` samples a micro-batch)."""
+    whole, _, rows = token.partition("[")
+    kind = whole.rstrip("0123456789")
+    if rows:
+      lo, hi = rows.rstrip("]").split(":")
+      return Piece(kind, int(whole[len(kind):]), int(lo), int(hi), self.samples)
+    return Op(kind, int(whole[len(kind):])) if len(kind) < len(whole) else Op(kind)
 
 
 def _ops_text(ops: Sequence[Op]) -> str:
@@ -94,8 +104,13 @@ def _encode_schedule(sched: Schedule) -> Json:
   if len(sched.route) != sched.dp * m or any(len(r) != pp for r in sched.route):
     raise ValueError(f"schedule {sched.name}: its route does not cover {sched.dp}x{m} "
                      f"micro-batches of {pp} stages")
-  return {"name": sched.name, "dp": sched.dp, "pp": pp, "m": m, "route": away,
-          "ops": {_worker_key(w): _ops_text(ops) for w, ops in sched.ops.items()}}
+  out = {"name": sched.name, "dp": sched.dp, "pp": pp, "m": m, "route": away,
+         "ops": {_worker_key(w): _ops_text(ops) for w, ops in sched.ops.items()}}
+  if sched.pieces:  # a piece's op string carries its rows, this its micro-batch's samples
+    out["samples"] = sched.samples
+    out["pieces"] = [[mb, s, [list(p) for p in split]]
+                     for (mb, s), split in sorted(sched.pieces.items())]
+  return out
 
 
 def _decode_schedule(d: Json, ops: _Ops) -> Schedule:
@@ -103,18 +118,23 @@ def _decode_schedule(d: Json, ops: _Ops) -> Schedule:
   away = d["route"]
   route = tuple(tuple(away[str(mb)]) if str(mb) in away else (mb // m,) * pp
                 for mb in range(d["dp"] * m))
+  samples = d.get("samples", 1)
+  if samples != 1:
+    ops = _Ops(samples)
+  pieces = {(mb, s): tuple(tuple(p) for p in split) for mb, s, split in d.get("pieces", ())}
   return Schedule(name=d["name"], dp=d["dp"], pp=pp, microbatches=m, route=route,
-                  ops={_worker(k): ops(v) for k, v in d["ops"].items()})
+                  ops={_worker(k): ops(v) for k, v in d["ops"].items()}, pieces=pieces,
+                  samples=samples)
 
 
 def _encode_grid_schedule(sched: Schedule) -> Json:
-  if sched.pieces:
-    # The op strings would lose the pieces' rows: a digest of such an encoding would not pin
-    # the plan down. The runtime does not run pieces yet (`Grid.samples` is 1 there).
-    raise ValueError(f"schedule {sched.name} has pieces of micro-batches, which plans as data "
-                     "do not encode yet")
   if not isinstance(sched.ops, expand.ExpandedOps):
     return {"whole": _encode_schedule(sched)}
+  if sched.pieces:
+    # Pieces are planned on grids planned whole only (`policy.rerouting`): an expanded plan's
+    # footprint has no field for them.
+    raise ValueError(f"expanded schedule {sched.name} has pieces of micro-batches, which its "
+                     "encoding cannot carry")
   fp, sub = sched.ops.footprint, sched.ops.sub
   return {
     "expanded": {

@@ -21,11 +21,29 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
-from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
+from resilient_jax.schedule.core import (
+  AR,
+  BW,
+  FR,
+  OPT,
+  B,
+  F,
+  Op,
+  Piece,
+  Schedule,
+  W,
+  Worker,
+  same_rows,
+)
 from resilient_jax.schedule.pipelines import LayerRange, PipelineSet
 
 Slot = tuple[int, int]
 """`(dp, stage)` of a grid, or `(pipeline, stage)` of a pipeline set."""
+Part = tuple[Slot, int, int]
+"""A slot and the samples `lo, hi` of a micro-batch it runs a stage on."""
+Link = tuple[Slot, Slot, int, int]
+"""Rows `lo, hi` of a micro-batch that travel between a slot of stage `s` and one of `s + 1`
+(activations forward, their gradients backward)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +110,18 @@ class StepProgram:
     name: the planner or policy that made it.
     slots: every live slot's program.
     route: `route[mb][s]` is the slot running stage `s` of micro-batch `mb` (stages of the
-      split of the pipeline that owns `mb`).
+      split of the pipeline that owns `mb`); for a stage split into pieces, its first piece's.
+    pieces: `{(mb, stage): ((slot, lo, hi), ...)}`: the stages of micro-batches split into
+      pieces (`core.Piece`), in sample order, tiling `0 .. samples` (a grid plan's
+      `Schedule.pieces`, as slots).
+    samples: samples in one micro-batch.
   """
 
   name: str
   slots: Mapping[Slot, SlotProgram]
   route: Sequence[tuple[Slot, ...]]
+  pieces: Mapping[tuple[int, int], tuple[Part, ...]] = dataclasses.field(default_factory=dict)
+  samples: int = 1
 
   @property
   def num_microbatches(self) -> int:
@@ -118,7 +142,30 @@ class StepProgram:
 
     slots = {s: dataclasses.replace(p, ops=forward(p.ops), replica=None)
              for s, p in self.slots.items()}
-    return StepProgram(self.name, slots, self.route)
+    return StepProgram(self.name, slots, self.route, self.pieces, self.samples)
+
+  def parts(self, mb: int, stage: int) -> tuple[Part, ...]:
+    """The slots that run stage `stage` of `mb`, each with its samples: one, or its pieces."""
+    split = self.pieces.get((mb, stage)) if self.pieces else None
+    return split if split is not None else ((self.route[mb][stage], 0, self.samples),)
+
+  def op_at(self, part: Part, kind: str, mb: int) -> Op:
+    """The op of kind `kind` that `part` (of `parts`) runs of `mb`."""
+    _, lo, hi = part
+    return Op(kind, mb) if (lo, hi) == (0, self.samples) else Piece(kind, mb, lo, hi,
+                                                                    self.samples)
+
+  def links(self, mb: int, stage: int) -> list[Link]:
+    """The rows of `mb` that travel between stage `stage` and `stage + 1`: one link per pair
+    of their parts that share samples, in row order (one, unless either side is split). A
+    consumer gathers its links' rows in this order; a producer sends each its rows."""
+    out = []
+    for a, alo, ahi in self.parts(mb, stage):
+      for b, blo, bhi in self.parts(mb, stage + 1):
+        lo, hi = max(alo, blo), min(ahi, bhi)
+        if lo < hi:
+          out.append((a, b, lo, hi))
+    return sorted(out, key=lambda link: link[2])
 
   def _backward_of(self, slot: Slot, mb: int) -> Op:
     """The B or BW of `mb` on `slot` (the first, as a list scan would find it)."""
@@ -156,14 +203,17 @@ class StepProgram:
     s = prog.stage
     if op.kind == F:
       if s > 0:
-        yield self.route[op.mb][s - 1], Op(F, op.mb)
+        # Every part of the stage before (a split one sends each piece's rows: a whole
+        # micro-batch is gathered from its pieces).
+        for part in self.parts(op.mb, s - 1):
+          yield part[0], self.op_at(part, F, op.mb)
     elif op.kind in (B, BW):
-      yield slot, Op(F, op.mb)
+      yield slot, same_rows(op, F)
       if not prog.last:
-        nxt = self.route[op.mb][s + 1]
-        yield nxt, self._backward_of(nxt, op.mb)
+        for nxt, _, _ in self.parts(op.mb, s + 1):
+          yield nxt, self._backward_of(nxt, op.mb)
     elif op.kind == W:
-      yield slot, Op(B, op.mb)
+      yield slot, same_rows(op, B)
     elif op.kind == AR:
       for other in prog.ops:
         if other.kind in (W, BW):
@@ -171,7 +221,7 @@ class StepProgram:
     elif op.kind == OPT:
       yield slot, Op(AR)
     elif op.kind == FR and not prog.last:
-      yield slot, Op(F, op.mb)
+      yield slot, same_rows(op, F)
 
 
 class _LazyOps(Sequence[Op]):
@@ -237,7 +287,9 @@ def step_program(plan: Plan) -> StepProgram:
       w: SlotProgram(plan.nodes[w], split, w[1], _LazyOps(lambda w=w: sched.ops[w]))
       for w in sched.ops
     }
-    return StepProgram(sched.name, slots, _SlotRoute(sched.route))
+    pieces = {key: tuple(((d, key[1]), lo, hi) for d, lo, hi in split)
+              for key, split in sched.pieces.items()}
+    return StepProgram(sched.name, slots, _SlotRoute(sched.route), pieces, sched.samples)
   slots = {}
   route: list[tuple[Slot, ...] | None] = [None] * plan.num_microbatches
   for p, pipe in enumerate(plan.pipelines):
@@ -252,4 +304,4 @@ def step_program(plan: Plan) -> StepProgram:
   return StepProgram(plan.name, slots, tuple(route))  # type: ignore[arg-type]
 
 
-__all__ = ["GridPlan", "Plan", "Slot", "SlotProgram", "StepProgram", "step_program"]
+__all__ = ["GridPlan", "Link", "Part", "Plan", "Slot", "SlotProgram", "StepProgram", "step_program"]

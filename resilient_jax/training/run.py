@@ -61,17 +61,22 @@ class Programs:
     self._sample = sample_shapes(source)
     self._built: dict[tuple, list[StagePrograms]] = {}
 
-  def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
-    """One micro-batch's entries at the current micro-batch size."""
-    return {k: jax.ShapeDtypeStruct((self.microbatch_size, *shape), dtype)
+  def batch_spec(self, size: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """One micro-batch's entries at the current micro-batch size (or `size` samples)."""
+    size = self.microbatch_size if size is None else size
+    return {k: jax.ShapeDtypeStruct((size, *shape), dtype)
             for k, (shape, dtype) in self._sample.items()}
 
-  def __call__(self, split: tuple[tuple[int, int], ...]) -> list[StagePrograms]:
-    key = (split, self.microbatch_size)
+  def __call__(self, split: tuple[tuple[int, int], ...], size: int | None = None
+               ) -> list[StagePrograms]:
+    """The programs of `split` at the micro-batch size, or at `size` samples (a piece of a
+    micro-batch: `Interpreter.op_program`)."""
+    key = (split, self.microbatch_size if size is None else size)
     if key not in self._built:
       cfg = self.cfg
       self._built[key] = build_stage_programs(
-        self.model, [range(lo, hi) for lo, hi in split], self.batch_spec(), make_optimizer(cfg),
+        self.model, [range(lo, hi) for lo, hi in split], self.batch_spec(key[1]),
+        make_optimizer(cfg),
         cfg.step_batch, tp=cfg.mesh.tp, optimizer_key=optimizer_key(cfg),
         remat=cfg.model.remat, layers=getattr(cfg.model, "layers", ""), loss_fn=self.loss_fn)
     return self._built[key]
@@ -229,10 +234,21 @@ def replicated_over_tp(tp: int, axes: Mapping[str, tuple | None],
           "devices (neither faster nor smaller per device)")
 
 
+def _check_pieces_in_a_job(cfg: RunConfig) -> None:
+  from resilient_jax.runtime.multiprocess import PIECE_ROWS
+
+  if cfg.microbatch_size > PIECE_ROWS:
+    raise ConfigError(f"resilience.pieces in a job needs micro-batches of at most {PIECE_ROWS} "
+                      f"samples (the ids of transfers between processes), not "
+                      f"{cfg.microbatch_size}")
+
+
 def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None,
               log: Logger, cluster: Any, model: Any, loss_fn: Any = None, data: Any = None
               ) -> Run:
   """Builds everything a run needs before its first step (see `Trainer`'s arguments)."""
+  if cfg.resilience.pieces and cluster is not None:
+    _check_pieces_in_a_job(cfg)
   group = Solo() if cluster is None else Job(cluster)
   log = log if group.chief else (lambda _: None)
   workdir = Path(workdir)

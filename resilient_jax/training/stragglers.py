@@ -79,7 +79,7 @@ from resilient_jax.config import RunConfig
 from resilient_jax.observe.events import Speeds
 from resilient_jax.observe.profiling import RunTimelines
 from resilient_jax.observe.records import OpRecord
-from resilient_jax.schedule.core import BW, B, W, Worker
+from resilient_jax.schedule.core import BW, B, Piece, W, Worker
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.run import Run
 
@@ -97,10 +97,11 @@ def op_times(records: Iterable[OpRecord]) -> dict[Worker, KindTimes]:
   """Per worker, per backward kind it ran, `(first, median of the rest)` of its durations. A
   worker's first op of a kind does one-off work of the step (its first W allocates the gradient
   accumulator: 2x the others' time on the tiny model), so it is kept apart: a worker left with
-  one micro-batch is compared by its first ops with its peers' first ops."""
+  one micro-batch is compared by its first ops with its peers' first ops. Pieces of
+  micro-batches (`core.Piece`) are left out: they run fewer samples than their peers' ops."""
   times: dict[Worker, dict[str, list[float]]] = {}
   for r in records:
-    if r.op.kind in _MEASURED:
+    if r.op.kind in _MEASURED and not isinstance(r.op, Piece):
       times.setdefault(tuple(r.worker), {}).setdefault(r.op.kind, []).append(r.end - r.start)
   return {w: {k: (ts[0], statistics.median(ts[1:]) if len(ts) > 1 else None)
               for k, ts in kinds.items()} for w, kinds in times.items()}
