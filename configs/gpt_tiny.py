@@ -77,6 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     straggler_threshold=1.5,
     straggler_steps=3,
     pieces=False,  # true: re-route samples, not only whole micro-batches, after a failure
+    piece_fixed_share=0.1,  # an op's share that does not shrink with samples (pricing pieces)
   )
   c.checkpoint = dict(every_steps=0, keep=3, if_busy="wait", init_from="", local_dir="")
   c.profile = dict(trace_steps="", peak_tflops=0.0)  # trace_steps e.g. "3,4": jax.profiler traces

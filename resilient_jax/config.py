@@ -268,6 +268,12 @@ class ResilienceConfig:
   says that is faster. A piece runs its stage's programs built for its number of samples,
   compiled on the first attempt after the failure that split a micro-batch. In a job, at most
   `runtime.multiprocess.PIECE_ROWS` (64) samples a micro-batch (`training.run.start_run`)."""
+  piece_fixed_share: float = 0.1
+  """With `pieces`: the share of a compute op's time that does not shrink with its samples
+  (launches, per-op host work, tiles not filled), so the planner splits only where pieces pay:
+  a piece of a fraction x of a micro-batch is priced `share + (1 - share) * x` of the whole op.
+  Measure it for a model and device with `benchmarks/piece_cost.py` (0.016 for a 4-block d256
+  GPT stage on a CPU; above 0.4 for the tiny test model); 0.1 assumed by default."""
 
   def __post_init__(self):
     if not isinstance(self.policy, str) or not self.policy.isidentifier():
@@ -278,6 +284,9 @@ class ResilienceConfig:
     require_ints("resilience.", {"straggler_steps": self.straggler_steps}, 1, ConfigError)
     if not isinstance(self.pieces, bool):
       raise ConfigError(f"resilience.pieces must be true or false, got {self.pieces!r}")
+    share = self.piece_fixed_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+      raise ConfigError(f"resilience.piece_fixed_share must be a number in [0, 1), got {share!r}")
     t = self.straggler_threshold
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 1 < t < math.inf:
       raise ConfigError(f"resilience.straggler_threshold must be a number > 1, got {t!r}")

@@ -94,8 +94,10 @@ class AnalyticCosts:
 
 
 def analytic_costs(cfg: RunConfig, partition: tuple[LayerRange, ...]) -> AnalyticCosts:
-  """The analytic costs of `cfg`'s model cut by `partition`."""
-  return AnalyticCosts(stage_costs(cfg, partition), layer_profile(cfg))
+  """The analytic costs of `cfg`'s model cut by `partition` (a piece of a micro-batch priced
+  with `resilience.piece_fixed_share`)."""
+  op = dataclasses.replace(stage_costs(cfg, partition), fixed=cfg.resilience.piece_fixed_share)
+  return AnalyticCosts(op, layer_profile(cfg))
 
 
 def recovery_params(cfg: RunConfig, fault_free_step: float) -> RecoveryParams:
