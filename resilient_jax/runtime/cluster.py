@@ -73,9 +73,8 @@ from resilient_jax.model.sharding import Where
 from resilient_jax.observe.logs import info
 from resilient_jax.runtime.joining import (
   await_coordinator,
-  bind_address,
-  detected_job,
   exit_on_abort,
+  join_arguments,
   native_log_to,
 )
 from resilient_jax.runtime.kvstore import KeyValueStore
@@ -155,20 +154,7 @@ class Cluster(KeyValueStore):
     wait_s = max(1, int(cfg.wait_timeout_s))
     kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": cfg.heartbeat_timeout_s,
                               "initialization_timeout": wait_s}
-    coordinator, num_processes, process_id = cfg.coordinator, cfg.num_processes, cfg.process_id
-    if not coordinator:  # the cluster's (SLURM's: the first node's name), detected once here
-      coordinator, detected_n, detected_id, device_ids = detected_job(wait_s)
-      num_processes = num_processes or detected_n or 0
-      process_id = process_id if process_id >= 0 else (-1 if detected_id is None else detected_id)
-      if device_ids is not None:
-        kwargs["local_device_ids"] = device_ids
-    if coordinator:
-      kwargs["coordinator_address"] = coordinator
-      kwargs["coordinator_bind_address"] = bind_address(coordinator)
-    if num_processes:
-      kwargs["num_processes"] = num_processes
-    if process_id >= 0:
-      kwargs["process_id"] = process_id
+    coordinator, num_processes, process_id = join_arguments(cfg, wait_s, kwargs)
     who = f"process {process_id}" if process_id >= 0 else "this process"
     if coordinator and process_id > 0:
       await_coordinator(coordinator, wait_s, who)

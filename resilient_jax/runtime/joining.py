@@ -182,3 +182,32 @@ def detected_job(timeout_s: int) -> tuple[str | None, int | None, int | None, li
   coordinator, n, pid, ids = ClusterEnv.auto_detect_unset_distributed_params(
     None, None, None, ids, None, timeout_s)
   return coordinator, n, pid, (list(ids) if ids is not None else None)
+
+
+def join_arguments(cfg: Any, wait_s: int, kwargs: dict[str, Any]) -> tuple[str, int, int]:
+  """Adds the job's coordinator, process count, id, device ids and the service's bind address
+  to `kwargs` (`jax.distributed.initialize`'s): the configured ones, else the cluster's
+  (`detected_job`; SLURM's coordinator is the first node's name). Returns (coordinator,
+  processes, process id), "", 0 and -1 where neither says.
+
+  Args:
+    cfg: the job's `DistributedConfig`.
+    wait_s: the bound on detecting them.
+    kwargs: updated in place.
+  """
+  coordinator, num_processes, process_id = cfg.coordinator, cfg.num_processes, cfg.process_id
+  if not coordinator:
+    found, found_n, found_id, device_ids = detected_job(wait_s)
+    coordinator = found or ""
+    num_processes = num_processes or found_n or 0
+    process_id = process_id if process_id >= 0 else (-1 if found_id is None else found_id)
+    if device_ids is not None:
+      kwargs["local_device_ids"] = device_ids
+  if coordinator:
+    kwargs["coordinator_address"] = coordinator
+    kwargs["coordinator_bind_address"] = bind_address(coordinator)
+  if num_processes:
+    kwargs["num_processes"] = num_processes
+  if process_id >= 0:
+    kwargs["process_id"] = process_id
+  return coordinator, num_processes, process_id
