@@ -274,3 +274,50 @@ def test_sbatch_trains_through_a_node_set_down(box, tmp_path):
   finally:
     subprocess.run(["scancel", job_id], env=box.env(), capture_output=True)
     box.resume(box.node(2))
+
+
+def test_sbatch_process_0_node_down_then_the_same_job_again_resumes(box, tmp_path):
+  """Node 1 (process 0's: the coordination service, and the batch script's) set DOWN as step 3
+  starts: SLURM kills the batch script with it and the job ends FAILED, not requeued (a job
+  that keeps its allocation through node failures, `#SBATCH --no-kill`, is not requeued when
+  its batch host fails); process 1 writes its stage's state of step 2, the last committed, and
+  exits 5. Submitting the same job again on the same WORKDIR resumes after step 2 from that copy
+  and ends with the fault-free losses: no committed step lost."""
+  if not box.slurm:
+    pytest.skip(missing(slurm=True))
+  workdir = tmp_path / "slurm0"
+  marker = tmp_path / "paused"
+  settings = dict(DP="2", PP="1", TP="1", GPUS_PER_NODE="1", WORKDIR=str(workdir),
+                  PYTHON=sys.executable)
+  args = ["--config=configs/gpt_tiny.py:runlocal", *_train_args(workdir, 2, 5, 3)[4:]]
+  job_id = _sbatch(box, workdir, *args, **settings, RESILIENT_JAX_PAUSE="3:start",
+                   RESILIENT_JAX_PAUSE_FILE=str(marker))
+  try:
+    _wait(lambda: marker.exists() or _job_state(box, job_id).get("JobState") not in
+          ("PENDING", "RUNNING"), "the job held at step 3")
+    box.scontrol("update", f"nodename={box.node(1)}", "state=down", "reason=test")
+    marker.unlink()
+    _wait(lambda: _job_state(box, job_id).get("JobState") not in ("PENDING", "RUNNING",
+                                                                   "COMPLETING"), "the job")
+    _wait(lambda: not _task_pids(box, 2), "process 1's end")
+    assert _job_state(box, job_id)["JobState"] == "FAILED"
+    assert (workdir / "exits" / f"{job_id}.0" / "task.1").read_text().strip() == "5"
+    assert (workdir / "local" / "process_1" / "2" / "meta.json").exists()
+  finally:
+    subprocess.run(["scancel", job_id], env=box.env(), capture_output=True)
+    box.resume(box.node(1))
+  _wait(lambda: "idle" in subprocess.run(["sinfo", "-h", "-n", box.node(1), "-o", "%t"],
+                                         env=box.env(), capture_output=True, text=True).stdout,
+        "node 1 back")
+  again = _sbatch(box, workdir, *args, **settings)
+  try:
+    _wait(lambda: _job_state(box, again).get("JobState") not in ("PENDING", "RUNNING",
+                                                                 "COMPLETING"), "the job again")
+    out = Path(f"{workdir}.out").read_text(errors="replace")
+    assert _job_state(box, again)["JobState"] == "COMPLETED", out[-4000:]
+    assert re.search(r"resuming after step 2, the newest step every stage can be read at: the "
+                     r"local copies", out), out[-4000:]
+    rows = assert_fault_free(workdir, dp=2, steps=5)
+    assert [r["live_workers"] for r in rows] == [2] * 5, rows
+  finally:
+    subprocess.run(["scancel", again], env=box.env(), capture_output=True)
