@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,6 +136,10 @@ class ClusterBox:
     self._sweep()
     self._closed = False
     atexit.register(self.close)
+    # SIGTERM would end the interpreter without atexit: made an exit, so the box still closes.
+    if (threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+      signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     try:
       self.dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}box-"))
       _run(["ip", "link", "add", self.bridge, "type", "bridge"])
@@ -195,6 +200,18 @@ class ClusterBox:
           os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
           pass
+    # An earlier box's daemons in the root namespace (slurmctld, munged), when it was SIGKILLed:
+    # a process is ended only if its command line names that box's own folder.
+    for d in Path(tempfile.gettempdir()).glob(f"{self.tag}box-*"):
+      if d == self.dir or not (d / "log").is_dir() or self.keep_logs:
+        continue
+      for proc in Path("/proc").iterdir():
+        try:
+          if proc.name.isdigit() and str(d).encode() in (proc / "cmdline").read_bytes():
+            os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:
+          pass
+      shutil.rmtree(d, ignore_errors=True)
     deadline = time.monotonic() + 10
     for ns in ours:
       while _run(["ip", "netns", "pids", ns], check=False).stdout.split() and \
