@@ -52,12 +52,12 @@ def _env(**extra: str) -> dict[str, str]:
   return env
 
 
-def _wait(cond, what: str, timeout: float = WAIT_S) -> None:
+def _wait(cond, what: str, timeout: float = WAIT_S, every: float = 0.05) -> None:
   deadline = time.monotonic() + timeout
   while not cond():
     if time.monotonic() > deadline:
       pytest.fail(f"{what}: not within {timeout}s")
-    time.sleep(0.05)
+    time.sleep(every)
 
 
 def _rows(workdir: Path) -> list[dict]:
@@ -222,6 +222,12 @@ def _job_state(box: ClusterBox, job_id: str) -> dict[str, str]:
   return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
+def _job_ended(box: ClusterBox, job_id: str) -> None:
+  _wait(lambda: _job_state(box, job_id).get("JobState") not in ("PENDING", "RUNNING",
+                                                                 "COMPLETING"),
+        f"job {job_id}'s end", every=0.25)
+
+
 def _task_pids(box: ClusterBox, k: int) -> list[str]:
   """The `launch.train` processes in host k."""
   pids = subprocess.run(["ip", "netns", "pids", box.ns(k)], capture_output=True,
@@ -254,15 +260,14 @@ def test_sbatch_trains_through_a_node_set_down(box, tmp_path):
                    RESILIENT_JAX_PAUSE_FILE=str(marker))
   try:
     _wait(lambda: marker.exists() or _job_state(box, job_id).get("JobState") not in
-          ("PENDING", "RUNNING"), "the job held at step 3")
+          ("PENDING", "RUNNING"), "the job held at step 3", every=0.25)
     service = [a for a, p in box.listeners(1) if "train" in p or "python" in p]
     assert any(a.endswith(f"{box.addr(1)}]:{61440 + int(job_id) % 4096}") for a in service), \
       service  # the service on node 1's address, not [::]
     box.scontrol("update", f"nodename={box.node(2)}", "state=down", "reason=test")
     _wait(lambda: not _task_pids(box, 2), "SLURM ending node 2's task")
     marker.unlink()
-    _wait(lambda: _job_state(box, job_id).get("JobState") not in ("PENDING", "RUNNING",
-                                                                   "COMPLETING"), "the job")
+    _job_ended(box, job_id)
     state = _job_state(box, job_id)
     out = Path(f"{workdir}.out").read_text(errors="replace")
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]
@@ -294,11 +299,10 @@ def test_sbatch_process_0_node_down_then_the_same_job_again_resumes(box, tmp_pat
                    RESILIENT_JAX_PAUSE_FILE=str(marker))
   try:
     _wait(lambda: marker.exists() or _job_state(box, job_id).get("JobState") not in
-          ("PENDING", "RUNNING"), "the job held at step 3")
+          ("PENDING", "RUNNING"), "the job held at step 3", every=0.25)
     box.scontrol("update", f"nodename={box.node(1)}", "state=down", "reason=test")
     marker.unlink()
-    _wait(lambda: _job_state(box, job_id).get("JobState") not in ("PENDING", "RUNNING",
-                                                                   "COMPLETING"), "the job")
+    _job_ended(box, job_id)
     _wait(lambda: not _task_pids(box, 2), "process 1's end")
     assert _job_state(box, job_id)["JobState"] == "FAILED"
     assert (workdir / "exits" / f"{job_id}.0" / "task.1").read_text().strip() == "5"
@@ -308,11 +312,10 @@ def test_sbatch_process_0_node_down_then_the_same_job_again_resumes(box, tmp_pat
     box.resume(box.node(1))
   _wait(lambda: "idle" in subprocess.run(["sinfo", "-h", "-n", box.node(1), "-o", "%t"],
                                          env=box.env(), capture_output=True, text=True).stdout,
-        "node 1 back")
+        "node 1 back", every=0.25)
   again = _sbatch(box, workdir, *args, **settings)
   try:
-    _wait(lambda: _job_state(box, again).get("JobState") not in ("PENDING", "RUNNING",
-                                                                 "COMPLETING"), "the job again")
+    _job_ended(box, again)
     out = Path(f"{workdir}.out").read_text(errors="replace")
     assert _job_state(box, again)["JobState"] == "COMPLETED", out[-4000:]
     assert re.search(r"resuming after step 2, the newest step every stage can be read at: the "
