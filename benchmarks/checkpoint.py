@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 
@@ -287,6 +288,7 @@ def main() -> None:
     # (it is taken at the first step the writer is free), on the same trainer.
     trainer.run_step(1)
     first = 2
+    figures: dict[str, float] = {}
     for rule in ("wait", "defer"):
       # The run's config, which the checkpoint rule reads (`Checkpoints.if_due`); before
       # 2026-11-27 this set a copy only the trainer held, and `defer` measured `wait` again.
@@ -313,6 +315,7 @@ def main() -> None:
       print(f"  training blocked by checkpointing: {sum(blocked):.3f} s over {len(step_times)} "
             f"steps = {sum(blocked) / sum(step_times):.2%} of training time (target < 1%); per "
             f"save taken: median {np.median(per_save):.3f} s, max {max(per_save):.3f} s")
+      figures[f"{rule}_blocked_fraction"] = round(sum(blocked) / sum(step_times), 4)
 
     root = tmp / "a" / "checkpoints"
     path = ckpt.step_dir(root, ckpt.committed_steps(root)[-1])
@@ -433,6 +436,11 @@ def main() -> None:
           f"({np.median(cpu['reshard']):.3f} CPU-s) -> ratio {med['reshard'] / med['raw']:.2f} "
           f"to the raw read (target <= 1.5 idle, <= 2 loaded); "
           f"{med['reshard'] / med['plain']:.2f} to the plain load")
+    figures.update({"checkpoint_gib": round(nbytes / 2**30, 2),
+                    "reshard_load_s": round(med["reshard"], 3),
+                    "reshard_over_raw_read": round(med["reshard"] / med["raw"], 2),
+                    "reshard_over_plain_load": round(med["reshard"] / med["plain"], 2)})
+    record("checkpoint", figures)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 TARGET = 1.03
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"tiny GPT (configs/gpt_tiny.py, d_model={d}), dp=2 x pp=4 on 8 simulated CPU devices, "
         "zb-h1; "
         f"{args.steps} profiled steps per run and state, interleaved; replayed step times")
+  figures: dict[str, float] = {}
   for state in ("fault-free", "re-routed"):
     base = statistics.median(times[("off", state)])
     print(f"\n{state}:")
@@ -99,7 +101,11 @@ def main(argv: list[str] | None = None) -> None:
         v / o for v, o in zip(times[(name, state)], times[("off", state)], strict=True))
       verdict = "" if name == "off" else ("  ok" if paired <= TARGET else "  ABOVE TARGET")
       print(f"  {name:13s} {t * 1e3:8.2f} ms   x{t / base:.3f} (per round x{paired:.3f}){verdict}")
+      key = f"{state}_{name}".replace(" ", "_").replace("-", "_")
+      figures[f"{key}_ms"] = round(t * 1e3, 2)
+      figures[f"{key}_per_round_ratio"] = round(paired, 3)
   print(f"\nsteps that clipped: {clipped}; target: x{TARGET} or less")
+  record("clipping", figures)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.reduction import _CHILD  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 from launch.cluster_box import ClusterBox, missing  # noqa: E402
 
 
@@ -78,7 +79,14 @@ def main(argv: list[str] | None = None) -> None:
         f"received {r['received_ratio']:.3f} of it per reduction (the ring promises "
         f"{r['promised_ratio']:.3f}); median {r['seconds']:.3f} s per reduction, bytes / rate "
         f"{r['bound_s']:.3f} s")
-  print(f"seconds_vs_bytes_bound: {r['seconds'] / r['bound_s']:.3f}")
+  ratio = r["seconds"] / r["bound_s"]
+  print(f"seconds_vs_bytes_bound: {ratio:.3f}")
+  variant = "" if a.rate_mbit == 200 else f"_{a.rate_mbit:g}mbit"
+  record(f"cluster_reduction{variant}", {
+    "seconds_vs_bytes_bound": round(ratio, 3), "seconds": round(r["seconds"], 3),
+    "bytes_bound_s": round(r["bound_s"], 3), "sent_ratio": round(r["sent_ratio"], 3),
+    "received_ratio": round(r["received_ratio"], 3), "dp": r["dp"], "rate_mbit": a.rate_mbit,
+    "gradient_mib": 4 * a.floats / 2**20})
 
 
 if __name__ == "__main__":

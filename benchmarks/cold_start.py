@@ -40,6 +40,10 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = ROOT
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from benchmarks.results import record  # noqa: E402
 
 _CHILD = r"""
 import json, os, sys, time
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
       runs[c].append(measure(*c, warm=args.warm, jax_cache=args.jax_cache,
                              global_batch=args.global_batch))
   print(f"load average at end: {os.getloadavg()[0]:.2f}")
+  figures: dict[str, float | int] = {}
   for run in ("cold", "warm") if args.warm else ("cold",):
     print(f"\n{run} start (a fresh process{' on the cache the cold one filled' * (run == 'warm')})")
     print("| grid | variant | first step (median s) | CPU s (median) | XLA compilations | stage "
@@ -139,12 +144,16 @@ def main(argv: list[str] | None = None) -> None:
       ratio = f"{t / plain:.2f}, {cpu / plain_cpu:.2f}" if variant.startswith("library") else ""
       own = f"{rs[0]['compiled']} / {rs[0]['loaded']}" if variant.startswith("library") else ""
       print(f"| {dp}x{pp} | {variant} | {t:.2f} | {cpu:.2f} | {rs[0]['xla']} | {own} | {ratio} |")
+      key = f"{run}_{dp}x{pp}_{variant.replace('-', '_')}"
+      figures.update({f"{key}_first_step_s": round(t, 2), f"{key}_cpu_s": round(cpu, 2),
+                      f"{key}_xla_compilations": rs[0]["xla"]})
   if args.warm:
     print("\nwarm / cold first step (medians):")
     for c in cases:
       cold = statistics.median(x["cold"]["seconds"] for x in runs[c])
       warm = statistics.median(x["warm"]["seconds"] for x in runs[c])
       print(f"  {c[0]}x{c[1]} {c[2]}: {warm:.2f}s / {cold:.2f}s = {warm / cold:.2f}")
+  record("cold_start" + "_jax_cache" * args.jax_cache, figures)
 
 
 def trace_and_cut(layers: int, repeats: int) -> None:
@@ -160,9 +169,9 @@ def trace_and_cut(layers: int, repeats: int) -> None:
   import jax
 
   from resilient_jax.model.check import token_batch
-  from resilient_jax.model.config import partition_layers
   from resilient_jax.model.cut import LossCut, default_loss_fn
   from resilient_jax.model.staging import Binder, flat_params, variable_names
+  from resilient_jax.spec.model import partition_layers
   from tests.helpers import tiny_config
 
   cfg = tiny_config(model__num_layers=layers)
@@ -193,6 +202,8 @@ def trace_and_cut(layers: int, repeats: int) -> None:
   print(f"trace_s_{layers}: {statistics.median(times['trace']):.3f}")
   print(f"cut_s_{layers}_pp4: {statistics.median(times['cut pp=4']):.3f}")
   print(f"load average at end: {os.getloadavg()[0]:.2f}")
+  record("cold_start_trace", {f"{name.replace(' ', '_').replace('=', '')}_s":
+                              round(statistics.median(ts), 3) for name, ts in times.items()})
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
   sys.path.insert(0, ROOT)
+  from benchmarks.results import record  # this checkout's, before --tree's
+
   if args.tree:
     sys.path.insert(0, os.path.abspath(args.tree))
   from benchmarks.overhead import make_cfg
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
   def run(name: str, t: int) -> tuple[float, float, float, float, float]:
     trainer = trainers[name]
     c0, w0 = time.thread_time(), time.perf_counter()
-    result, _ = trainer.run_step(t)
+    result = trainer.run_step(t).result
     cpu = time.thread_time() - c0
     jax.block_until_ready(list(trainer.interpreter.params.values()))
     step = time.perf_counter() - w0
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
   print(f"{'grid':5} {'mode':9} {'ops':>4} {'dispatch wall ms/op':>20} {'dispatch CPU ms/op':>19} "
         f"{'(mean)':>7} {'step ms':>8} {'caller CPU ms/op':>17} {'arrays/op':>9}")
+  figures: dict[str, float] = {}
   for dp, pp in grids:
     g = f"{dp}x{pp}"
     ops = sum(len(s.ops) for s in trainers[f"{g} {modes[0]}"].interpreter.step_program
@@ -153,6 +156,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{statistics.median(x[3] for x in r) * 1e3:8.1f} "
             f"{statistics.median(x[4] for x in r) / ops * 1e3:17.3f} "
             f"{arrays[f'{g} {mode}'] / ops:9.1f}")
+      key = f"{g}_{mode}"
+      figures.update({
+        f"{key}_dispatch_wall_ms_per_op": round(statistics.median(x[1] for x in r) / ops * 1e3, 3),
+        f"{key}_dispatch_cpu_ms_per_op": round(statistics.median(x[2] for x in r) / ops * 1e3, 3),
+        f"{key}_step_ms": round(statistics.median(x[3] for x in r) * 1e3, 1)})
     if len(modes) > 1:
       b = rows[f"{g} {modes[-1]}"]
       for mode in modes[:-1]:
@@ -163,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
           print(f"{'':5} {mode}/{modes[-1]} {what}: {med:.3f} (per round {per_round:.3f})")
       equal = all([x[0] for x in rows[f"{g} {m}"]] == [x[0] for x in b] for m in modes)
       print(f"{'':5} losses bitwise equal across modes: {equal}")
+  record("dispatch", figures)
 
 
 def arrays_per_op(trainer, step: int) -> int:

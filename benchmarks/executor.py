@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 KINDS = ("F", "B", "W", "BW", "AR", "OPT")
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     f"pp={args.pp} on {args.dp * args.pp} simulated CPU devices, {args.cores} cores; "
     f"{args.steps} timed steps after {args.warmup} warm-up, {args.profile_steps} profiled"
   )
+  figures: dict[str, float] = {}
   for name in names:
     _, _, schedule, _, _ = runs[(name, False)]
     n_ops = sum(len(ops) for ops in schedule.ops.values())
@@ -178,6 +180,12 @@ def main(argv: list[str] | None = None) -> None:
         for k in kinds
       )
       print(f"{'':35}{s:>5} {cells}")
+    figures.update({f"{name}_dispatch_us_per_op": round(dispatch_s / n_ops * 1e6, 1),
+                    f"{name}_tiny_op_step_us_per_op": round(tiny_step_s / n_ops * 1e6, 1),
+                    f"{name}_executed_step_ms": round(step_s * 1e3, 1),
+                    f"{name}_replayed_makespan_ms": round(makespan * 1e3, 1),
+                    f"{name}_executed_over_replayed": round(step_s / makespan, 2)})
+  record("executor", figures)
 
 
 if __name__ == "__main__":

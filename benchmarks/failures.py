@@ -29,14 +29,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record as record_result  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 
-def planner_part() -> None:
+def planner_part() -> dict[str, float]:
   from resilient_jax.schedule.analysis import report
 
   rows = report.planner_table([(8, 8, 16), (4, 4, 8)])
   print(report.format_table(rows))
+  # The table's `ad/bnd` column at its lowest, per layout of the failures (target >= 0.95 where
+  # they are in one stage).
+  return {f"min_adaptive_over_bound_{layout.replace(' ', '')}": round(min(r.of_bound for r in rows
+                                                          if r.layout == layout), 3)
+          for layout in sorted({r.layout for r in rows})}
 
 
 def _run(policy: str, steps: int, profile_steps: set[int], fail_step: int):
@@ -59,7 +65,7 @@ def _run(policy: str, steps: int, profile_steps: set[int], fail_step: int):
     replayed, predicted, from_profile, profiled = {}, {}, {}, {}
     for step in range(1, steps + 1):
       prof = step in profile_steps
-      result, _ = trainer.run_step(step, profile=prof)
+      result = trainer.run_step(step, profile=prof).result
       phase = "before" if step < fail_step else "after"
       if prof:
         sched = trainer.coordinator.schedule
@@ -74,7 +80,7 @@ def _run(policy: str, steps: int, profile_steps: set[int], fail_step: int):
   return wall, replayed, predicted, from_profile, profiled
 
 
-def executor_part(write_docs: bool) -> None:
+def executor_part(write_docs: bool) -> dict[str, float]:
   from resilient_jax.observe.profiling import write_step_timeline
 
   steps, fail = 12, 6
@@ -83,6 +89,7 @@ def executor_part(write_docs: bool) -> None:
   print(f"{'policy':8s} {'wall before':>12s} {'wall after':>11s} {'wall x':>7s} "
         f"{'replay before':>14s} {'replay after':>13s} {'replay x':>9s} {'flops x':>8s} "
         f"{'profile x':>10s} {'agree':>6s}")
+  figures: dict[str, float] = {}
   for policy in ("recycle", "naive"):
     wall, rep, pred, fprof, prof = _run(policy, steps, {4, 9}, fail)
     wb, wa = statistics.median(wall["before"]), statistics.median(wall["after"])
@@ -91,6 +98,8 @@ def executor_part(write_docs: bool) -> None:
     print(f"{policy:8s} {wb * 1e3:10.1f}ms {wa * 1e3:9.1f}ms {wa / wb:7.2f} "
           f"{rep['before'] * 1e3:12.1f}ms {rep['after'] * 1e3:11.1f}ms {rx:9.2f} {px:8.2f} "
           f"{mx:10.2f} {abs(rx / mx - 1):6.1%}")
+    figures.update({f"{policy}_wall_x": round(wa / wb, 2), f"{policy}_replay_x": round(rx, 2),
+                    f"{policy}_flops_x": round(px, 2), f"{policy}_profile_x": round(mx, 2)})
     if write_docs and policy == "recycle":
       for phase, stem in (("before", "timeline_fault_free"), ("after", "timeline_after_failure")):
         sched, records = prof[phase]
@@ -99,6 +108,7 @@ def executor_part(write_docs: bool) -> None:
         "measured op durations replayed with one core per worker. flops x: the coordinator's "
         "FLOP-based cost model. profile x: the cost model fed the fault-free step's measured "
         "per-stage op times (what the simulator reads). agree: |replay x / profile x - 1|.")
+  return figures
 
 
 def record(path: Path) -> None:
@@ -107,7 +117,7 @@ def record(path: Path) -> None:
   import json
 
   from resilient_jax.observe.profiling import costs_from_records, write_profile
-  from resilient_jax.runtime.records import OpRecord
+  from resilient_jax.observe.records import OpRecord
 
   out = {"dp": 2, "pp": 4, "m": 8, "failed": [[1, 1]], "base": "zb-h1", "policies": {}}
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +163,7 @@ def _run_many(policy: str, repeats: int = 5):
     scheds = {}
     for step in range(1, cfg.train.steps + 1):
       warm = step not in (1, 2, fail, fail + 1)  # skip compile steps
-      result, _ = trainer.run_step(step, profile=warm)
+      result = trainer.run_step(step, profile=warm).result
       if warm:
         phase = "before" if step < fail else "after"
         scheds[phase] = trainer.coordinator.schedule
@@ -174,10 +184,13 @@ def main() -> None:
     runtime_setup.configure_jax(num_cpu_devices=8)
     record(args.record)
     return
-  planner_part()
-  if not args.planner:
-    runtime_setup.configure_jax(num_cpu_devices=8)
-    executor_part(write_docs=not args.no_docs)
+  figures = planner_part()
+  if args.planner:
+    record_result("failures_planner", figures)
+    return
+  runtime_setup.configure_jax(num_cpu_devices=8)
+  figures.update(executor_part(write_docs=not args.no_docs))
+  record_result("failures", figures)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.checkpoint import local  # noqa: E402
 
 
@@ -57,6 +58,7 @@ def main() -> None:
   sizes = [1, 4] if args.small else [16, 64, 256]
   print(f"load average: {open('/proc/loadavg').read().split()[:3]}")
   meta = {"token": "bench", "data": {}, "model": {}}
+  figures: dict[str, float] = {}
   with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
     root = Path(tmp)
     for mib in sizes:
@@ -85,6 +87,12 @@ def main() -> None:
             f"{med['write'] / med['raw_write']:.2f}   read+verify {med['read']:.3f}s "
             f"({1e3 * med['read'] / size:.2f} ms/MiB)  read_vs_raw_read: "
             f"{med['read'] / med['raw_read']:.2f}   ({path.parent.name})")
+      figures.update({f"{mib}MiB_write_ms_per_mib": round(1e3 * med["write"] / size, 2),
+                      f"{mib}MiB_copy_vs_raw_write": round(med["write"] / med["raw_write"], 2),
+                      f"{mib}MiB_read_ms_per_mib": round(1e3 * med["read"] / size, 2),
+                      f"{mib}MiB_read_vs_raw_read": round(med["read"] / med["raw_read"], 2)})
+  if not args.small:  # --small checks the script, not the machine
+    record("local_copy", figures)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 
@@ -156,8 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in order:
       times[r].append(step(r, args.warmup + 1 + i))
   base = settings[0]
+  figures: dict[str, float] = {f"{r}_peak_bytes": max(peaks[r]) for r in settings}
   for r in settings:
     print(f"{r:>14} step {statistics.median(times[r]) * 1e3:8.1f} ms (median of {args.steps})")
+    figures[f"{r}_step_ms"] = round(statistics.median(times[r]) * 1e3, 1)
   for r in settings[1:]:
     act = [p.activation_bytes for p in runs[r][1]]
     act0 = [p.activation_bytes for p in runs[base][1]]
@@ -165,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{'/'.join(f'{a / b:.3f}' for a, b in zip(act, act0, strict=True))} per stage, "
           f"peak bytes of the fullest stage x{max(peaks[r]) / max(peaks[base]):.3f}, "
           f"step time x{statistics.median(times[r]) / statistics.median(times[base]):.3f}")
+    figures[f"{r}_peak_bytes_ratio"] = round(max(peaks[r]) / max(peaks[base]), 3)
+    figures[f"{r}_step_time_ratio"] = round(statistics.median(times[r])
+                                            / statistics.median(times[base]), 3)
+  record("memory", figures)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 GRIDS = ((1, 1), (2, 1), (1, 2))
@@ -114,7 +115,7 @@ class LibraryStep:
   def __call__(self, t: int) -> float:
     import jax
 
-    result, _ = self.trainer.run_step(t)
+    result = self.trainer.run_step(t).result
     self.dispatch_s.append(result.dispatch_time_s)
     jax.block_until_ready(list(self.trainer.interpreter.params.values()))
     return result.loss
@@ -374,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
   print(f"{'grid':5} {'step':24} {'median ms':>10}  library/this (of medians; median of "
         "per-round ratios)")
+  figures: dict[str, float] = {}
   for dp, pp in grids:
     g = f"{dp}x{pp}"
     lib = times[f"{g} library"]
@@ -389,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
     best = min(baselines[g], key=lambda n: statistics.median(times[n]))
     print(f"{'':5} library / fastest plain ({best}): "
           f"{lib_med / statistics.median(times[best]):.3f}")
+    figures[f"{g}_library_ms"] = round(lib_med * 1e3, 2)
+    figures[f"{g}_library_over_fastest_plain"] = round(lib_med / statistics.median(times[best]), 3)
+  record("overhead" + (f"_{args.model}" if args.model != "gpt" else ""), figures)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """What a host failure costs under each placement, side by side in one run (the simulator).
 
 For `configs/sim/hosts.py` (GPT-3 6.7B, 64 hosts of 8 A100s, dp 64 x pp 8) and each placement
-(`resilient_jax/runtime/placement.py`: "pipeline", a host is one pipeline; "stage", a host is
+(`resilient_jax/spec/placement.py`: "pipeline", a host is one pipeline; "stage", a host is
 one stage of 8 pipelines), prints the re-routing policy's steady-state throughput with k hosts
 failed at once (k = 1, 2, 4, 8; mean and worst over `--draws` random choices of the hosts: the
 failed set depends on which hosts fail, so one draw says little), and each placement's samples/s
 through the same 24-hour trace of host failures (`--seeds` traces). The last line is the ratio
-pipeline / stage of the means. `mesh.placement`'s default follows from it (README).
+pipeline / stage of the means. `mesh.placement`'s default follows from it (docs/clusters.md).
 
 Run:
   python benchmarks/placement.py               # 20 draws per point, 4 traces: about a minute
@@ -22,12 +22,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.results import record  # noqa: E402
 from configs.sim.hosts import get_config  # noqa: E402
 from resilient_jax.policy.base import Grid  # noqa: E402
 from resilient_jax.policy.registry import build_policies  # noqa: E402
-from resilient_jax.runtime.placement import PLACEMENTS  # noqa: E402
 from resilient_jax.sim import build_costs, build_trace, from_config_dict  # noqa: E402
 from resilient_jax.sim.engine import run_trace, sweep  # noqa: E402
+from resilient_jax.spec.placement import PLACEMENTS  # noqa: E402
 
 HOSTS_FAILED = (1, 2, 4, 8)
 
@@ -82,6 +83,15 @@ def main() -> None:
   print("pipeline / stage: " + ", ".join(f"{k} hosts {r:.3f}" for k, r in
                                          zip(HOSTS_FAILED, ratios, strict=True))
         + f"; traces {traces['pipeline'] / traces['stage']:.3f}")
+  figures: dict[str, float] = {}
+  for p in PLACEMENTS:
+    ff = res[p]["fault_free"]
+    figures[f"{p}_fault_free_samples_per_s"] = round(ff, 1)
+    for k in HOSTS_FAILED:
+      figures[f"{p}_{k}_hosts_mean_relative"] = round(res[p]["hosts"][k][0] / ff, 3)
+      figures[f"{p}_{k}_hosts_worst_relative"] = round(res[p]["hosts"][k][1] / ff, 3)
+    figures[f"{p}_trace_samples_per_s"] = round(traces[p], 1)
+  record("placement", figures)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,13 @@ Run:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.policy import Grid, PolicyUnavailableError, Transition, build_policies  # noqa: E402
 from resilient_jax.sim.config import from_config_dict, load_config_file  # noqa: E402
 from resilient_jax.sim.run import build_costs  # noqa: E402
@@ -87,6 +89,10 @@ def main() -> None:
            if any(rows["auto"][k] < r[k] * (1 - 0.01) for n, r in rows.items() if n != "auto")]
   print("auto >= every other policy (within its 1% tie rule) in every row: "
         + ("yes" if not worst else f"NO at {worst}"))
+  path, _, variant = args.config.partition(":")  # another config: its own file
+  name = "policies" if args.config == parser.get_default("config") else \
+    f"policies_{os.path.basename(path).removesuffix('.py')}{'_' * bool(variant)}{variant}"
+  record(name, {f"{p}_{k}_failed": round(v, 3) for p, r in rows.items() for k, v in r.items()})
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 FAILURES = [(7, (1, 0), None), (13, (2, 0), None), (19, (3, 0), "F12")]
@@ -105,11 +106,16 @@ def main() -> None:
           "| ends on |")
   print(head)
   print("|---" * (head.count("|") - 1) + "|")
+  figures: dict[str, float] = {}
   for name, r in results.items():
     diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref, strict=True))
     states = " | ".join(f"{x:.3f}" for x in r["states"])
     rec = ", ".join(f"{x:.2f}" for x in r["recover"])
     print(f"| {name} | {states} | {rec} | {r['total']:.1f} s | {diff:.1e} | {r['schedules'][-1]} |")
+    figures.update({f"{name}_{k}_failed_step_s": round(x, 3) for k, x in enumerate(r["states"])})
+    figures.update({f"{name}_recover_{i + 1}_s": round(x, 2) for i, x in enumerate(r["recover"])})
+    figures.update({f"{name}_total_s": round(r["total"], 1), f"{name}_max_loss_diff": diff})
+  record("policies_runtime", figures)
 
 
 if __name__ == "__main__":

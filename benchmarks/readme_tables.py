@@ -1,17 +1,18 @@
-"""The README's tables that the deterministic simulator prints, generated so they cannot go stale.
+"""The docs' tables that the deterministic simulator prints, generated so they cannot go stale.
 
 Run:
   python benchmarks/readme_tables.py            # prints every block
-  python benchmarks/readme_tables.py --write    # rewrites them in README.md
+  python benchmarks/readme_tables.py --write    # rewrites them where they are (docs/*.md)
   python benchmarks/readme_tables.py --only=sim-gpt3_6_7b --write
 
-Each block sits in README.md between `<!-- begin: NAME canary=DIGEST -->` and `<!-- end -->`.
+Each block sits in one of `DOCUMENTS` (docs/simulator.md, docs/clusters.md) between
+`<!-- begin: NAME canary=DIGEST -->` and `<!-- end -->`.
 A block costs full simulations (`sim-gpt3_6_7b`: about 20 s of CPU; `sim-ettr`, two presets
 of 54 and 90 days, and `sim-placement`, 2 x 80 sweeps and 8 traces: minutes each), too much for
 the test suite, so the marker carries a canary:
 the digest of the same configs' `:runlocal` variants' results (the sweep, the trace and the
 goodput of every policy on a tiny grid, a fraction of a second). `tests/test_sim.py` recomputes
-the canaries and compares the README's fault-free row with a fresh run of the full config
+the canaries and compares the 6.7B table's fault-free row with a fresh run of the full config
 (that row alone is cheap): a change of the simulator or its policies changes a canary, and the
 test names this command. The simulator is pure Python without clocks or unseeded randomness,
 so every figure here is the same on any machine.
@@ -33,9 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+DOCUMENTS = [os.path.join(ROOT, "README.md"),
+             *sorted(os.path.join(DOCS, f) for f in os.listdir(DOCS) if f.endswith(".md"))]
+"""Where the blocks may sit (each block in one of them)."""
 SWEEP_ROWS = (0, 1, 16, 64, 256)
-"""The failure counts of the sweep the README's table shows (of the config's 0, 1, 2, ... 256)."""
+"""The failure counts of the sweep the 6.7B table shows (of the config's 0, 1, 2, ... 256)."""
 ETTR_PRESETS = (("llama3_16k", "Llama 3 mix, 16k GPUs, 54 days"),
                 ("byterobust_9600", "ByteRobust-like, 9,600 GPUs, 90 days"))
 _BLOCK = re.compile(r"<!-- begin: (?P<name>[\w-]+) canary=(?P<canary>\w+) -->\n(?P<body>.*?)"
@@ -166,9 +170,18 @@ def readme_blocks(text: str) -> dict[str, re.Match]:
   return {m["name"]: m for m in _BLOCK.finditer(text)}
 
 
+def document_blocks() -> dict[str, tuple[str, re.Match]]:
+  """Every block of `DOCUMENTS`: its name -> (the file holding it, its match)."""
+  found = {}
+  for path in DOCUMENTS:
+    with open(path) as f:
+      found.update({name: (path, m) for name, m in readme_blocks(f.read()).items()})
+  return found
+
+
 def main(argv: list[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--write", action="store_true", help="rewrite the blocks in README.md")
+  p.add_argument("--write", action="store_true", help="rewrite the blocks where they are")
   p.add_argument("--only", default="", help="comma-separated block names (default: all)")
   args = p.parse_args(argv)
   chosen = [b for b in args.only.split(",") if b] or list(BLOCKS)
@@ -182,20 +195,21 @@ def main(argv: list[str] | None = None) -> None:
     print(made[name])
   if not args.write:
     return
-  # Read just before writing: others may edit the README while the simulations run.
-  with open(README) as f:
-    text = f.read()
-  found = readme_blocks(text)
+  # Read just before writing: others may edit the docs while the simulations run.
+  found = document_blocks()
   missing = [name for name in chosen if name not in found]
   if missing:
-    sys.exit(f"README.md has no block {missing[0]}: add '<!-- begin: {missing[0]} canary=x -->' "
+    sys.exit(f"no document has block {missing[0]}: add '<!-- begin: {missing[0]} canary=x -->' "
              "and '<!-- end -->' lines where it goes")
-  for name in chosen:
-    text = text.replace(found[name].group(0), made[name])
-  with open(README, "w") as f:
-    f.write(text)
-  print(f"wrote {', '.join(chosen)} into {README}")
-
+  for path in sorted({found[name][0] for name in chosen}):
+    with open(path) as f:
+      text = f.read()
+    for name in chosen:
+      if found[name][0] == path:
+        text = text.replace(found[name][1].group(0), made[name])
+    with open(path, "w") as f:
+      f.write(text)
+    print(f"wrote {', '.join(n for n in chosen if found[n][0] == path)} into {path}")
 
 if __name__ == "__main__":
   main()

@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results import record  # noqa: E402
 
 
 def _job(workdir: Path, heartbeat_s: int, steps: int, kill: str | None,
@@ -143,6 +146,11 @@ def main() -> None:
         f"{'met' if rj <= bound else 'MISSED'}")
   print(f"rejoin: bytes moved {last['bytes']} ({sources}); one stage's parameters + optimizer "
         "state (tests/test_multiprocess.py::test_a_relaunched_process_rejoins checks the equality)")
+  record("recovery", {
+    "live_kill_to_step_s": round(lv, 2), "live_detection_s": round(statistics.median(detect), 2),
+    "restart_kill_to_step_s": round(rs, 2), "restart_over_live": round(rs / lv, 1),
+    "fault_free_step_s": round(st, 3), "rejoin_relaunch_to_fast_step_s": round(rj, 2),
+    "rejoin_transfer_s": round(tr, 3), "rejoin_bytes": last["bytes"]})
 
 
 if __name__ == "__main__":

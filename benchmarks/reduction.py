@@ -37,6 +37,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from benchmarks.results import record  # noqa: E402
 
 _CHILD = r"""
 import json, sys, time
@@ -185,8 +189,11 @@ def main(argv: list[str] | None = None) -> None:
     results[dp] = r
     print(f"{dp:>4} {r['sent_ratio']:>10.3f} {r['received_ratio']:>14.3f} {r['ms']:>13.1f}",
           flush=True)
+  figures: dict[str, float] = {}
   for dp, r in results.items():
     print(f"bytes_ratio_dp{dp}: {max(r['sent_ratio'], r['received_ratio']):.3f}")
+    figures[f"bytes_ratio_dp{dp}"] = round(max(r["sent_ratio"], r["received_ratio"]), 3)
+    figures[f"ms_per_reduction_dp{dp}"] = round(r["ms"], 1)
   if not args.no_local:
     ks = [int(x) for x in args.local.split(",")]
     local = measure_local(ks, args.floats, args.repeats, args.tree)
@@ -201,7 +208,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{fi['bytes'][1] / (4 * args.floats):>14.3f} {fi['ms']:>8.2f}")
     for k, r in local.items():
       print(f"device_bytes_ratio_k{k}: {max(r['True']['bytes']) / (4 * args.floats):.3f}")
+      figures[f"device_bytes_ratio_k{k}"] = round(max(r["True"]["bytes"]) / (4 * args.floats), 3)
   print(f"({time.perf_counter() - t0:.0f} s)")
+  if os.path.abspath(str(args.tree)) == ROOT:  # another checkout's figures are not this one's
+    record("reduction", figures)
 
 
 if __name__ == "__main__":

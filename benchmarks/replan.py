@@ -45,6 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.results import record  # noqa: E402
 from configs.gpt_tiny import get_config  # noqa: E402
 from resilient_jax.config import RunConfig, from_config_dict  # noqa: E402
 from resilient_jax.policy import RunCoordinator  # noqa: E402
@@ -222,6 +223,9 @@ def main() -> None:
                    g[1] * g[2]))
   print(f"kv_bytes_per_process: {kv_bytes[largest]}")
   print(f"replan_s: {worst[largest]:.3f}")
+  record("replan", {"devices": largest, "kv_bytes_per_process": kv_bytes[largest],
+                    "replan_s": round(worst[largest], 3),
+                    **{f"replan_s_{d}": round(t, 3) for d, t in sorted(worst.items())}})
 
 
 if __name__ == "__main__":

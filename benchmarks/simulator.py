@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.sim import (  # noqa: E402
   Grid,
   build_costs,
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     f"simulated {trace.duration_s / 3600:g} h of {lay.devices} devices in {wall:.1f} s "
     f"(target < {TARGET_S:.0f} s: {verdict}; {trace.duration_s / wall:,.0f}x real time)"
   )
+  figures: dict[str, float] = {"devices": lay.devices, "trace_hours": trace.duration_s / 3600,
+                               "simulation_s": round(wall, 1)}
+  for name, run in result.policies.items():
+    figures[f"{name}_of_fault_free"] = round(
+      run.samples / trace.duration_s / run.fault_free_throughput, 3)
 
   # Side by side: one failure state planned on a full grid and on its reduced grid.
   recycle = policies.get("recycle")
@@ -107,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
       f"(step {s_red:.4f} s): {t_full / t_red:.0f}x faster, step within "
       f"{abs(s_red / s_full - 1):.1%}"
     )
+    figures.update({"full_grid_plan_s": round(t_full, 2), "reduced_grid_plan_s": round(t_red, 2),
+                    "reduced_step_error": round(abs(s_red / s_full - 1), 4)})
+  record("simulator", figures)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record  # noqa: E402
 from launch import cli  # noqa: E402
 from launch.local import Job, kill_points  # noqa: E402
 from resilient_jax.exit_codes import EXIT_PREEMPTED, EXIT_WAIT_TIMEOUT  # noqa: E402
@@ -314,6 +315,13 @@ def check(args: argparse.Namespace, cfg: Any, faults: list[Fault], wall_s: float
   print(summary, flush=True)
   ok = (k == n and not lost and not digests and not losses and len(ref) == len(metrics)
         and not bad_codes and not hung and not bound_hits and not tracebacks)
+  record("soak", {"faults": n, "recovered": k, "minutes": round(wall_s / 60, 1), "steps": last,
+                  "kill_to_step_mean_s": round(_mean(kill_to_step), 2),
+                  "kill_to_step_p99_s": round(percentile(kill_to_step, 99), 2),
+                  "relaunch_to_admitted_mean_s": round(_mean(relaunch_to_admit), 2),
+                  "relaunch_to_step_mean_s": round(_mean(relaunch_to_step), 2),
+                  "effective": round(effective, 3), "steps_lost": len(lost),
+                  "digest_diffs": digests, "loss_diffs": losses, "passed": ok})
   return 0 if ok else 1
 
 

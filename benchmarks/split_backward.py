@@ -14,7 +14,7 @@ Times, interleaved and repeated (medians):
     the baseline a pipeline without split backward would run. It shares the model, whose
     dense layers run on 2-D `[tokens, features]` (`models.gpt.tokens`): the fastest plain form
     on XLA:CPU, whose backward of the 3-D product is 1.3-1.6x slower per stage (figures before
-    2026-11-24's "Honest baselines" in docs/benchmarks.md were against that slower baseline);
+    2026-11-24 in docs/benchmarks.md's history were against that slower baseline);
   - BW: `StagePrograms.backward_fused` (B then W in one program, what 1F1B runs);
   - F split (`StagePrograms.forward`) against F plain (the fwd half of the same fwd_and_bwd).
 
@@ -49,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
 TARGET_RATIO = 1.05
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
   import numpy as np
   import optax
 
-  from resilient_jax.model.config import family
   from resilient_jax.programs.stages import StageInfo, StagePrograms
+  from resilient_jax.spec.model import family
 
   heads = args.heads or max(args.d_model // 64, 1)
   keys = dict(vocab_size=256, seq_len=args.seq_len, num_layers=3 * args.layers, num_heads=heads,
@@ -372,6 +373,12 @@ def main(argv: list[str] | None = None) -> None:
     f"param grads {diff_w:.3g} (largest grad {scale_w:.3g})"
   )
   np.testing.assert_allclose(np.asarray(dx_b), np.asarray(dx_f), rtol=1e-4, atol=1e-5)
+  record(f"split_backward_{args.model}", {
+    "b_plus_w_over_fused": round(ratio, 3), "b_plus_w_over_fused_acc": round(acc_ratio, 3),
+    "f_split_over_plain": round(med["F_split"] / med["F_plain"], 3),
+    "cpu_b_plus_w_over_fused": round((cpu["B"] + cpu["W"]) / cpu["fused"], 3),
+    "cpu_bw_over_fused": round(cpu["BW"] / cpu["fused"], 3),
+    "peak_split_over_fused": round(split_peak / fused_peak, 3)})
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import record  # noqa: E402
 from resilient_jax.policy.base import Grid  # noqa: E402
 from resilient_jax.policy.costs import AnalyticCosts  # noqa: E402
 from resilient_jax.policy.registry import build_policies  # noqa: E402
@@ -94,7 +95,7 @@ def row(m: int, stage: int) -> dict:
   }
 
 
-def runtime_part(steps: int = 16) -> None:
+def runtime_part(steps: int = 16) -> dict[str, float]:
   from configs.gpt_tiny import get_config
   from resilient_jax.config import from_config_dict
   from resilient_jax.runtime import setup as runtime_setup
@@ -133,10 +134,14 @@ def runtime_part(steps: int = 16) -> None:
   print(f"runtime, replayed from measured op times (medians): fault-free {f * 1e3:.1f} ms "
         f"({len(fault_free)} steps), waiting {w * 1e3:.1f} ms ({len(waiting)}), re-weighted "
         f"{r * 1e3:.1f} ms ({len(reweighted)})")
-  print(f"runtime_waiting_vs_fault_free: {f / w:.3f}")
-  print(f"runtime_reweighted_vs_fault_free: {f / r:.3f}")
-  print(f"runtime_max_loss_difference: "
-        f"{max(abs(a - c) for a, c in zip(losses, clean, strict=True)):.2e}")
+  figures = {"runtime_waiting_vs_fault_free": round(f / w, 3),
+             "runtime_reweighted_vs_fault_free": round(f / r, 3),
+             "runtime_max_loss_difference": max(abs(a - c) for a, c in zip(losses, clean,
+                                                                           strict=True))}
+  print(f"runtime_waiting_vs_fault_free: {figures['runtime_waiting_vs_fault_free']:.3f}")
+  print(f"runtime_reweighted_vs_fault_free: {figures['runtime_reweighted_vs_fault_free']:.3f}")
+  print(f"runtime_max_loss_difference: {figures['runtime_max_loss_difference']:.2e}")
+  return figures
 
 
 def main() -> None:
@@ -154,13 +159,19 @@ def main() -> None:
           f"{r['reweighted'] / r['stage_bound']:9.3f} {r['reweighted'] / r['grid_bound']:8.3f} "
         f"{r['integral']:9.3f}")
   worst = min(rows, key=lambda r: r["reweighted"])
-  print(f"waiting_throughput: {min(r['waiting'] for r in rows):.3f}")
-  print(f"reweighted_throughput: {worst['reweighted']:.3f}")
-  print(f"straggler_vs_stage_bound: {worst['reweighted'] / worst['stage_bound']:.3f}")
-  print(f"straggler_vs_integral_bound: {worst['reweighted'] / worst['integral']:.3f}")
-  print(f"straggler_vs_bound: {worst['reweighted'] / worst['grid_bound']:.3f}")
+  figures = {
+    "waiting_throughput": min(r["waiting"] for r in rows),
+    "reweighted_throughput": worst["reweighted"],
+    "straggler_vs_stage_bound": worst["reweighted"] / worst["stage_bound"],
+    "straggler_vs_integral_bound": worst["reweighted"] / worst["integral"],
+    "straggler_vs_bound": worst["reweighted"] / worst["grid_bound"],
+  }
+  figures = {k: round(v, 3) for k, v in figures.items()}
+  for k, v in figures.items():
+    print(f"{k}: {v:.3f}")
   if args.runtime:
-    runtime_part()
+    figures.update(runtime_part())
+  record("straggler", figures)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from benchmarks.results import record  # noqa: E402
 from benchmarks.split_backward import time_interleaved  # noqa: E402
 from resilient_jax.runtime import setup as runtime_setup  # noqa: E402
 
@@ -54,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
   import numpy as np
   import optax
 
-  from resilient_jax.model.config import family
   from resilient_jax.model.sharding import target, worker_mesh
   from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.spec.model import family
 
   devices = jax.devices()
   if len(devices) < 1 + args.tp:
@@ -130,6 +131,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{' '.join(f'{x:.2f}' for x in load_after)} after, on {os.cpu_count()} cores"
         + (f"; the {len(devices)} simulated devices share them" if devices[0].platform == "cpu"
            else ""))
+  record(f"tensor_parallel_{args.model}_tp{args.tp}", {
+    "stage_step_tp1_ms": round(med["tp=1"] * 1e3, 2),
+    f"stage_step_tp{args.tp}_ms": round(med[f"tp={args.tp}"] * 1e3, 2),
+    f"tp{args.tp}_over_tp1": round(med[f"tp={args.tp}"] / med["tp=1"], 3),
+    "params_per_device_tp1_mib": round(per_device(one[1]) * mib, 2),
+    f"params_per_device_tp{args.tp}_mib": round(per_device(many[1]) * mib, 2),
+    "grad_max_relative_difference": worst})
 
 
 if __name__ == "__main__":

@@ -27,9 +27,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dtype="float32",  # compute dtype; bfloat16 for mixed precision
     param_dtype="float32",
     remat="none",  # per block: none, full, or a jax.checkpoint_policies name (dots_saveable)
-    module="",  # your own model instead: package.module:build_model (README, own model)
+    module="",  # your own model instead: package.module:build_model (docs/own_model.md)
   )
-  # tp: devices per worker (tensor parallelism in a stage); placement: multi-process jobs (README)
+  # tp: devices per worker (tensor parallelism in a stage); placement: multi-process jobs
+  # (docs/clusters.md)
   c.mesh = dict(dp=2, pp=2, tp=1, placement="pipeline")
   c.pipeline = dict(schedule="1f1b", microbatches=4, partition="")
   c.train = dict(

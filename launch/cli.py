@@ -145,8 +145,8 @@ _CONFIG_ARG = re.compile(r"^(--?config=)([^:]+)(:.*)?$")
 def packaged_configs(argv: list[str]) -> list[str]:
   """`argv` with `--config=configs/NAME.py[:VARIANT]`, or the bare `--config=NAME[:VARIANT]`,
   pointing at the configs shipped with the package (`configs/NAME.py`, else
-  `configs/sim/NAME.py`) when no such file is here: the README's commands then run from any
-  directory (a file of that name in the working directory comes first)."""
+  `configs/sim/NAME.py`) when no such file is here: the commands of the README and docs/ then
+  run from any directory (a file of that name in the working directory comes first)."""
   import importlib
 
   # Installed as `resilient_jax.configs` (`pyproject.toml`): found from any directory.
@@ -294,7 +294,7 @@ def train_inputs(remaining: Sequence[str], train_flags: TrainFlags) -> tuple[Run
   Returns:
     `(cfg, workdir)`; any bad input is a one-line error and exit 2 instead.
   """
-  from resilient_jax.config import check_paths, from_config_dict
+  from resilient_jax.config import check_paths, from_config_dict, names_code
   from resilient_jax.files import UnusableFile, check_run_files
 
   if len(remaining) > 1:
@@ -303,6 +303,10 @@ def train_inputs(remaining: Sequence[str], train_flags: TrainFlags) -> tuple[Run
   def convert(cd: Any) -> RunConfig:
     cfg = from_config_dict(cd)
     check_paths(cfg)
+    if not names_code(cfg):  # else the user's modules may register the policy: checked at start
+      from resilient_jax.policy.registry import check_config
+
+      check_config(cfg)
     return cfg
 
   cfg = load_config(train_flags.config, convert, "configs/gpt_tiny.py")

@@ -5,7 +5,7 @@
 
 starts 2 processes of `launch.train` on 127.0.0.1 (`jax.distributed`, process 0 hosting the
 coordination service), each a host of 4 simulated CPU devices driving 4 workers (which ones:
-`mesh.placement`, `resilient_jax/runtime/placement.py`; `mesh.dp * mesh.pp * mesh.tp` must equal
+`mesh.placement`, `resilient_jax/spec/placement.py`; `mesh.dp * mesh.pp * mesh.tp` must equal
 processes x devices: with `--config.mesh.tp=2` a worker is a sub-mesh of 2 of them), streams
 their output prefixed with `[pN]`, and at the start of step 3 SIGKILLs process 1 from outside:
 its 4 workers are lost at once. `--kill=STEP:PROCESS[:WHERE]`,
@@ -78,8 +78,8 @@ from . import cli
 
 if TYPE_CHECKING:
   from resilient_jax.config import RunConfig
-  from resilient_jax.model.config import ModelConfig
   from resilient_jax.schedule.plan import SlotProgram
+  from resilient_jax.spec.model import ModelConfig
 
 _NUM = flags.DEFINE_integer("num_processes", 2, "Processes (hosts) to start.")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Simulated CPU devices per process: "
@@ -185,8 +185,8 @@ class _FirstPlan:
 
   def __init__(self, cfg: RunConfig, num_processes: int):
     from resilient_jax.policy.coordinator import RunCoordinator
-    from resilient_jax.runtime.placement import process_slots
     from resilient_jax.schedule.plan import step_program
+    from resilient_jax.spec.placement import process_slots
 
     self.cfg = cfg
     self.slots = process_slots(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.placement, num_processes,
@@ -674,7 +674,7 @@ def main(argv: list[str]) -> None:
   # Every process's arguments as launch.train will read them (process 0's stand for all: they
   # differ only in the id), so a mistake is one line here rather than one per process later.
   cfg, workdir = cli.parse_train_args(["launch.train", *worker_args(train_args, num, 0, port)])
-  from resilient_jax.runtime.placement import process_slots
+  from resilient_jax.spec.placement import process_slots
 
   devices = _DEVICES.value
   if devices < 1:

@@ -15,8 +15,8 @@ own log of a join that never formed is in WORKDIR/join.process_N.log); 7 the oth
 declared this one dead (its heartbeat stopped for distributed.heartbeat_timeout_s) and went on
 without it, or (any run) a newer job took the workdir's lease, so this one stopped before
 committing a checkpoint: do not requeue it. Bad input is one `error:` line and exit 2 (an
-unusable workdir too: a file where its `checkpoints` folder belongs); the README's "Exit codes"
-table has the line of each end.
+unusable workdir too: a file where its `checkpoints` folder belongs); docs/configuration.md's
+"Exit codes" table has the line of each end.
 
 Progress lines are absl log lines at INFO (stdout by default; `--log_dir`, `--alsologtostderr`,
 `--verbosity`: see `--helpfull`); the final loss and the list of outputs are printed to stdout.

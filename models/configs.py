@@ -1,6 +1,6 @@
 """The example model families' config sections (`model.name`: `gpt`, `llama`), apart from the
 models: importing them, as every launcher, planner and the simulator does to read a config,
-imports neither JAX nor Flax (`resilient_jax.model.config.FAMILIES`). `build` imports the model's
+imports neither JAX nor Flax (`resilient_jax.spec.model.FAMILIES`). `build` imports the model's
 module by its name (`family_module`).
 """
 
@@ -10,7 +10,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from resilient_jax.model.config import ModelConfig, ModelCosts
+from resilient_jax.spec.model import ModelConfig, ModelCosts
 
 
 def family_module(name: str) -> Any:
@@ -37,7 +37,7 @@ class GPTConfig(ModelConfig):
   param_dtype: str = "float32"
   remat: str = "none"
   """Per-block rematerialisation: `none`, `full`, or a `jax.checkpoint_policies` name
-  (`resilient_jax.model.config.REMAT`)."""
+  (`resilient_jax.spec.model.REMAT`)."""
 
   def __post_init__(self):
     self.check_positive("vocab_size", "seq_len", "num_layers", "num_heads", "d_model",

@@ -1,7 +1,8 @@
 """resilient_jax: DP x PP training in JAX that keeps running when workers fail.
 
-The public API is re-exported here lazily, so `import resilient_jax.schedule` (pure Python:
-schedules, planners, cost model) stays free of JAX for the simulator and fast tests.
+What a user calls is re-exported here (`__all__`), lazily, so `import resilient_jax.schedule`
+(pure Python: schedules, planners, cost model) stays free of JAX for the simulator and fast
+tests.
 """
 
 from __future__ import annotations
@@ -25,20 +26,12 @@ _EXPORTS = {
   "Stageable": "resilient_jax.model.staging",
   "token_cross_entropy": "resilient_jax.model.staging",
   "train_reference": "resilient_jax.reference",
-  "RunCoordinator": "resilient_jax.policy",
-  "Decision": "resilient_jax.policy",
-  "StageLost": "resilient_jax.policy",
-  "NoDevicesLeft": "resilient_jax.policy",
-  "Interpreter": "resilient_jax.runtime.interpreter",
-  "WorkerLost": "resilient_jax.runtime.records",
-  "StagePrograms": "resilient_jax.programs.stages",
-  "Schedule": "resilient_jax.schedule.core",
-  "Op": "resilient_jax.schedule.core",
-  "GridPlan": "resilient_jax.schedule.plan",
-  "PipelineSet": "resilient_jax.schedule.pipelines",
 }
 
 __all__ = sorted(_EXPORTS)
+"""What users call: train a model, configure and check a run, compare with one device. The
+runtime's parts (`runtime.interpreter.Interpreter`, `programs.stages.StagePrograms`, the
+schedule's `Op` and plans, the policies' `RunCoordinator`) stay importable from their modules."""
 
 
 def __getattr__(name: str) -> Any:

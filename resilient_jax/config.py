@@ -17,9 +17,7 @@ from typing import Any
 
 from resilient_jax import data
 from resilient_jax.checks import ConfigError, is_int, require_ints, require_numbers
-from resilient_jax.model.config import CustomModelConfig, ModelConfig, family, partition_layers
-from resilient_jax.runtime.placement import DEFAULT_PLACEMENT, check_placement
-from resilient_jax.training.fault_specs import (  # noqa: F401 (re-exported: the config's names)
+from resilient_jax.spec.faults import (  # noqa: F401 (re-exported: the config's names)
   Fault,
   FaultsConfig,
   Slowdown,
@@ -28,6 +26,8 @@ from resilient_jax.training.fault_specs import (  # noqa: F401 (re-exported: the
   parse_faults,
   parse_slowdowns,
 )
+from resilient_jax.spec.model import CustomModelConfig, ModelConfig, family, partition_layers
+from resilient_jax.spec.placement import DEFAULT_PLACEMENT, check_placement
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 DATA_KINDS = data.SOURCE_KINDS
@@ -44,7 +44,7 @@ class MeshConfig:
   placement: str = DEFAULT_PLACEMENT
   """How a multi-process job's workers sit on its processes (hosts): "pipeline" (a host holds
   stages of one pipeline) or "stage" (one stage of several pipelines); see
-  `resilient_jax/runtime/placement.py`."""
+  `resilient_jax/spec/placement.py`."""
 
   def __post_init__(self):
     for key in ("dp", "pp", "tp"):
@@ -217,9 +217,6 @@ class CheckpointConfig:
         raise ConfigError(f"checkpoint.{key} must be a path, got {getattr(self, key)!r}")
 
 
-POLICIES = ("recycle", "naive", "oobleck", "bamboo", "restart", "auto")
-
-
 @dataclasses.dataclass(frozen=True)
 class ResilienceConfig:
   policy: str = "recycle"
@@ -228,7 +225,8 @@ class ResilienceConfig:
   `bamboo`: every stage keeps its successor's state and runs its forward redundantly, the
   predecessor takes over a failed stage; `restart`: stop, restore the latest checkpoint onto the
   survivors, continue; `auto`: per failure, whichever of re-routing, re-templating and restoring
-  the cost model says is fastest (see `resilient_jax/policy/`)."""
+  the cost model says is fastest (see `resilient_jax/policy/`); or a policy a user registered
+  (`policy.registry.register_policy`), checked against the registry when the run starts."""
   memory_cap: int = 0
   """Per-worker cap on in-flight micro-batches for the replanned schedule; 0: planner default."""
   activation_budget_mb: float = 0.0
@@ -265,8 +263,8 @@ class ResilienceConfig:
   """Measured steps in a row a worker must be slow (or back to normal) before the plan changes."""
 
   def __post_init__(self):
-    if self.policy not in POLICIES:
-      raise ConfigError(f"resilience.policy={self.policy!r} is not one of {', '.join(POLICIES)}")
+    if not isinstance(self.policy, str) or not self.policy.isidentifier():
+      raise ConfigError(f"resilience.policy must be a policy's name, got {self.policy!r}")
     keys = ("memory_cap", "tolerate", "min_pipeline_nodes", "check_replicas_every",
             "straggler_every")
     require_ints("resilience.", {k: getattr(self, k) for k in keys}, 0, ConfigError)
@@ -367,10 +365,6 @@ class RunConfig:
       )
     if train.data == "text" and m.vocab_size < 256:
       raise ConfigError(f"model.vocab_size={m.vocab_size} is below 256, needed by train.data=text")
-    policy = self.resilience.policy
-    if policy == "bamboo" and mesh.pp < 2:
-      raise ConfigError("resilience.policy=bamboo needs mesh.pp >= 2: a stage's replica lives "
-                        "on its predecessor")
     for step, stage in self.faults.nonfinite:
       if not (1 <= step <= train.steps and stage < mesh.pp):
         raise ConfigError(f"faults.nonfinite entry {step}:{stage} is outside steps "
@@ -451,6 +445,13 @@ def _profile(raw: dict) -> dict:
     spec = [spec]  # one step; a bad value is named by ProfileConfig
   raw["trace_steps"] = tuple(spec)
   return raw
+
+
+def names_code(cfg: RunConfig) -> bool:
+  """Whether `cfg` names a user's code (`model.module`, `train.loss_fn`, `train.data`), which
+  is imported when the run starts (and may register a policy, `policy.register_policy`)."""
+  return bool(getattr(cfg.model, "module", "") or cfg.train.loss_fn
+              or is_code_ref(cfg.train.data))
 
 
 def is_code_ref(text: Any) -> bool:

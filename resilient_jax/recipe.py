@@ -14,8 +14,8 @@ from flax import nnx
 
 from resilient_jax import data as data_lib
 from resilient_jax.config import ConfigError, RunConfig
+from resilient_jax.observe.records import StepResult
 from resilient_jax.programs.compiled import RUN_ONCE, OnEachDevice, default_device
-from resilient_jax.runtime.records import StepResult
 from resilient_jax.schedule.plan import GridPlan, Plan
 
 

@@ -31,10 +31,10 @@ from resilient_jax.recipe import (
 
 def mean_loss_fn(model: Any, cfg: RunConfig, loss_fn: Any = None):
   """`(params by name, batch, seeds) -> the batch's mean loss` of `loss_fn(model, batch)` (the
-  model's own loss when None) on one device, as the README's rule says a user's own loop
-  computes it: with RNG streams, sample `i` of step `t` runs alone, every stream's key folded
-  with `(t, i)` and its count reset; the mean is over every loss element (weighted where the
-  loss returns weights)."""
+  model's own loss when None) on one device, as docs/own_model.md's randomness rule says a
+  user's own loop computes it: with RNG streams, sample `i` of step `t` runs alone, every
+  stream's key folded with `(t, i)` and its count reset; the mean is over every loss element
+  (weighted where the loss returns weights)."""
   loss_fn = loss_fn or default_loss_fn(model)
   remat = cfg.model.remat
   bind = Binder(model, variable_names(model))

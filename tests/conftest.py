@@ -46,7 +46,7 @@ def rerouted_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("rerouted_run")
   lines, params = [], {}
   trainer = Trainer(cfg, workdir, log=lines.append)
-  trainer.add_hook(lambda info: params.update({info.step: info.run.interpreter.all_params()}),
+  trainer.add_hook(lambda info: params.update({info.step: info.params()}),
                    every=2)
   result = trainer.run()
   return types.SimpleNamespace(cfg=cfg, trainer=trainer, result=result, lines=lines,

@@ -110,3 +110,12 @@ def quick_only(cases, quick):
   slow = pytest.mark.slow
   return [c if c in quick else pytest.param(*c, marks=slow) if isinstance(c, tuple)
           else pytest.param(c, marks=slow) for c in cases]
+
+
+def events_jsonl(workdir, *kinds: str) -> list[dict]:
+  """The events a run wrote to `WORKDIR/events.jsonl` (of `kinds` only, when given)."""
+  from pathlib import Path
+
+  from resilient_jax.observe.events import read_events
+
+  return read_events(Path(workdir) / "events.jsonl", kinds)

@@ -12,6 +12,7 @@ import pytest
 from resilient_jax import checkpoint as ckpt
 from resilient_jax.checkpoint import store
 from resilient_jax.config import ConfigError
+from resilient_jax.observe.events import Restored
 from resilient_jax.training.api import train
 from resilient_jax.training.loop import Trainer
 from tests.helpers import ROOT, assert_matches_reference, tiny_config
@@ -514,8 +515,8 @@ def test_stage_loss_restores_onto_survivors(tmp_path):
   )
   lines = []
   result = Trainer(cfg, tmp_path, log=lines.append).run()
-  assert any("restoring the latest checkpoint onto dp=1 pp=2" in x for x in lines)
-  assert any("restored step 3" in x for x in lines)
+  [restore] = [e for e in result.events if isinstance(e, Restored)]
+  assert (restore.step, restore.from_step) == (4, 3) and restore.plan.startswith("dp=1 pp=2")
   assert any("redoing 1 step(s): 4..4" in x for x in lines)
   rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

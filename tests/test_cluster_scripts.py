@@ -478,7 +478,7 @@ class Job:
 
 def check_job(job: Job) -> None:
   """The job can start: its grid fills its processes' devices exactly (the trainer's rule)."""
-  from resilient_jax.runtime.placement import DEFAULT_PLACEMENT, process_slots
+  from resilient_jax.spec.placement import DEFAULT_PLACEMENT, process_slots
 
   dp, pp, tp = job.mesh
   try:

@@ -4,8 +4,8 @@ the committed state kept."""
 import numpy as np
 import pytest
 
+from resilient_jax.observe.records import WorkerLost
 from resilient_jax.recipe import step_data
-from resilient_jax.runtime.records import WorkerLost
 from resilient_jax.schedule.core import BW, F, Op
 from resilient_jax.training.loop import Trainer
 from tests.helpers import tiny_config

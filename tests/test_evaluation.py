@@ -49,7 +49,7 @@ def test_a_worker_lost_in_an_evaluation_is_replanned_and_it_runs_again(tmp_path)
   lines, params = [], {}
   trainer = Trainer(cfg, tmp_path / "on", log=lines.append,
                     faults=[FaultEvent(1, (1, 0), after_op=Op(F, 5), evaluation=True)])
-  trainer.add_hook(lambda info: params.update({info.step: info.run.interpreter.all_params()}))
+  trainer.add_hook(lambda info: params.update({info.step: info.params()}))
   rows = trainer.run().metrics
   assert "  the evaluation after step 1 runs again on the new plan" in lines
   assert trainer.coordinator.live_count == 3 and rows[1]["live_workers"] == 3

@@ -5,11 +5,13 @@ import json
 import numpy as np
 import pytest
 
+from resilient_jax.observe.events import Failure
 from resilient_jax.schedule.core import AR, B, F, Op
 from resilient_jax.training.faults import FaultEvent
 from resilient_jax.training.loop import Trainer
 from tests.helpers import (
   assert_matches_reference,
+  events_jsonl,
   expected_digests,
   quick_only,
   run_launcher,
@@ -53,8 +55,9 @@ def test_failures_keep_samples_losses_and_parameters(tmp_path, dp, pp, schedule)
   dead = 1 + cfg.faults.schedule.__len__()
   assert result.metrics[-1]["live_workers"] == dp * pp - dead
   assert result.metrics[-1]["schedule"] == "adaptive"
-  assert sum("FAILURE" in line for line in lines) == dead
-  assert any("failed during step 3" in line for line in lines)
+  failures = [e for e in result.events if isinstance(e, Failure)]
+  assert len(failures) == dead and len(events_jsonl(tmp_path, "failure")) == dead
+  assert any(e.step == 3 and e.mid_step for e in failures)
   assert any("re-routed" in line and "takes micro-batches" in line for line in lines)
   # The failed workers hold nothing any more; the survivors of each stage agree.
   assert len(result.interpreter.params) == dp * pp - dead
@@ -139,8 +142,8 @@ def test_failure_outside_the_grid_is_a_config_error(tmp_path):
 
 def test_digest_changes_if_a_microbatch_is_lost():
   """The metric is computed from what ran, so a dropped micro-batch cannot go unnoticed."""
+  from resilient_jax.observe.records import StepResult
   from resilient_jax.recipe import processed_ids
-  from resilient_jax.runtime.records import StepResult
 
   mb_ids = np.arange(8).reshape(4, 2)
   ok = StepResult(0.0, {}, 0.0, [], processed=[2, 0, 1, 3])

@@ -6,8 +6,9 @@ import re
 import pytest
 
 from resilient_jax.config import ConfigError
-from resilient_jax.runtime import placement
+from resilient_jax.observe.events import Failure
 from resilient_jax.sim.layout import Layout
+from resilient_jax.spec import placement
 from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_matches_reference, expected_digests, tiny_config
 
@@ -67,7 +68,8 @@ def test_a_whole_host_lost_in_process(tmp_path):
   coord = result.coordinator
   assert sorted(coord.failed) == [(2, d * 4 + s) for d, s in host1]
   assert len(coord.phases) == 2  # fault-free, then one phase after the host's loss
-  assert sum("FAILURE" in line for line in lines) == 4
+  assert sorted((e.step, e.worker) for e in result.events if isinstance(e, Failure)) == \
+      sorted((2, w) for w in host1)
 
 
 def test_the_simulator_fails_whole_hosts_as_placed():

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from resilient_jax.observe.events import Corrupt
 from resilient_jax.training.api import train
 from resilient_jax.training.integrity import odd_replicas, state_digest
 from tests.helpers import tiny_config
@@ -21,8 +22,8 @@ def test_a_corrupted_replica_is_dropped_and_the_run_is_a_failure_at_the_next_ste
                   tmp_path / "checked", log=lines.append)
   failed = train(tiny_config(**common, faults__schedule="3:1.0"), tmp_path / "failed",
                  log=lambda _: None)
-  hits = [x for x in lines if x.startswith("CORRUPTION:")]
-  assert len(hits) == 1 and "replica (1, 0) on node 2" in hits[0] and "step 3" in hits[0], hits
+  hits = [e for e in checked.events if isinstance(e, Corrupt)]
+  assert [(e.step, e.node, e.worker) for e in hits] == [(2, 2, (1, 0))], hits
   rows = checked.metrics
   assert [r.get("corrupt_nodes") for r in rows] == [None, [2], None, None]
   assert all(r["replicas_checked"] for r in rows)

@@ -440,9 +440,12 @@ def _readme_block(marker: str) -> str:
 
   from tests.helpers import ROOT
 
-  with open(f"{ROOT}/README.md") as f:
-    readme = f.read()
-  return re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", readme, re.S).group(1)
+  for name in ("README.md", "docs/checkpoints.md"):  # the own-model example, the orbax one
+    with open(f"{ROOT}/{name}") as f:
+      found = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", f.read(), re.S)
+    if found:
+      return found.group(1)
+  raise AssertionError(f"no <!-- {marker} --> block in README.md or docs/checkpoints.md")
 
 
 def _run_code(code: str):
@@ -475,9 +478,9 @@ def test_readme_example_runs(readme_run):
 
 
 def test_readme_orbax_example_loads_the_run_without_resilient_jax(readme_run):
-  """The README's plain-orbax example, in a fresh process that never imports resilient_jax:
-  orbax's CheckpointManager lists the run's steps and restores the last one into a plain NNX
-  model (the example's own class), whose parameters are the trainer's."""
+  """The plain-orbax example of docs/checkpoints.md, in a fresh process that never imports
+  resilient_jax: orbax's CheckpointManager lists the run's steps and restores the last one into
+  a plain NNX model (the example's own class), whose parameters are the trainer's."""
   run, _ = readme_run
   own = _readme_block("own-model-example")
   classes = own[own.index("import grain\n"):own.index("\ndef loss_fn")]

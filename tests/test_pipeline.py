@@ -322,7 +322,8 @@ def test_progress_lines_only_while_work_runs_long():
 
 def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
   """`Trainer.add_hook(fn, every=N)`: after the standard hooks (the metrics line is written
-  when `fn` sees it), on steps N, 2N, ... and the last."""
+  when `fn` sees it), on steps N, 2N, ... and the last; it sees the row read-only, and what it
+  returns joins the row kept in memory (`TrainResult.metrics`)."""
   cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=5, faults__nonfinite="2:0")
   lines = []
   trainer = Trainer(cfg, tmp_path, log=lines.append)
@@ -330,7 +331,10 @@ def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
 
   def hook(info):
     written = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    seen.append((info.step, info.last, info.row, json.loads(written[-1])))
+    seen.append((info.step, info.last, dict(info.row), json.loads(written[-1])))
+    with pytest.raises(TypeError):
+      info.row["loss"] = 0.0
+    return {"mine": info.step}
 
   trainer.add_hook(hook, every=2)
   with pytest.raises(ValueError, match="every N >= 1"):
@@ -339,7 +343,9 @@ def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
   assert [(s, last) for s, last, _, _ in seen] == [(2, False), (4, False), (5, True)]
   same = lambda *rows: len({json.dumps(r, sort_keys=True) for r in rows}) == 1  # noqa: E731 (NaN)
   for _, _, row, written in seen:
-    assert same(row, written, result.metrics[row["step"] - 1])
+    kept = dict(result.metrics[row["step"] - 1])
+    assert kept.pop("mine") == row["step"]
+    assert same(row, written, kept)
   # The learning rate each step's optimizer step used: step 2 was skipped (non-finite), so
   # step 3 is the schedule's second update, not its third.
   from resilient_jax.recipe import learning_rate
@@ -351,3 +357,21 @@ def test_hooks_see_every_nth_committed_step_and_the_last(tmp_path):
     assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * cfg.model.seq_len, rel=1e-3)
   step_lines = [x for x in lines if x.startswith("step ")]
   assert f"lr {result.metrics[3]['lr']:.2e}" in step_lines[3] and "grad_norm" in step_lines[3]
+
+
+def test_a_resilient_step_takes_a_state_and_returns_the_next(tmp_path):
+  """`ResilientStep(state) -> (state, record)`: the state is a value (the arrays of step 0 are
+  still step 0's after steps 1 and 2 ran), and the record says what committed."""
+  cfg = tiny_config(mesh__dp=1, mesh__pp=2, train__steps=2)
+  trainer = Trainer(cfg, tmp_path, log=lambda _: None)
+  before = trainer.step.state(0, 0)
+  kept = {slot: {k: np.asarray(v) for k, v in p.items()} for slot, p in before.params.items()}
+  after, record = trainer.step(trainer.step(before)[0])  # step 1's learning rate is 0 (warmup)
+  assert (after.step, after.updates, record.step, record.committed) == (2, 2, 2, True)
+  assert after.plan is trainer.coordinator.plan and set(after.params) == set(before.params)
+  for slot, params in before.params.items():
+    assert all(np.array_equal(np.asarray(v), kept[slot][k]) for k, v in params.items())
+    assert any(not np.array_equal(np.asarray(after.params[slot][k]), kept[slot][k])
+               for k in params)
+  with pytest.raises(TypeError):
+    after.params[(0, 0)] = {}

@@ -11,6 +11,7 @@ import math
 import pytest
 
 from resilient_jax.config import ConfigError, parse_faults
+from resilient_jax.observe.events import Decided, Rejoined
 from resilient_jax.policy import (
   Grid,
   Recovery,
@@ -54,8 +55,9 @@ def test_every_in_place_policy_returns_to_the_fault_free_plan(policy):
   assert not decision.restore
   assert coord.plan_text() == fault_free
   assert coord.live == set(range(8)) and not coord.down_nodes
-  assert "REJOIN: worker (dp=1, stage=1) rejoined at the start of step 6" in lines
-  assert lines[-1].startswith("  predicted step time x")
+  rejoined, decided = coord.events.events[-2:]
+  assert (type(rejoined), rejoined.step, rejoined.worker) == (Rejoined, 6, (1, 1))
+  assert isinstance(decided, Decided) and decided.relative_to_fault_free == 1.0
   assert coord.phases[-1].event == "rejoin" and coord.phases[-1].failure_step == 6
   # A worker already live, again: nothing changes, nothing is logged.
   logged = len(lines)
@@ -204,7 +206,7 @@ def _run_with_rejoin(tmp_path, policy, *, programmatic=False, **overrides):
   assert [m["sample_digest"] for m in result.metrics] == expected_digests(cfg)
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
   assert [m["live_workers"] for m in result.metrics][-2:] == [8, 8]
-  assert "REJOIN: worker (dp=1, stage=1) rejoined at the start of step 6" in lines
+  assert [(e.step, e.worker) for e in result.events if isinstance(e, Rejoined)] == [(6, (1, 1))]
   goodput = json.loads((tmp_path / "goodput.json").read_text())
   failure, rejoin = goodput["events"]
   assert (failure["kind"], failure["step"], failure["nodes"]) == ("failure", 3, [NODE])

@@ -598,16 +598,15 @@ def test_simulator_does_not_import_jax():
   assert proc.returncode == 0, proc.stderr
 
 
-def test_the_readme_s_simulator_tables_are_a_fresh_run():
-  """The README's simulator tables are `benchmarks/readme_tables.py`'s. A full run costs too much
+def test_the_docs_simulator_tables_are_a_fresh_run():
+  """The simulator tables of docs/ are `benchmarks/readme_tables.py`'s. A full run costs too much
   CPU for the suite, so each block's mark carries a canary, the digest of its configs'
   `:runlocal` results (every policy's sweep, trace and goodput on a tiny grid): a change of the
   simulator's output changes a fresh canary and fails here until the tables are regenerated.
   The fault-free row of GPT-3 6.7B's table is checked against its full config outright."""
   from benchmarks import readme_tables as tables
 
-  with open(tables.README) as f:
-    blocks = tables.readme_blocks(f.read())
+  blocks = {name: m for name, (_, m) in tables.document_blocks().items()}
   assert sorted(blocks) == sorted(tables.BLOCKS)
   rerun = "the simulator's output changed: python benchmarks/readme_tables.py --write"
   for name, (configs, _) in tables.BLOCKS.items():

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilient_jax.model.config import REMAT
 from resilient_jax.model.split import split_backward
+from resilient_jax.spec.model import REMAT
 from tests.helpers import assert_close
 
 D, H, T = 16, 64, 32  # width, hidden width, tokens

@@ -119,10 +119,61 @@ def test_every_package_folder_is_installed_under_the_library_s_name():
   assert sorted(folder(p) for p in setup["packages"]) == sorted(found)
 
 
+# The packages from the bottom up (issue 51): a module imports only its own package and those
+# below it. Leaves with no library import at the bottom; what a run is asked (`spec`, `config`);
+# plans as data (`schedule`); records and their renderings (`observe`); the user's model and the
+# universal checkpoints; the policies (shared with the simulator, which sits right above them and
+# never reaches the runtime); the stage programs; the runtime that runs them; and the training
+# loop that steers the runtime with the policies. `launch/` is above all of them.
+LAYERS = (
+  ("checks", "exit_codes", "files", "data"),
+  ("spec",),
+  ("config",),
+  ("schedule",),
+  ("observe",),
+  ("model",),
+  ("checkpoint",),
+  ("policy",),
+  ("sim",),
+  ("programs",),
+  ("runtime",),
+  ("recipe",),
+  ("reference",),
+  ("training",),
+)
+
+
+def _package(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[1] if parts[0] == "resilient_jax" and len(parts) > 1 else None
+
+
+def test_every_package_has_its_layer():
+  found = {_package(n) for n in _modules()} - {None}
+  assert found == {p for layer in LAYERS for p in layer}
+
+
+def test_no_arrow_runs_back_up():
+  """A package imports only from its own layer's packages and the layers below: no arrow back
+  up, so no cycle between packages either."""
+  rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+  up = sorted(f"{n} -> {d}" for n, deps in import_graph().items() if _package(n) for d in deps
+              if _package(d) and _package(d) != _package(n)
+              and rank[_package(d)] > rank[_package(n)])
+  assert up == []
+
+
+def test_the_leaves_import_nothing_of_the_library():
+  graph = import_graph()
+  for leaf in LAYERS[0]:
+    assert {m for m in graph[f"resilient_jax.{leaf}"] if m.startswith("resilient_jax")} \
+        <= {f"resilient_jax.{p}" for p in LAYERS[0]}, leaf
+
+
 def test_exit_codes_and_records_are_leaves():
   graph = import_graph()
   assert graph["resilient_jax.exit_codes"] == set()
-  assert {m for m in graph["resilient_jax.runtime.records"]
+  assert {m for m in graph["resilient_jax.observe.records"]
           if not m.startswith("resilient_jax.schedule")} == set()
 
 
@@ -158,3 +209,12 @@ def test_no_function_of_the_library_passes_100_lines():
         if lines > 100:
           long[f"{name}:{node.name} (line {node.lineno})"] = lines
   assert not long, f"functions over 100 lines: {long}"
+
+
+def test_the_public_surface_is_what_users_call():
+  """At most 20 names, each importable (the runtime's parts stay in their modules)."""
+  import resilient_jax
+
+  assert len(resilient_jax.__all__) <= 20
+  assert all(getattr(resilient_jax, n) is not None for n in resilient_jax.__all__)
+  assert not {"Interpreter", "StagePrograms", "Op", "RunCoordinator"} & set(resilient_jax.__all__)

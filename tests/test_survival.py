@@ -19,6 +19,7 @@ from resilient_jax.checkpoint import store
 from resilient_jax.checkpoint.store import CheckpointWriter
 from resilient_jax.exit_codes import EXIT_PREEMPTED, exit_code_for
 from resilient_jax.files import UnusableFile, check_run_files
+from resilient_jax.observe.events import Restored
 from resilient_jax.policy import StageLost
 from resilient_jax.training.failures import kill_times
 from resilient_jax.training.hooks import MetricsFile
@@ -146,6 +147,7 @@ def test_a_restore_without_checkpoints_says_what_is_lost(tmp_path):
   cfg = tiny_config(mesh__dp=2, mesh__pp=2, train__steps=4, faults__schedule="3:0.1,3:1.1")
   lines = []
   result = Trainer(cfg, tmp_path, log=lines.append).run()
+  assert [(e.step, e.from_step) for e in result.events if isinstance(e, Restored)] == [(3, 0)]
   assert not any("restoring the latest checkpoint" in x for x in lines)
   assert any("no checkpoint to restore (checkpoint.every_steps=0): starting again from step 1"
              in x and "losing 2 committed step(s)" in x for x in lines), lines

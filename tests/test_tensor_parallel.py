@@ -15,8 +15,8 @@ from resilient_jax.config import ConfigError
 from resilient_jax.model.check import token_batch
 from resilient_jax.model.sharding import target, worker_mesh
 from resilient_jax.programs.stages import build_stage_programs, clear_shared_programs
-from resilient_jax.runtime.placement import process_slots
 from resilient_jax.schedule.core import F, Op
+from resilient_jax.spec.placement import process_slots
 from resilient_jax.training.faults import FaultEvent
 from resilient_jax.training.loop import Trainer
 from tests.helpers import assert_close, assert_matches_reference, expected_digests, tiny_config

@@ -6,7 +6,7 @@ stage of 8 pipelines). The sweep fails 1, 2, 4, 8 random hosts at once; the trac
 failures only (no single-device failures): 24 hours, a host failing every 150 hours, repaired
 after 12.
 
-Run (the README's placement section quotes both):
+Run (docs/clusters.md's placement section quotes both):
   python -m launch.simulate --config=configs/sim/hosts.py --out=/tmp/hosts_pipeline
   python -m launch.simulate --config=configs/sim/hosts.py --out=/tmp/hosts_stage \
       --config.cluster.placement=stage

@@ -1,7 +1,7 @@
 """Checkpoints on disk: written by orbax's `CheckpointManager`, checksummed, with fallback.
 
 Layout of `<dir>/12/` (orbax's standard step folder: a plain `ocp.CheckpointManager(<dir>)`
-lists and restores it; the README's "Checkpoint format" section has the example):
+lists and restores it; docs/checkpoints.md's "Checkpoint format" has the example):
   state/      orbax PyTree item, one OCDBT database, zarr v2, uncompressed:
               `{"params": {"blocks": {"3": {"mlp": {"fc": {"kernel": array}}}}, ...},
               "opt_state": {"0/mu/blocks.3.mlp.fc.kernel": array, ...}}`: parameters nested by

@@ -18,9 +18,9 @@ from flax import nnx
 
 from resilient_jax.config import ConfigError
 from resilient_jax.model import cut as cut_lib
-from resilient_jax.model.config import CustomModelConfig
 from resilient_jax.model.sharding import outside_ambient_mesh
 from resilient_jax.model.staging import path_name
+from resilient_jax.spec.model import CustomModelConfig
 
 _ALLOWED_STATE = (nnx.Param, nnx.RngState)
 

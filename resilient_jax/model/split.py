@@ -138,7 +138,7 @@ def _absorb_small_reductions(
   `g` a second time from memory (W runs later, and XLA:CPU schedules the reductions after all
   of W's matmuls); in B it reads `g` right after computing it, while it is in cache. So the
   cheap readers of a value that stays in the hand-over move into B too when they add at most
-  `1 / _SMALL` of that value's bytes to it (docs/benchmarks.md: on the GPT stage B + W about
+  `1 / _SMALL` of that value's bytes to it (docs/benchmark_results.md: on the GPT stage B + W about
   1% cheaper, B 1.5% dearer; their sum is what a zero-bubble stage runs per micro-batch).
   Weight-gradient matmuls always stay in W: deferring them is the point of the split.
   """

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from resilient_jax.observe import timeline
-from resilient_jax.runtime.records import OpRecord
+from resilient_jax.observe.records import OpRecord
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
 from resilient_jax.schedule.cost import OpCosts, Timeline, replay
 

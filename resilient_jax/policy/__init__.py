@@ -1,4 +1,5 @@
-"""How a run survives failures: recycle, naive, oobleck, bamboo, restart and auto, once.
+"""How a run survives failures: recycle, naive, oobleck, bamboo, restart and auto, once, and
+any policy a user registers (`register_policy`).
 
 Each policy is one object (`registry.build_policies`) that answers, for a grid and a set of
 failed workers, what it runs (`plan`), how fast (`step_time`) and what getting there costs
@@ -9,11 +10,13 @@ data (`schedule/`), and nothing here touches a device.
 from resilient_jax.policy.auto import AutoPolicy
 from resilient_jax.policy.base import (
   Grid,
+  InPlacePolicy,
   PlanCosts,
   Policy,
   PolicyUnavailableError,
   Recovery,
   RecoveryParams,
+  RuntimePolicy,
   Transition,
   usable_policies,
 )
@@ -29,31 +32,42 @@ from resilient_jax.policy.costs import (
   layer_profile,
   stage_costs,
 )
-from resilient_jax.policy.registry import POLICY_NAMES, build_policies
+from resilient_jax.policy.registry import (
+  PolicyContext,
+  build_policies,
+  check_config,
+  policy_names,
+  register_policy,
+)
 from resilient_jax.policy.rejoin import RejoinChoice, rejoin_choice, steps_until_next_event
 from resilient_jax.policy.restart import NoDevicesLeft, largest_layout, restore_layout
 
 __all__ = [
-  "POLICY_NAMES",
   "AnalyticCosts",
   "AutoPolicy",
+  "InPlacePolicy",
   "Decision",
   "Grid",
   "NoDevicesLeft",
   "PlanCosts",
+  "PolicyContext",
   "Policy",
   "PolicyUnavailableError",
   "Recovery",
   "RecoveryParams",
   "RejoinChoice",
   "RunCoordinator",
+  "RuntimePolicy",
   "StageLost",
   "Transition",
   "analytic_costs",
   "block_and_head_flops",
   "build_policies",
+  "check_config",
   "largest_layout",
   "layer_profile",
+  "policy_names",
+  "register_policy",
   "rejoin_choice",
   "restore_layout",
   "stage_costs",

@@ -53,6 +53,8 @@ class AutoPolicy:
   chooses = True
   """The policy in force is one of its candidates (`current`), never itself."""
   reroutes = False
+  reweights = False
+  """Whether it re-weights is its choice's (`plans_speeds`)."""
   min_pp = 1
 
   def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> None:

@@ -192,10 +192,29 @@ class Transition:
 
 @runtime_checkable
 class Policy(Protocol):
-  """What the runtime's coordinator and the simulator need from a resilience policy."""
+  """Everything the runtime's coordinator and the simulator call on a resilience policy (neither
+  probes for other members). `InPlacePolicy` gives the defaults of a policy that goes on in place;
+  a user's policy subclasses it (or implements all of this) and is registered by name
+  (`registry.register_policy`).
+
+  Attributes:
+    name, description: for configs, logs and reports.
+    params: the recovery times it prices moves with.
+    chooses: it chooses among other policies (`auto`): the one in force is `current`.
+    reroutes: a stage with no live worker ends it (the run restores instead).
+    reweights: it plans for `Grid.speeds` (moves work off stragglers).
+    min_pp: the fewest stages a layout restored for it may have.
+  """
 
   name: str
   description: str
+  params: RecoveryParams
+  chooses: bool
+  reroutes: bool
+  reweights: bool
+  min_pp: int
+
+  # -- the simulator and the runtime
 
   def check(self, grid: Grid, costs: PlanCosts) -> None:
     """Raises `PolicyUnavailableError` (with the reason) if it cannot evaluate this grid."""
@@ -213,6 +232,60 @@ class Policy(Protocol):
 
   def recovery(self, t: Transition) -> Recovery:
     """The one-off cost of the move `t` from one failure state to the next."""
+    ...
+
+  def plans_speeds(self, grid: Grid) -> bool:
+    """Whether `plan` and `step_time` account for `grid.speeds` (else the step runs at its
+    slowest worker's pace, which the simulator then charges)."""
+    ...
+
+  def reset(self, horizon_s: float) -> None:
+    """A run through a trace starts, its events `horizon_s` apart on average."""
+    ...
+
+  @property
+  def current(self) -> Policy | None:
+    """The policy in force: itself, or a chooser's choice (None before its first)."""
+    ...
+
+  def revert(self, policy: Policy | None) -> None:
+    """A chooser puts `policy` back in force (a rejoin it priced was declined)."""
+    ...
+
+  def restore_on(self, grid: Grid, costs: PlanCosts, positions: Sequence[int]) -> Planned | None:
+    """What it runs when the run restores onto the live `positions` of its grid, keeping the
+    grid; None: a fresh layout of the survivors instead."""
+    ...
+
+
+
+@runtime_checkable
+class RuntimePolicy(Policy, Protocol):
+  """What the runtime's coordinator also calls on the policy in force (`Policy.current`; a
+  chooser such as `auto` is never in force itself)."""
+
+  def runs(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+           previous: Planned | None, *, switched: bool) -> Planned | None:
+    """What it runs with `failed` down; None: it cannot go on."""
+    ...
+
+  def planned_step_time(self, grid: Grid, failed: frozenset[Worker], costs: PlanCosts,
+                        planned: Planned) -> float:
+    """The cost model's step time of `planned`, what `runs` returned."""
+    ...
+
+  def runtime_plan(self, planned: Planned, layout: Layout, costs: PlanCosts) -> Plan:
+    """`planned` as the runtime runs it (`Layout.nodes` maps the grid's positions)."""
+    ...
+
+  def report(self, planned: Planned, plan: Plan, layout: Layout, workers: frozenset[Worker],
+             failed: frozenset[Worker], *, rejoin: bool = False) -> list[str]:
+    """Log lines of what it did about `workers`, lost (or back, `rejoin`)."""
+    ...
+
+  def why_not(self, failed: frozenset[Worker], nodes: Sequence[int], step: int,
+              configured: str) -> str:
+    """Why it cannot go on after `nodes` failed at `step`."""
     ...
 
 
@@ -235,8 +308,7 @@ class Layout:
 def plans_speeds(policy: Policy, grid: Grid) -> bool:
   """Whether `policy`'s plan and step time for `grid` account for its `speeds` (only the
   re-routing policies re-weight stragglers; any other runs at the slow worker's pace)."""
-  own = getattr(policy, "plans_speeds", None)
-  return bool(own is not None and own(grid))
+  return policy.plans_speeds(grid)
 
 
 def stage_lost(grid: Grid, failed: frozenset[Worker]) -> bool:
@@ -274,6 +346,17 @@ class InPlacePolicy:
     """Whether its plan and step time for `grid` account for `grid.speeds` (else the step runs
     at its slowest worker's pace, which the simulator then charges)."""
     return self.reweights and bool(grid.speeds)
+
+  def reset(self, horizon_s: float) -> None:
+    """It chooses nothing by the time until the next event."""
+    del horizon_s
+
+  @property
+  def current(self) -> Policy:
+    return self
+
+  def revert(self, policy: Policy | None) -> None:
+    del policy
 
   # -- the runtime's coordinator asks these; the simulator needs none of them
 

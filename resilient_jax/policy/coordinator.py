@@ -42,11 +42,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from resilient_jax.config import FaultsConfig, MeshConfig, RunConfig
 from resilient_jax.exit_codes import EXIT_NO_DEVICES
+from resilient_jax.observe.events import Decided, EventLog, Failure, Rejoined
 from resilient_jax.observe.logs import info
 from resilient_jax.policy.base import Grid, Layout, Policy, Transition, plans_speeds
 from resilient_jax.policy.costs import analytic_costs, even_partition, recovery_params
 from resilient_jax.policy.phases import Phase, PhaseLog
-from resilient_jax.policy.registry import build_policies
+from resilient_jax.policy.registry import build_policies, check_config
 from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.policy.restart import NoDevicesLeft, restore_layout
 from resilient_jax.policy.shared import PlanExchange
@@ -100,15 +101,20 @@ class RunCoordinator(PhaseLog):
     cfg: the run configuration (grid, base schedule, micro-batches, policy).
     nodes: the nodes the run may use, in order.
     log: where decisions are reported.
+    events: where failures, rejoins and decisions are recorded (`observe.events`); None: a log
+      of its own over `log`.
   """
 
   exchange: PlanExchange | None = None
   """In a multi-process job, how the planner process shares its decisions with the others (set
   by the runtime; `policy/shared.py`); None: every decision is made here."""
 
-  def __init__(self, cfg: RunConfig, nodes: Sequence[int], log: Callable[[str], None] = info):
+  def __init__(self, cfg: RunConfig, nodes: Sequence[int], log: Callable[[str], None] = info,
+               events: EventLog | None = None):
+    check_config(cfg)  # the policy is registered, and can serve this run
     self.cfg = cfg
     self.log = log
+    self.events = events if events is not None else EventLog(log)
     self.live: set[int] = set(nodes)
     self.failed: list[tuple[int, int]] = []
     self.rejoined: list[tuple[int, int]] = []
@@ -248,16 +254,11 @@ class RunCoordinator(PhaseLog):
     new = sorted(n for n in nodes if n in self.live)
     if not new:
       return Decision(self.plan, False)
-    when = "during" if mid_step else "at the start of"
     position = {n: w for w, n in self._node_of().items()}
     for n in new:
       self.live.discard(n)
       self.failed.append((step, n))
-      if n in position:
-        d, s = position[n]
-        self.log(f"FAILURE: worker (dp={d}, stage={s}) failed {when} step {step}")
-      else:
-        self.log(f"FAILURE: node {n} failed {when} step {step} (it held no work)")
+      self.events.emit(Failure(step, n, position.get(n), mid_step))
     workers = frozenset(position[n] for n in new if n in position)
     if not workers:
       return Decision(self.plan, False)
@@ -279,10 +280,19 @@ class RunCoordinator(PhaseLog):
       return self._restore(self._why_not(new, step), step)
     self._apply(planned)
     self._report(workers if self.active is previous else self.dead)
-    after = self.predicted_makespan()
-    self.log(f"  predicted step time x{after / before:.2f}")
-    self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step)
+    self._decided_event(step, before)
+    self._new_phase(self.plan_name, self.live_count, self.phases_relative(), step)
     return Decision(self.plan, False)
+
+  def _decided_event(self, step: int, before: float, *, line: bool = True) -> None:
+    """Records the plan now in force and its predicted step time against `before`'s."""
+    after = self.predicted_makespan()
+    self.events.emit(Decided(step, self.policy, self.plan_name, self.live_count, after / before,
+                             after / self.fault_free_makespan), line=line)
+
+  def phases_relative(self) -> float:
+    """The predicted step time relative to the fault-free plan's."""
+    return self.predicted_makespan() / self.fault_free_makespan
 
   # ---------------------------------------------------------------- stragglers
 
@@ -303,7 +313,7 @@ class RunCoordinator(PhaseLog):
     """`reweigh`'s decision on `grid` (the current one with the new speeds)."""
     old = self.planned if isinstance(self.planned, Schedule) else None
     self.grid = grid
-    if not getattr(self.active, "reweights", False) or (grid.speeds
+    if not self.active.reweights or (grid.speeds
                                                         and not plans_speeds(self.active, grid)):
       self.log(f"  {self.policy} does not re-weight stragglers (on this grid): its plan runs at "
                "the slow worker's pace")
@@ -324,6 +334,7 @@ class RunCoordinator(PhaseLog):
     why = "for the measured speeds" if grid.speeds else "with every worker at full speed"
     self.log(f"  replanned with the {self.plan_name} planner {why}: predicted step time "
              f"x{after / before:.2f} of the plan before at these speeds")
+    self._decided_event(step, before, line=False)
     self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step,
                     event="straggler")
     return Decision(self.plan, False)
@@ -362,8 +373,7 @@ class RunCoordinator(PhaseLog):
     for n in new:
       self.live.add(n)
       self.rejoined.append((step, n))
-      d, s = position.get(n, origin.get(n, (None, None)))
-      self.log(f"REJOIN: worker (dp={d}, stage={s}) rejoined at the start of step {step}")
+      self.events.emit(Rejoined(step, n, position.get(n, origin.get(n, (None, None)))))
     workers = frozenset(position[n] for n in new if n in position) & self.dead
     outside = [n for n in new if n not in position]
     if not workers and not outside:
@@ -401,9 +411,8 @@ class RunCoordinator(PhaseLog):
                            f"at step {step}", step)
     self._apply(planned)
     self._report(workers, rejoin=True)
-    after = self.predicted_makespan()
-    self.log(f"  predicted step time x{after / before:.2f}")
-    self._new_phase(self.plan_name, self.live_count, after / self.fault_free_makespan, step,
+    self._decided_event(step, before)
+    self._new_phase(self.plan_name, self.live_count, self.phases_relative(), step,
                     event="rejoin")
     return Decision(self.plan, False)
 

@@ -78,19 +78,17 @@ def rejoin_choice(policy: Policy, t: Transition, horizon_s: float) -> RejoinChoi
   """
   if t.failure:
     raise ValueError("rejoin_choice prices rejoins; this transition loses a worker")
-  previous = getattr(policy, "current", None)
+  previous = policy.current
   rec = policy.recovery(t)
   after = policy.step_time(t.grid, t.after, t.costs)
   waiting = t.step_time_before
   take = True
   if rec.restart:
-    interval = getattr(getattr(policy, "params", None), "checkpoint_interval_s", math.inf)
+    interval = policy.params.checkpoint_interval_s
     grow = steps_until_next_event(horizon_s, rec, after, interval)
     wait = steps_until_next_event(horizon_s, Recovery(0.0), waiting, interval)
     take = grow > wait * (1 + WAIT_TIE)
   if not take:
-    revert = getattr(policy, "revert", None)
-    if revert is not None:
-      revert(previous)
+    policy.revert(previous)
     return RejoinChoice(False, Recovery(0.0), after, waiting)
   return RejoinChoice(True, rec, after, waiting)

@@ -86,6 +86,7 @@ class RestartPolicy:
 
   chooses = False
   reroutes = True
+  reweights = False
   min_pp = 1
   fault_free: InPlacePolicy | None = None
   """The planner whose fault-free schedule it runs until a failure makes it restore
@@ -94,6 +95,21 @@ class RestartPolicy:
   def __init__(self, params: RecoveryParams):
     self.params = params
     self._cache: dict[Hashable, float] = {}
+
+  def plans_speeds(self, grid: Grid) -> bool:
+    """A restart's layout runs at its slowest worker's pace."""
+    del grid
+    return False
+
+  def reset(self, horizon_s: float) -> None:
+    del horizon_s
+
+  @property
+  def current(self) -> RestartPolicy:
+    return self
+
+  def revert(self, policy: object) -> None:
+    del policy
 
   def check(self, grid: Grid, costs: PlanCosts) -> None:
     del grid, costs  # any grid

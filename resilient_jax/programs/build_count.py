@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from resilient_jax.runtime.records import Built
+from resilient_jax.observe.records import Built
 
 
 @dataclasses.dataclass

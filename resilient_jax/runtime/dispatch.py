@@ -7,7 +7,7 @@ local holders have all arrived between sweeps, and when nothing local can go on 
 is on its way from other processes (`Transport.wait_arrival`) or for a reduction with other
 processes, in the one global group order.
 
-Why one thread (measured, `docs/benchmarks.md`): most of the host's time per op is the
+Why one thread (measured, `docs/benchmark_results.md`): most of the host's time per op is the
 compiled program's C++ call, about a microsecond per argument and result array (50 to 440 of
 them a call). A thread per pipeline or per slot could overlap the part of it that runs without
 the GIL; side by side on a loaded 2-core machine they did not win consistently (per-round step

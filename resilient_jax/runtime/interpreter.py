@@ -45,10 +45,10 @@ import numpy as np
 
 from resilient_jax.model.sharding import Where, where_key
 from resilient_jax.observe.logs import info
+from resilient_jax.observe.records import StepResult
 from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.dispatch import dispatch
 from resilient_jax.runtime.handover import Source, StateHandover
-from resilient_jax.runtime.records import StepResult
 from resilient_jax.runtime.step_run import (
   AfterOp,
   DispatchList,
@@ -60,7 +60,7 @@ from resilient_jax.runtime.step_run import (
 from resilient_jax.runtime.transport import Transport
 from resilient_jax.schedule.pipelines import LayerRange
 from resilient_jax.schedule.plan import Plan, Slot, StepProgram, step_program
-from resilient_jax.training.fault_specs import Slowdown
+from resilient_jax.spec.faults import Slowdown
 
 Params = dict[str, jax.Array]
 ProgramsFor = Callable[[tuple[LayerRange, ...]], Sequence[StagePrograms]]

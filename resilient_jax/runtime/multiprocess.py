@@ -3,7 +3,7 @@
 Every process runs the same interpreter on the same plan (derived deterministically from the
 agreed set of failed nodes) and executes only its own slots' ops. Nodes are workers: one
 process drives all its host's devices and holds several of them, as `ProcessLayout` places
-them (`resilient_jax.runtime.placement`, the simulator's placement too). Data between two nodes of
+them (`resilient_jax.spec.placement`, the simulator's placement too). Data between two nodes of
 one process moves with `jax.device_put`, between processes over the transfer server:
 
 * an activation or activation gradient for a slot of another process is offered to it under
@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 
 from resilient_jax.model.sharding import Where, target, worker_mesh
-from resilient_jax.runtime import placement as placement_lib
 from resilient_jax.runtime.cluster import Cluster
 from resilient_jax.runtime.inbox import Inbox
 from resilient_jax.runtime.transport import (
@@ -71,6 +70,7 @@ from resilient_jax.runtime.transport import (
   pieces,
 )
 from resilient_jax.schedule import ring
+from resilient_jax.spec import placement as placement_lib
 
 PauseHook = Callable[[int, str], None]
 """Called with (step, where) at points a test may kill this process: "start" before a step,

@@ -23,15 +23,15 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from resilient_jax.model.sharding import Where, where_key
+from resilient_jax.observe.records import OpRecord, StepResult
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.programs.packing import Packed
 from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.inbox import expect_inputs, transfer_in
-from resilient_jax.runtime.records import OpRecord, StepResult
 from resilient_jax.runtime.transport import ACT, GRAD, Key, Outcome, Transport
 from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, W
 from resilient_jax.schedule.plan import Slot, StepProgram
-from resilient_jax.training.fault_specs import Slowdown, slowdowns_at
+from resilient_jax.spec.faults import Slowdown, slowdowns_at
 
 Params = dict[str, jax.Array]
 AfterOp = Callable[[int, Op], None]

@@ -14,13 +14,13 @@ relative throughput out).
 """
 
 from resilient_jax.policy import (
-  POLICY_NAMES,
   Grid,
   Policy,
   PolicyUnavailableError,
   Recovery,
   RecoveryParams,
   build_policies,
+  policy_names,
   usable_policies,
 )
 from resilient_jax.schedule.reduce import FailurePattern, failure_pattern, max_load, reduce_pattern
@@ -65,7 +65,7 @@ __all__ = [
   "LOSSES",
   "MIXES",
   "PLACEMENTS",
-  "POLICY_NAMES",
+  "policy_names",
   "Breakdown",
   "Cause",
   "CostModel",

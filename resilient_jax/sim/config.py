@@ -13,8 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from resilient_jax.config import POLICIES as POLICY_NAMES
 from resilient_jax.policy.base import RecoveryParams
+from resilient_jax.policy.registry import policy_names
 from resilient_jax.schedule.generators import GENERATORS
 from resilient_jax.sim.engine import SWEEP_PLACEMENTS
 from resilient_jax.sim.goodput import young_daly_interval
@@ -346,10 +346,11 @@ def _policies(cd: Mapping[str, Any]) -> tuple[str, ...] | None:
   """`sim.policies`: comma-separated names, or "" / "all" for every available one (None)."""
   names = _str(cd, "sim", "policies").replace(" ", "")
   policies = None if names in ("", "all") else tuple(names.split(","))
+  known = policy_names()
   for name in policies or ():
-    if name not in POLICY_NAMES:
+    if name not in known:
       raise SimConfigError(
-        f"sim.policies: unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)} or all"
+        f"sim.policies: unknown policy {name!r}; choose from {', '.join(known)} or all"
       )
   return policies
 

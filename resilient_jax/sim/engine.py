@@ -292,7 +292,7 @@ class _Replay:
     self.stall = min(write_s / interval_s, 1.0) if math.isfinite(interval_s) else 0.0
     self.slowdown = slowdown
     self.ideal_step = ideal_step
-    self.params = getattr(policy, "params", None)
+    self.params = policy.params
     self.out = PolicyTrace(policy.name)
 
   def train(self, t0: float, t1: float, step: float, factor: float) -> None:
@@ -350,9 +350,7 @@ class _Replay:
     out, grid, costs = self.out, self.grid, self.costs
     changes = sum(a[1] != b[1] for a, b in zip(timeline, timeline[1:], strict=False))
     horizon_s = self.duration_s / max(changes, 1)
-    reset = getattr(self.policy, "reset", None)
-    if reset is not None:  # a policy that chooses by what it expects until the next event
-      reset(horizon_s)
+    self.policy.reset(horizon_s)  # a chooser weighs what it expects until the next event
     step = self.policy.step_time(grid, frozenset(), costs)
     out.fault_free_throughput = self.batch / step
     failed = down = frozenset()  # what the policy runs without; the trace's failed set

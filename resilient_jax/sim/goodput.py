@@ -33,7 +33,14 @@ import math
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
-from resilient_jax.policy.base import Grid, PlanCosts, Policy, Recovery, Transition
+from resilient_jax.policy.base import (
+  Grid,
+  InPlacePolicy,
+  PlanCosts,
+  Policy,
+  Recovery,
+  Transition,
+)
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.generators import generate
@@ -198,12 +205,12 @@ class Recoveries:
 def _fell_back(policy: Policy, t: Transition) -> bool:
   """Whether a restore was forced: not restart's own way, nor `auto` choosing restart while
   one of its in-place candidates could have gone on."""
-  chosen = getattr(policy, "current", None) or policy
+  chosen = policy.current or policy
   if chosen.name != "restart":
     return True
-  if not getattr(policy, "chooses", False):
+  if not policy.chooses:
     return False
-  in_place = [c for c in policy.usable(t.grid, t.costs) if hasattr(c, "cannot_run")]
+  in_place = [c for c in policy.usable(t.grid, t.costs) if isinstance(c, InPlacePolicy)]
   return all(c.cannot_run(t.grid, t.after, t.costs) for c in in_place)
 
 

@@ -10,7 +10,7 @@ on it. Which workers share a node decides what a node failure looks like to the 
   the gradient all-reduce stays partly inside nodes and a node failure removes several workers
   of the same stage.
 
-The ranks are `resilient_jax.runtime.placement`'s, the same the runtime places processes'
+The ranks are `resilient_jax.spec.placement`'s, the same the runtime places processes'
 workers by.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 from resilient_jax.checks import require_ints
-from resilient_jax.runtime import placement as placement_lib
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.generators import GENERATORS
+from resilient_jax.spec import placement as placement_lib
 
 __all__ = ["PLACEMENTS", "Layout"]
 

@@ -15,14 +15,20 @@ restore reads it once per process.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from resilient_jax.checkpoint import CheckpointError, load_latest
 from resilient_jax.checkpoint.lease import Lease, Superseded
 from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
+from resilient_jax.observe.events import CheckpointSaved
 from resilient_jax.observe.progress import reporting
 from resilient_jax.schedule.plan import Plan, describe
 from resilient_jax.training.local_copies import LocalCopies
 from resilient_jax.training.run import Run
+
+if TYPE_CHECKING:
+  from resilient_jax.training.hooks import StepInfo
 
 SAVE_WAIT_S = 600.0
 """How long an ending run waits for its checkpoint save in flight."""
@@ -138,8 +144,13 @@ class Checkpoints:
               "state over (the previous checkpoint stays the latest)")
     if run.chief and state is not None:
       run.writer.save(step, *state, checkpoint_meta(run.cfg, plan, step))
+      run.events.emit(CheckpointSaved(step, str(run.ckpt_dir / str(step))), line=False)
       run.log(f"checkpoint of step {step}: writing {run.ckpt_dir / str(step)} (in the background; "
               "the previous one stays the latest until it is committed)")
+
+  def __call__(self, info: StepInfo) -> None:
+    """The run's last hook (`hooks.StepInfo`): the checkpoint of the step when due."""
+    self.if_due(info.step, info.last)
 
   def if_due(self, step: int, last: bool = False) -> bool:
     """Saves `step` when a checkpoint is due; returns whether it did. (Every committed step

@@ -17,10 +17,11 @@ held-out sample: what one device computes (`reference.eval_reference`).
 
 Failures: an attempt that loses nodes (in one process a `FaultEvent(evaluation=True)`, in a
 job a process that died) commits nothing; the policy decides as for a step (`Failures.fail`)
-and the batch runs again on its new plan, or a checkpoint is restored (`Restored`: the loop goes
-on after the restored step). In a job every process runs the hook (its slots' ops, the
-agreement on each batch's outcome) and process 0 writes. Recovery events of these failures
-are not in `recovery.json`, which records failures inside a step; `goodput.json` has them.
+and the batch runs again on its new plan, or a checkpoint is restored (the hook returns
+`Rollback`: the loop goes on after the restored step). In a job every process runs the
+hook (its slots' ops, the agreement on each batch's outcome) and process 0 writes. Recovery
+events of these failures are not in `recovery.json`, which records failures inside a step;
+`goodput.json` has them.
 
 A model that draws random numbers (dropout) is evaluated with the training forward, its draws
 folded with `(0, sample id)` (step 0 is no training step's): no eval-mode program is built.
@@ -38,10 +39,10 @@ import time
 import numpy as np
 
 from resilient_jax import recipe
-from resilient_jax.runtime.records import StepResult, WorkerLost
+from resilient_jax.observe.records import StepResult, WorkerLost
 from resilient_jax.runtime.step_run import AfterOp
-from resilient_jax.training.failures import Failures, Restored
-from resilient_jax.training.hooks import StepInfo
+from resilient_jax.training.failures import Failures
+from resilient_jax.training.hooks import Rollback, StepInfo
 from resilient_jax.training.run import Run
 
 
@@ -57,27 +58,32 @@ class Evaluation:
   def __init__(self, run: Run, failures: Failures):
     self.run, self.failures = run, failures
 
-  def __call__(self, info: StepInfo) -> None:
+  def __call__(self, info: StepInfo) -> dict | Rollback:
     loss = self.evaluate(info.step)
+    if isinstance(loss, Rollback):
+      return loss
     ppl = perplexity(loss)
-    info.row.update(eval_loss=loss, eval_ppl=ppl)
-    info.run.board.scalars(info.step, "eval/", {"loss": loss, "ppl": ppl})
+    self.run.board.scalars(info.step, "eval/", {"loss": loss, "ppl": ppl})
+    return {"eval_loss": loss, "eval_ppl": ppl}
 
-  def evaluate(self, step: int) -> float:
-    """The held-out loss under the parameters of committed `step`.
-
-    Raises:
-      Restored: a failure during it made the policy restore a checkpoint.
-    """
+  def evaluate(self, step: int) -> float | Rollback:
+    """The held-out loss under the parameters of committed `step`, or `Rollback` when a failure
+    during it made the policy restore a checkpoint."""
     hook = self.failures.op_hook(step, evaluation=True)
     # Each batch's mean, weighted by its loss elements' weight (1 / its loss factor: equal
     # batches but for a weighted loss), so the result is the mean over every held-out token.
-    means = [self._batch(step, b, hook) for b in range(self.run.cfg.train.eval_batches)]
+    means = []
+    for b in range(self.run.cfg.train.eval_batches):
+      mean = self._batch(step, b, hook)
+      if isinstance(mean, Rollback):
+        return mean
+      means.append(mean)
     return float(np.average([m for m, _ in means], weights=[1.0 / f for _, f in means]))
 
-  def _batch(self, step: int, batch: int, hook: AfterOp | None) -> tuple[float, float]:
+  def _batch(self, step: int, batch: int, hook: AfterOp | None
+             ) -> tuple[float, float] | Rollback:
     """Held-out batch `batch`'s mean loss and loss factor, attempted until an attempt
-    commits."""
+    commits (or a failure restores a checkpoint)."""
     run = self.run
     attempt = 0
     while True:
@@ -91,7 +97,7 @@ class Evaluation:
       restored = self.failures.fail(set(result.lost), step, mid_step=True, detect_s=detect_s,
                                     detected_at=result.detected_at, evaluation=True)
       if restored is not None:
-        raise Restored(restored)
+        return Rollback(restored)
       run.log(f"  the evaluation after step {step} runs again on the new plan")
       attempt += 1
 

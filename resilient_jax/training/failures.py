@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from resilient_jax.files import UnusableFile, read_jsonl, write_json_atomic
+from resilient_jax.observe.events import Copied, Restored
+from resilient_jax.observe.records import StepResult, WorkerLost
 from resilient_jax.policy import Decision, NoDevicesLeft, StageLost
-from resilient_jax.runtime.records import StepResult, WorkerLost
 from resilient_jax.schedule.core import AR, Op
 from resilient_jax.schedule.plan import describe
 from resilient_jax.training.checkpoints import Checkpoints
@@ -131,8 +132,7 @@ class Failures:
     copied = run.interpreter.place(decision.plan, run.interpreter.sources(dead), dead=dead,
                                    tag=(step, run.attempts))
     if copied:
-      run.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state from "
-              "surviving replicas")
+      run.events.emit(Copied(step, int(copied)))
     return None
 
   def _restore(self, decision: Decision, lost: list[int], step: int, mid_step: bool,
@@ -155,6 +155,7 @@ class Failures:
                 f"on {where}")
     event.steps_rerun = step - restored - (0 if mid_step else 1)
     event.extra["outcome"] = decision.reason
+    run.events.emit(Restored(step, restored, where, decision.reason), line=False)
     if restored:
       run.log(f"redoing {step - restored} step(s): {restored + 1}..{step}")
     elif self.checkpoints.committed():
@@ -195,14 +196,6 @@ class Failures:
 
   def write_recovery(self) -> None:
     write_json_atomic(self.run.workdir / "recovery.json", self.run.recovery)
-
-
-class Restored(Exception):  # noqa: N818 - control flow, never escapes `Trainer.run`
-  """The policy restored the checkpoint of `step`: the loop goes on after it."""
-
-  def __init__(self, step: int):
-    super().__init__(f"restored step {step}")
-    self.step = step
 
 
 def kill_times(workdir: Path, relaunches: bool = False) -> dict[int, float]:

@@ -26,9 +26,9 @@ from resilient_jax.schedule.core import AR, Op
 from resilient_jax.training.faults import pause_hook_from_env
 
 if TYPE_CHECKING:
+  from resilient_jax.observe.records import StepResult
   from resilient_jax.policy import RunCoordinator
   from resilient_jax.runtime.interpreter import Interpreter
-  from resilient_jax.runtime.records import StepResult
 
 AfterOp = Callable[[int, Op], None]
 _PER_STEP = ("step", "checkpoint", "save", "lease")

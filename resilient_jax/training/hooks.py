@@ -3,9 +3,14 @@
 times and the key-value store's clean-up. A benchmark or a notebook adds its own
 (`Trainer.add_hook(fn, every=N)`) instead of copying the loop.
 
-A hook receives the step's `StepInfo`; hooks run in the order they were added, after the step
-committed and before its checkpoint. An end hook receives the `Run` and every step's metrics
-row once the last step is done.
+A hook receives the step's `StepInfo`, a read-only view (the metrics row as a mapping, the
+parameters as a copy on request); it may return entries to add to the step's metrics row (the
+evaluation's loss, the replica check's verdict), or `Rollback` when a failure inside it made the
+policy restore a checkpoint (the evaluation's forward passes can lose nodes too): the hooks
+after it do not run for that step and the loop goes on after the restored one. Hooks run in the
+order they were added, after the step committed; the checkpoint is the last of them. A hook that
+needs more of the run than the view (the library's own) is built with it. An end hook receives
+the `Run` and every step's metrics row once the last step is done.
 
 Costs: each standard hook is O(1) per step on process 0 (one line appended to a file, one
 TensorBoard event, three key deletions in a job), except a profiled step's timeline drawing
@@ -16,9 +21,12 @@ TensorBoard event, three key deletions in a job), except a profiled step's timel
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,29 +34,38 @@ from resilient_jax import data as data_lib
 from resilient_jax.exit_codes import EXIT_NONFINITE
 from resilient_jax.files import read_jsonl, write_text_atomic
 from resilient_jax.observe.profiling import RunTimelines, costs_from_records, write_step_timeline
+from resilient_jax.observe.records import StepResult
 from resilient_jax.observe.utilization import mfu
-from resilient_jax.runtime.records import StepResult
 from resilient_jax.schedule.cost import Timeline
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.run import Run
 from resilient_jax.training.stragglers import stragglers
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepInfo:
-  """A committed step, as hooks see it."""
+  """A committed step, as hooks see it (read-only)."""
 
   step: int
   last: bool
   """The run's last step (`train.steps`, or `train.stop_after`)."""
   result: StepResult
-  row: dict
-  """Its line of `metrics.jsonl`."""
+  row: Mapping[str, Any]
+  """Its line of `metrics.jsonl`, with what the hooks before this one added."""
   replayed: Timeline | None
   """A profiled step replayed with one core per worker (`profiling.replay_records`)."""
   compiles: int
   """XLA compilations during the step."""
-  run: Run
+  params: Callable[[], dict] = dataclasses.field(default=lambda: {}, repr=False)
+  """The parameters after the step by name, gathered to the host (a copy)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+  """What a hook returns when a failure inside it made the policy restore the checkpoint of
+  `step`: the run goes on after that step."""
+
+  step: int
 
 
 def metrics_row(run: Run, step: int, result: StepResult, ids: np.ndarray, lr: float) -> dict:
@@ -73,7 +90,7 @@ def metrics_row(run: Run, step: int, result: StepResult, ids: np.ndarray, lr: fl
   return row
 
 
-StepHook = Callable[[StepInfo], None]
+StepHook = Callable[[StepInfo], Mapping[str, Any] | Rollback | None]
 EndHook = Callable[[Run, list[dict]], None]
 
 
@@ -82,20 +99,32 @@ class Hooks:
 
   def __init__(self) -> None:
     self._steps: list[tuple[StepHook, int]] = []
+    self._final: list[tuple[StepHook, int]] = []
     self._end: list[EndHook] = []
 
-  def add(self, fn: StepHook, every: int = 1) -> None:
+  def add(self, fn: StepHook, every: int = 1, *, final: bool = False) -> None:
+    """Adds `fn`, run every `every` committed steps and the last; `final`: after every hook
+    that is not (the run's stops and its checkpoint)."""
     if every < 1:
       raise ValueError(f"a hook runs every N >= 1 steps, not {every}")
-    self._steps.append((fn, every))
+    (self._final if final else self._steps).append((fn, every))
 
   def add_end(self, fn: EndHook) -> None:
     self._end.append(fn)
 
-  def after_step(self, info: StepInfo) -> None:
-    for fn, every in self._steps:
-      if info.step % every == 0 or info.last:
-        fn(info)
+  def after_step(self, step: int, last: bool, result: StepResult, row: dict, **view: Any
+                 ) -> Rollback | None:
+    """Runs the hooks due after committed `step` over a read-only `StepInfo` (the `view`'s other
+    fields); what they return is added to `row`. Returns the first `Rollback`, after which no
+    hook runs for this step."""
+    info = StepInfo(step, last, result, types.MappingProxyType(row), **view)
+    for fn, every in self._steps + self._final:
+      if step % every == 0 or last:
+        out = fn(info)
+        if isinstance(out, Rollback):
+          return out
+        row.update(out or {})
+    return None
 
   def at_end(self, run: Run, metrics: list[dict]) -> None:
     for fn in self._end:
@@ -146,7 +175,7 @@ class MetricsFile:
   def __call__(self, info: StepInfo) -> None:
     if self.enabled:
       with self.path.open("a") as f:
-        f.write(json.dumps(info.row) + "\n")
+        f.write(json.dumps(dict(info.row)) + "\n")
 
 
 class NonFiniteSteps(RuntimeError):
@@ -163,8 +192,14 @@ class NonFiniteStreak:
   decides for the job; a process relaunched into a live job starts at 0.
   """
 
-  def __init__(self, run: Run, start: int, metrics: list[dict]):
+  def __init__(self, run: Run):
+    self.run = run
     self.limit = run.cfg.train.max_nonfinite_steps
+    self.count = 0
+
+  def resume(self, start: int, metrics: list[dict]) -> None:
+    """Counts on from the rows before `start` (`metrics`)."""
+    run = self.run
 
     def before() -> int:
       n = 0
@@ -180,8 +215,10 @@ class NonFiniteStreak:
       run.log(f"{_steps(start - self.count, start - 1)} had non-finite gradients (skipped): "
               f"{self.count} of train.max_nonfinite_steps={self.limit} in a row count on")
 
-  def after(self, step: int, skipped: bool) -> None:
-    """Counts committed `step`; raises `NonFiniteSteps` when the streak reaches the limit."""
+  def __call__(self, info: StepInfo) -> None:
+    """Counts committed `info.step`; raises `NonFiniteSteps` when the streak reaches the
+    limit."""
+    step, skipped = info.step, info.result.skipped
     self.count = self.count + 1 if skipped else 0
     if self.count >= self.limit:
       raise NonFiniteSteps(f"{self.count} steps in a row had non-finite gradients "
@@ -193,9 +230,9 @@ def _steps(first: int, last: int) -> str:
   return f"step {last}" if first == last else f"steps {first}-{last}"
 
 
-def step_line(info: StepInfo) -> None:
+def step_line(run: Run, info: StepInfo) -> None:
   """The step's progress line."""
-  r, row, run = info.result, info.row, info.run
+  r, row = info.result, info.row
   run.log(
     f"step {info.step:4d}/{run.cfg.train.steps}  loss {r.loss:.4f}  "
     f"grad_norm {r.grad_norm:.3g}  lr {row['lr']:.2e}  "
@@ -210,10 +247,10 @@ def step_line(info: StepInfo) -> None:
        else ""))
 
 
-def step_times(info: StepInfo) -> None:
+def step_times(run: Run, info: StepInfo) -> None:
   """The step's time to the policy's report of a failure (after the step's line: a failure's
   report names this step)."""
-  coord, records = info.run.coordinator, info.result.records
+  coord, records = run.coordinator, info.result.records
   measured = None
   if info.replayed is not None and isinstance(coord.plan, GridPlan):
     measured = (coord.plan.schedule, costs_from_records(records, coord.grid.pp))
@@ -222,24 +259,25 @@ def step_times(info: StepInfo) -> None:
     replayed_s=info.replayed.makespan if info.replayed else None, measured=measured)
 
 
-def forget_old_agreements(info: StepInfo) -> None:
+def forget_old_agreements(run: Run, info: StepInfo) -> None:
   """Drops the agreements of the step `distributed.kv_keep_steps` back (a job's process 0)."""
-  keep = info.run.cfg.distributed.kv_keep_steps
-  if info.run.chief and info.step > keep:
-    info.run.group.forget(info.step - keep)
+  keep = run.cfg.distributed.kv_keep_steps
+  if run.chief and info.step > keep:
+    run.group.forget(info.step - keep)
 
 
 class Schedules:
   """Every schedule the run used, written to `schedule.txt` at the end (process 0)."""
 
-  def __init__(self) -> None:
+  def __init__(self, run: Run) -> None:
+    self.run = run
     self.seen: list[str] = []
     self._plan: object = None
 
   def __call__(self, info: StepInfo) -> None:
     # A plan's text holds every worker's op list (O(dp * pp * m)): made once per plan the
     # coordinator puts in force, not once per step.
-    plan = info.run.coordinator.plan
+    plan = self.run.coordinator.plan
     if plan is self._plan:
       return
     self._plan = plan
@@ -256,20 +294,20 @@ class Timelines:
   """Draws the profiled steps `RunTimelines` picks: `timeline_step<N>.*` around failures and
   `timeline.*` for the last step."""
 
-  def __init__(self, timelines: RunTimelines):
-    self.timelines = timelines
+  def __init__(self, run: Run, timelines: RunTimelines):
+    self.run, self.timelines = run, timelines
     self.stepped = False  # a step of this run committed
 
   def __call__(self, info: StepInfo) -> None:
     self.stepped = True
     if info.replayed is None:
       return
-    kind = self.timelines.kind(info.step, bool(info.run.coordinator.failed))
+    kind = self.timelines.kind(info.step, bool(self.run.coordinator.failed))
     for drawing in ([kind] if kind else []) + ([None] if info.last else []):
       self._draw(info, drawing)
 
   def _draw(self, info: StepInfo, kind: str | None) -> None:
-    coord = info.run.coordinator
+    coord = self.run.coordinator
     plan = coord.plan
     at = {}
     for fstep, node in coord.failed:
@@ -279,7 +317,7 @@ class Timelines:
     tl = self.timelines
     stem = f"timeline_step{info.step}" if kind else "timeline"
     title = tl.title(info.step, kind, failed, [f for f, _ in coord.failed], info.compiles)
-    write_step_timeline(plan.schedule, info.result.records, info.run.workdir, title=title,
+    write_step_timeline(plan.schedule, info.result.records, self.run.workdir, title=title,
                         stem=stem, failed=failed, replayed=info.replayed,
                         metadata={"step": info.step, "drawn_as": kind or "last step",
                                   "xla_compiles_in_step": info.compiles})
@@ -318,14 +356,14 @@ def kept_agreements(run: Run, metrics: list[dict]) -> None:
 
 
 def standard_hooks(run: Run, timelines: RunTimelines, metrics_file: MetricsFile,
-                   evaluation: StepHook | None = None, integrity: StepHook | None = None
+                   evaluation: StepHook | None = None, integrity: StepHook | None = None,
                    ) -> Hooks:
   """The hooks every run has, in their order; `evaluation` every `train.eval_every` steps (and
   the last) when that is set, and `integrity` (the replica check, `integrity.py`) and the
   straggler watch (`resilience.straggler_every`, `stragglers.py`) after every step, all before
   the step's row is written anywhere, so that what they add goes with it."""
   hooks = Hooks()
-  drawings, schedules = Timelines(timelines), Schedules()
+  drawings, schedules = Timelines(run, timelines), Schedules(run)
   hooks.add(drawings)
   hooks.add(schedules)
   if evaluation is not None and run.cfg.train.eval_every:
@@ -334,10 +372,9 @@ def standard_hooks(run: Run, timelines: RunTimelines, metrics_file: MetricsFile,
     if check is not None:
       hooks.add(check)
   hooks.add(metrics_file)
-  hooks.add(lambda info: info.run.board.step(info.row))
-  hooks.add(forget_old_agreements)
-  hooks.add(step_line)
-  hooks.add(step_times)
+  hooks.add(lambda info: run.board.step(dict(info.row)))
+  for fn in (forget_old_agreements, step_line, step_times):
+    hooks.add(functools.partial(fn, run))
   hooks.add_end(summary)
   hooks.add_end(schedules.write)
   hooks.add_end(drawings.explain_none)

@@ -35,10 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilient_jax.config import RunConfig
+from resilient_jax.observe.events import Corrupt
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.schedule.plan import Slot
 from resilient_jax.training.failures import Failures
 from resilient_jax.training.hooks import StepInfo
+from resilient_jax.training.run import Run
 
 _MIX = 0x9E3779B1  # odd: multiplying by it (mod 2**32) loses no bit
 
@@ -88,19 +90,20 @@ class ReplicaCheck:
       that step commits (`faults.corrupt`, for rehearsals), in the process that holds them.
   """
 
-  def __init__(self, every: int, drop: Callable[[int, set[int]], None],
+  def __init__(self, run: Run, every: int, drop: Callable[[int, set[int]], None],
                corrupt: Mapping[int, Sequence[tuple[int, int]]]):
+    self.run = run
     self.every = every
     self.drop = drop
     self.corrupt = corrupt
 
-  def __call__(self, info: StepInfo) -> None:
-    run, step = info.run, info.step
+  def __call__(self, info: StepInfo) -> dict | None:
+    run, step = self.run, info.step
     ip = run.interpreter
     for worker in self.corrupt.get(step, ()):
       _flip_a_bit(ip, worker)
     if not self.every or step % self.every:
-      return
+      return None
     sp = ip.step_program
     local = list(ip.local_slots)
     values = jax.device_get([state_digest(ip.params[s]) for s in local])
@@ -118,9 +121,8 @@ class ReplicaCheck:
       return [[list(slot), majority] for slot, majority in odd_replicas(digests, groups)]
 
     odd = run.group.agree(f"{key}/verdict", verdict)
-    info.row["replicas_checked"] = True
     if not odd:
-      return
+      return {"replicas_checked": True}
     nodes = set()
     for (d, s), majority in odd:
       node = sp.slots[(d, s)].node
@@ -128,11 +130,12 @@ class ReplicaCheck:
       against = ("its stage's other replicas disagree with no majority: which is right is "
                  "unknown, so every one is dropped") if majority is None else (
                  f"its stage's majority holds digest {majority:08x}")
+      run.events.emit(Corrupt(step, node, (d, s), majority), line=False)
       run.log(f"CORRUPTION: replica ({d}, {s}) on node {node} holds parameters that differ from "
               f"its stage's other replicas after step {step} ({against}); it is dropped at the "
               f"start of step {step + 1}, like a failed worker")
-    info.row["corrupt_nodes"] = sorted(nodes)
     self.drop(step + 1, nodes)
+    return {"replicas_checked": True, "corrupt_nodes": sorted(nodes)}
 
 
 def replica_check(cfg: RunConfig, failures: Failures) -> ReplicaCheck | None:
@@ -142,7 +145,7 @@ def replica_check(cfg: RunConfig, failures: Failures) -> ReplicaCheck | None:
   for f in cfg.faults.corrupt:
     corrupt.setdefault(f.step, []).append((f.dp, f.stage))
   every = cfg.resilience.check_replicas_every
-  return ReplicaCheck(every, failures.drop, corrupt) if every or corrupt else None
+  return ReplicaCheck(failures.run, every, failures.drop, corrupt) if every or corrupt else None
 
 
 def _flip_a_bit(ip, worker: tuple[int, int]) -> None:

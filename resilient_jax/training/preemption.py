@@ -7,7 +7,7 @@ notebook or a test calling `train` keeps its own signal handlers and garbage col
   once. A launcher installs it before it builds the trainer: a signal then (nothing trained,
   nothing to checkpoint) ends the process at once with exit code 9 too, not 143.
 * `steady_gc`: objects built before the steps leave the cyclic collector's full passes, which
-  stalled dispatch ~150 ms every ~10 steps (`docs/benchmarks.md`); they are still freed at
+  stalled dispatch ~150 ms every ~10 steps (`docs/benchmark_results.md`); they are still freed at
   refcount zero.
 """
 

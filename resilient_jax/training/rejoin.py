@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from resilient_jax.observe.events import Copied
 from resilient_jax.runtime.handover import Source
 from resilient_jax.schedule.pipelines import PipelineSet
 from resilient_jax.schedule.plan import GridPlan, Plan
@@ -129,6 +130,7 @@ def _place_locally(run: Run, taken: list[int], step: int, old_plan: Plan
     run.log(f"  worker {position(run.coordinator.plan, n)} (node {n}): its state came from "
             f"{where}")
   if copied:
+    run.events.emit(Copied(step, int(copied)), line=False)
     run.log(f"  copied {copied / 2**20:.2f} MiB of parameters and optimizer state device to "
             "device from live replicas")
   return copied, state_from

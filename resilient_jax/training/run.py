@@ -29,6 +29,7 @@ from resilient_jax.data import BatchPlan, sample_shapes
 from resilient_jax.files import check_run_files
 from resilient_jax.model.sharding import TP_RULES, logical_axes
 from resilient_jax.model.staging import variable_names
+from resilient_jax.observe.events import EventLog
 from resilient_jax.observe.goodput import GoodputLog
 from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
@@ -111,6 +112,8 @@ class Run:
   """Step attempts over the whole run: names transfers and agreements, never reused."""
   builds: BuildCounter = dataclasses.field(default_factory=BuildCounter)
   """What the run built (programs, XLA compiles) while it trained (`Trainer.run` counts)."""
+  events: EventLog = dataclasses.field(default_factory=lambda: EventLog(lambda _: None))
+  """What happened to the run, as typed records (`observe.events`; `events.jsonl`)."""
 
   @property
   def chief(self) -> bool:
@@ -260,7 +263,8 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
   builds = BuildCounter()
   with builds.counting():
     planning = activation_memory(cfg, programs, log)
-  coordinator = RunCoordinator(planning, nodes, log=log)
+  events = EventLog(log, workdir / "events.jsonl" if group.chief else None)
+  coordinator = RunCoordinator(planning, nodes, log=log, events=events)
   group.attach(coordinator)
   with builds.counting():
     interpreter = new_interpreter(cfg, programs, transport, coordinator.plan,
@@ -275,4 +279,4 @@ def start_run(cfg: RunConfig, workdir: str | os.PathLike, *, devices: Sequence[j
     if line:
       log(line)
   return Run(cfg, workdir, log, group, model, data_source, batches, transport, coordinator,
-             programs, interpreter, writer, builds=builds)
+             programs, interpreter, writer, builds=builds, events=events)

@@ -39,7 +39,7 @@ op of the process was waited for, so no time includes a wait on another process 
 job's steps unprofiled before the inbox: an op queued behind a pending pull read as slow). On
 this loaded 2-core machine (tiny model, ops of ~0.4 ms), the worker that read slowest against
 its stage peer on the other process read 1.1-3.0x in fault-free steps, and a worker slowed 6x
-read 4.1-19.8x (`docs/benchmarks.md`). Agreement is `Group.gather`, then
+read 4.1-19.8x (`docs/benchmark_results.md`). Agreement is `Group.gather`, then
 `Group.agree` (as the replica check's, `integrity.py`): each process publishes, per worker and
 backward kind, its `op_times` in 4 significant digits and whether it compiled in the step,
 under `step/{S}/stragglers/{attempt}/{pid}`; process 0 waits (bounded) for every process that
@@ -76,8 +76,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from resilient_jax.config import RunConfig
+from resilient_jax.observe.events import Speeds
 from resilient_jax.observe.profiling import RunTimelines
-from resilient_jax.runtime.records import OpRecord
+from resilient_jax.observe.records import OpRecord
 from resilient_jax.schedule.core import BW, B, W, Worker
 from resilient_jax.schedule.plan import GridPlan
 from resilient_jax.training.run import Run
@@ -155,7 +156,6 @@ class Step(Protocol):
   step: int
   compiles: int
   result: Any
-  row: dict
 
 
 class StragglerWatch:
@@ -216,7 +216,7 @@ class Stragglers:
     self.measured_plan: object = None
     """The plan of the step before (a step on a new plan is not measured)."""
 
-  def __call__(self, info: Step) -> None:
+  def __call__(self, info: Step) -> dict | None:
     """The hook after every committed step: measures it when it ran profiled for that. Every
     process of a job takes part in the same steps (the step and the plan's kind are agreed);
     whether a step counts is process 0's to say (`_decide`)."""
@@ -226,7 +226,7 @@ class Stragglers:
     if info.step == 1:
       first = False  # the run's first plan: its first step compiles, and is skipped for that
     if not self.every or info.step % self.every or not isinstance(coord.plan, GridPlan):
-      return
+      return None
     mine = {"built": bool(info.compiles), "times": _summary(op_times(info.result.records))}
     sp = run.interpreter.step_program
     processes = sorted({p for p in (run.group.process_of(prog.node)
@@ -234,9 +234,11 @@ class Stragglers:
     # Under the attempt too: a step run again after a restore must not read the first run's.
     key = f"step/{info.step}/stragglers/{run.attempts}"
     gathered = run.group.gather(key, mine, processes)
-    wanted = run.group.agree(f"{key}/speeds", lambda: self._decide(gathered, first, info.row))
+    row: dict = {}  # process 0's (it writes the row)
+    wanted = run.group.agree(f"{key}/speeds", lambda: self._decide(gathered, first, row))
     if wanted is not None:
       self._reweigh(dict(coord.grid.speeds), {(d, s): v for d, s, v in wanted}, info.step + 1)
+    return row
 
   def _decide(self, gathered: Mapping[int, Any], first: bool, row: dict) -> list | None:
     """Process 0's decision from every process's published times: the speeds to put in force
@@ -271,6 +273,8 @@ class Stragglers:
         run.log(f"STRAGGLER: worker (dp={d}, stage={s}) runs at {v:.2f} of its stage peers' "
                 f"speed{was}, measured over {self.watch.steps} steps; re-weighting its share "
                 f"from step {step}")
+    run.events.emit(Speeds(step, tuple((d, s, v) for (d, s), v in sorted(speeds.items())),
+                           tuple(w for w in changed if w not in speeds)), line=False)
     decision = coord.reweigh(speeds, step, key=run.plan_key(step))
     # A process relaunched into a job replays it with the failures (`admission.replay`).
     run.membership.append({"kind": "speeds", "step": step,

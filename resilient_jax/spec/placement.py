@@ -15,7 +15,7 @@ ranks are cut into consecutive runs of `workers_per_host`:
 
 Re-routing (ReCycle) is limited by the most damaged stage, so losses spread over stages cost
 less than losses concentrated in one: `"pipeline"` is the default (`DEFAULT_PLACEMENT`); the
-README gives the simulator's numbers (`configs/sim/hosts.py`).
+docs/clusters.md gives the simulator's numbers (`configs/sim/hosts.py`).
 
 Pure Python, no JAX: the simulator places 16k devices with it, the runtime derives the same map
 in every process (`runtime.multiprocess.ProcessLayout`).
