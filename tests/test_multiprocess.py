@@ -695,6 +695,33 @@ def test_first_writer_wins_passes_other_errors_on():
     first_writer_wins(Client("UNAVAILABLE: the service is gone"), "k", {"lost": [2]})
 
 
+@pytest.mark.parametrize("reachable, code", [(True, 6), (False, 5)])
+def test_a_wait_that_times_out_without_the_service_is_the_services_loss(monkeypatch, reachable,
+                                                                        code):
+  """A wait past `distributed.wait_timeout_s` ends with 6 only while the coordination service
+  answers; cut off from it (process 0's host cut off: `test_cluster_box.py`), the process ends as
+  its watchdog would have, with 5 and its local copy, whichever noticed first."""
+  from resilient_jax.config import DistributedConfig
+  from resilient_jax.runtime import kvstore
+
+  def end(c, message=None):
+    raise SystemExit(c)
+
+  monkeypatch.setattr(kvstore, "end_process", end)
+
+  class Store(kvstore.KeyValueStore):
+    cfg = DistributedConfig(enabled=True, wait_timeout_s=1)
+    process_id = 1
+
+    def check_coordinator(self):
+      if not reachable:
+        end(5)  # `Cluster.coordinator_lost`: the local copy, then exit 5
+
+  with pytest.raises(SystemExit) as e:
+    Store().poll("a key that never comes", lambda: None)
+  assert e.value.code == code
+
+
 class _Pending:
   """A stand-in for a pulled array: ready once `land` is called."""
 
