@@ -56,8 +56,14 @@ def missing(slurm: bool = True) -> str | None:
   if absent:
     pkgs = "iproute2" if set(absent) & {"ip", "tc"} else "slurm-wlm munge"
     return f"not installed: {', '.join(absent)} (apt-get install -y {pkgs})"
-  if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-    return "network namespaces are not available here (`ip netns list` failed)"
+  probe = f"rjprobe{os.getpid()}"
+  made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+  subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+  if made.returncode != 0:
+    return ("cannot make network namespaces here (`ip netns add`: "
+            f"{made.stderr.strip() or made.returncode}; a container without CAP_SYS_ADMIN?)")
+  if slurm and not os.path.exists("/etc/munge/munge.key"):
+    return "munge has no key (/etc/munge/munge.key): reinstall munge, or run mungekey"
   return None
 
 
