@@ -207,10 +207,15 @@ def test_process_0_cut_off_goes_on_alone_and_the_others_exit_5(box, job):
 # ------------------------------------------------------------------------------------ SLURM
 
 
-def _sbatch(box: ClusterBox, workdir: Path, *args: str, **env: str) -> str:
+def _sbatch(box: ClusterBox, workdir: Path, *args: str, nodes: tuple[int, ...] = (1, 2),
+            **env: str) -> str:
+  """Submits the shipped script to `nodes`; its output goes to WORKDIR.out (.rejoin.out for a
+  job with REJOIN_PROCESS)."""
+  out = f"{workdir}.rejoin.out" if "REJOIN_PROCESS" in env else f"{workdir}.out"
   proc = subprocess.run(
-    ["sbatch", "--parsable", "--gpus-per-node=0", "-N2", f"-w{box.node(1)},{box.node(2)}",
-     f"--output={workdir}.out", "launch/slurm/train.sbatch", *args],
+    ["sbatch", "--parsable", "--gpus-per-node=0", f"-N{len(nodes)}",
+     "-w" + ",".join(box.node(k) for k in nodes), f"--output={out}",
+     "launch/slurm/train.sbatch", *args],
     cwd=ROOT, env={**_env(**env), **{"SLURM_CONF": box.env()["SLURM_CONF"]}},
     capture_output=True, text=True, timeout=30)
   assert proc.returncode == 0, proc.stderr
@@ -242,42 +247,64 @@ def _task_pids(box: ClusterBox, k: int) -> list[str]:
   return out
 
 
-def test_sbatch_trains_through_a_node_set_down(box, tmp_path):
+def test_sbatch_trains_through_a_node_set_down_and_the_node_back_rejoins(box, tmp_path):
   """The shipped SLURM script on 2 CPU nodes (`sbatch --gpus-per-node=0`, DP=2 GPUS_PER_NODE=1,
   the config given after the script name): JAX's SLURM detection forms the job, the
   coordination service listens on the first node's address, and with node 2 set DOWN as step 3
-  starts (SLURM kills its task) process 0 re-routes and trains to the last step with the
-  fault-free losses, in the same job and step (`srun --no-kill`); the job ends COMPLETED, exit
+  starts (SLURM kills its task) process 0 re-routes and trains on with the fault-free losses, in
+  the same job and step (`srun --no-kill`). Node 2 back (resumed while process 0 holds at step
+  5's boundary), the same script submitted to it with REJOIN_PROCESS=1 starts process 1 again:
+  admitted before step 6, it trains steps 6 and 7 with process 0. Both jobs end COMPLETED, exit
   0 (process 0's code: the task SLURM killed does not count)."""
   if not box.slurm:
     pytest.skip(missing(slurm=True))
   workdir = tmp_path / "slurm"
-  marker = tmp_path / "paused"
-  job_id = _sbatch(box, workdir, "--config=configs/gpt_tiny.py:runlocal",
-                   *_train_args(workdir, 2, 5, 3)[4:],
-                   DP="2", PP="1", TP="1", GPUS_PER_NODE="1", WORKDIR=str(workdir),
-                   PYTHON=sys.executable, RESILIENT_JAX_PAUSE="3:start",
-                   RESILIENT_JAX_PAUSE_FILE=str(marker))
+  held, joined = tmp_path / "held", tmp_path / "joined"
+  settings = dict(DP="2", PP="1", TP="1", GPUS_PER_NODE="1", WORKDIR=str(workdir),
+                  PYTHON=sys.executable)
+  args = ["--config=configs/gpt_tiny.py:runlocal", *_train_args(workdir, 2, 7, 3)[4:]]
+  job_id = _sbatch(box, workdir, *args, **settings, RESILIENT_JAX_PAUSE="3:start,5:boundary",
+                   RESILIENT_JAX_PAUSE_FILE=str(held))
+  rejoin_id = None
   try:
-    _wait(lambda: marker.exists() or _job_state(box, job_id).get("JobState") not in
+    _wait(lambda: held.exists() or _job_state(box, job_id).get("JobState") not in
           ("PENDING", "RUNNING"), "the job held at step 3", every=0.25)
     service = [a for a, p in box.listeners(1) if "train" in p or "python" in p]
     assert any(a.endswith(f"{box.addr(1)}]:{61440 + int(job_id) % 4096}") for a in service), \
       service  # the service on node 1's address, not [::]
     box.scontrol("update", f"nodename={box.node(2)}", "state=down", "reason=test")
     _wait(lambda: not _task_pids(box, 2), "SLURM ending node 2's task")
-    marker.unlink()
+    held.unlink()
+    _wait(lambda: held.exists() or _job_state(box, job_id).get("JobState") != "RUNNING",
+          "the job held at step 5's boundary", every=0.25)
+    box.resume(box.node(2))
+    _wait(lambda: "idle" in subprocess.run(["sinfo", "-h", "-n", box.node(2), "-o", "%t"],
+                                           env=box.env(), capture_output=True, text=True).stdout,
+          "node 2 back", every=0.25)
+    rejoin_id = _sbatch(box, workdir, *args, nodes=(2,), **settings, REJOIN_PROCESS="1",
+                        RESILIENT_JAX_PAUSE="0:joined", RESILIENT_JAX_PAUSE_FILE=str(joined))
+    _wait(lambda: joined.exists() or _job_state(box, rejoin_id).get("JobState") not in
+          ("PENDING", "RUNNING"), "process 1 announced again", every=0.25)
+    joined.unlink(missing_ok=True)
+    held.unlink()
     _job_ended(box, job_id)
-    state = _job_state(box, job_id)
+    _job_ended(box, rejoin_id)
     out = Path(f"{workdir}.out").read_text(errors="replace")
-    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]
-    rows = assert_fault_free(workdir, dp=2, steps=5)
-    assert [r["live_workers"] for r in rows] == [2, 2, 1, 1, 1], rows
+    again = Path(f"{workdir}.rejoin.out").read_text(errors="replace")
+    for j, text in ((job_id, out), (rejoin_id, again)):
+      state = _job_state(box, j)
+      assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
     # srun's own code is 137 (the task SLURM killed), and it says "Force Terminated" once
     # process 0 has finished; the job's code is process 0's.
     assert re.search(r"tasks exited with task\.0:0 .*the job's code is 0", out), out[-4000:]
+    assert re.search(r"process 1: admitted before step 6; process 1 received its parameters "
+                     r"and optimizer state from process 0", again), again[-4000:]
+    rows = assert_fault_free(workdir, dp=2, steps=7)
+    assert [r["live_workers"] for r in rows] == [2, 2, 1, 1, 1, 2, 2], rows
   finally:
-    subprocess.run(["scancel", job_id], env=box.env(), capture_output=True)
+    for j in (job_id, rejoin_id):
+      if j:
+        subprocess.run(["scancel", j], env=box.env(), capture_output=True)
     box.resume(box.node(2))
 
 
