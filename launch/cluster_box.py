@@ -311,7 +311,7 @@ SlurmdPort={node_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={sock}
+AuthInfo=socket={sock},cred_expire=15
 CredType=cred/munge
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool/%n

@@ -212,9 +212,11 @@ def _sbatch(box: ClusterBox, workdir: Path, *args: str, nodes: tuple[int, ...] =
   """Submits the shipped script to `nodes`; its output goes to WORKDIR.out (.rejoin.out for a
   job with REJOIN_PROCESS)."""
   out = f"{workdir}.rejoin.out" if "REJOIN_PROCESS" in env else f"{workdir}.out"
+  options = [a for a in args if not a.startswith("--config")]  # sbatch's own (--time=...)
+  args = tuple(a for a in args if a.startswith("--config"))
   proc = subprocess.run(
     ["sbatch", "--parsable", "--gpus-per-node=0", f"-N{len(nodes)}",
-     "-w" + ",".join(box.node(k) for k in nodes), f"--output={out}",
+     "-w" + ",".join(box.node(k) for k in nodes), f"--output={out}", *options,
      "launch/slurm/train.sbatch", *args],
     cwd=ROOT, env={**_env(**env), **{"SLURM_CONF": box.env()["SLURM_CONF"]}},
     capture_output=True, text=True, timeout=30)
@@ -351,3 +353,49 @@ def test_sbatch_process_0_node_down_then_the_same_job_again_resumes(box, tmp_pat
     assert [r["live_workers"] for r in rows] == [2] * 5, rows
   finally:
     subprocess.run(["scancel", again], env=box.env(), capture_output=True)
+
+
+def test_sbatch_time_limit_warning_checkpoints_and_the_requeued_job_resumes(box, tmp_path):
+  """The time limit's warning (`sbatch --signal=TERM@60`): held at step 3, the job's limit is
+  cut to 1 minute so the warning is due; SLURM signals the step, both tasks finish step 3,
+  checkpoint it and exit 9, and the script requeues the job. Released (its limit back to 10
+  minutes, and its begin time, which SLURM puts 2 minutes off, to now), the requeued job
+  resumes from step 3's checkpoint and ends COMPLETED, exit 0, with the fault-free losses."""
+  if not box.slurm:
+    pytest.skip(missing(slurm=True))
+  workdir = tmp_path / "limit"
+  held = tmp_path / "held"
+  job_id = _sbatch(box, workdir, "--time=10", "--signal=TERM@60",
+                   "--config=configs/gpt_tiny.py:runlocal", *_train_args(workdir, 2, 5, 3)[4:],
+                   DP="2", PP="1", TP="1", GPUS_PER_NODE="1", WORKDIR=str(workdir),
+                   PYTHON=sys.executable, RESILIENT_JAX_PAUSE="3:start",
+                   RESILIENT_JAX_PAUSE_FILE=str(held))
+  out = Path(f"{workdir}.out")
+  try:
+    _wait(lambda: held.exists() or _job_state(box, job_id).get("JobState") not in
+          ("PENDING", "RUNNING"), "the job held at step 3", every=0.25)
+    box.scontrol("update", f"jobid={job_id}", "timelimit=1")
+    _wait(lambda: "CANCELLED AT" in out.read_text(errors="replace"), "the warning signal",
+          every=0.25)  # slurmstepd's line as it signals the step
+    held.unlink()
+    _wait(lambda: _job_state(box, job_id).get("JobState") == "PENDING", "the requeue",
+          every=0.25)
+    box.scontrol("update", f"jobid={job_id}", "timelimit=10")
+    # It starts again once its first run's credential expired (the box's cred_expire=15 s;
+    # SLURM's default, 120 s, holds a requeued job that long). Started sooner (`starttime=now`),
+    # slurmd refused it: "Killing non-startable batch job: Job credential revoked".
+    _wait(lambda: _job_state(box, job_id).get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT",
+                                                               "CANCELLED"), "the requeued job",
+          every=0.25)
+    text = out.read_text(errors="replace")
+    state = _job_state(box, job_id)
+    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0",
+                                                                        "1"), (
+      text[-3000:] + box.log_text("slurmctld")[-3000:])
+    assert re.search(r"restart 0: tasks exited with task\.0:9 task\.1:9 .*the job's code is 9",
+                     text), text[-4000:]
+    assert re.search(r"restored step 3 from \S+/checkpoints/3", text), text[-4000:]
+    rows = assert_fault_free(workdir, dp=2, steps=5)
+    assert [r["live_workers"] for r in rows] == [2] * 5
+  finally:
+    subprocess.run(["scancel", job_id], env=box.env(), capture_output=True)
