@@ -292,7 +292,7 @@ def main() -> None:
     for rule in ("wait", "defer"):
       # The run's config, which the checkpoint rule reads (`Checkpoints.if_due`); before
       # 2026-11-27 this set a copy only the trainer held, and `defer` measured `wait` again.
-      trainer.state.cfg = dataclasses.replace(trainer.cfg, checkpoint=dataclasses.replace(
+      trainer.run_state.cfg = dataclasses.replace(trainer.cfg, checkpoint=dataclasses.replace(
         trainer.cfg.checkpoint, if_busy=rule))
       assert trainer.checkpoints.run.cfg.checkpoint.if_busy == rule
       step_times, blocked, saved = [], [], []

@@ -119,3 +119,10 @@ def events_jsonl(workdir, *kinds: str) -> list[dict]:
   from resilient_jax.observe.events import read_events
 
   return read_events(Path(workdir) / "events.jsonl", kinds)
+
+
+def loaded_checkpoints(result) -> list[tuple[int, str, str]]:
+  """The checkpoints a run loaded, as `(step, saved_on, onto)` (`CheckpointLoaded` events)."""
+  from resilient_jax.observe.events import CheckpointLoaded
+
+  return [(e.step, e.saved_on, e.onto) for e in result.events if isinstance(e, CheckpointLoaded)]

@@ -12,10 +12,10 @@ import pytest
 from resilient_jax import checkpoint as ckpt
 from resilient_jax.checkpoint import store
 from resilient_jax.config import ConfigError
-from resilient_jax.observe.events import Restored
+from resilient_jax.observe.events import CheckpointLoaded, Restored
 from resilient_jax.training.api import train
 from resilient_jax.training.loop import Trainer
-from tests.helpers import ROOT, assert_matches_reference, tiny_config
+from tests.helpers import ROOT, assert_matches_reference, loaded_checkpoints, tiny_config
 from tests.test_tensorboard import assert_losses_match, texts
 
 # The suite's tiny model (4 blocks) and a step count whose learning-rate schedule is the other
@@ -87,7 +87,8 @@ def test_resume_on_another_layout(saved, tmp_path, dp, pp, monkeypatch):
   # those bytes as they were loaded.
   assert placed["aliased"] == placed["placed"] > 0
   assert all(v.tobytes() == placed["bytes"][k] for k, v in placed["loaded"].items())
-  assert any("restored step 4" in x and f"onto dp={dp} pp={pp}" in x for x in lines)
+  [(step, _, onto)] = loaded_checkpoints(result)
+  assert step == 4 and onto.startswith(f"dp={dp} pp={pp}")
   assert [m["step"] for m in result.metrics] == list(range(1, STEPS + 1))
   assert [m["sample_digest"] for m in result.metrics] == [m["sample_digest"] for m in full.metrics]
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
@@ -151,7 +152,7 @@ def test_corrupt_latest_falls_back_to_previous(saved, tmp_path, how):
   cfg = cfg_of(mesh__dp=2, mesh__pp=2)
   result = Trainer(cfg, tmp_path / "run", log=lines.append).run()
   assert any("step 4 is unusable" in x for x in lines)
-  assert any("restored step 2" in x for x in lines)
+  assert [s for s, _, _ in loaded_checkpoints(result)] == [2]
   assert [m["sample_digest"] for m in result.metrics] == [m["sample_digest"] for m in full.metrics]
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 
@@ -243,7 +244,8 @@ def test_older_workdir_resumes(saved, tmp_path):
   lines = []
   cfg = cfg_of(mesh__dp=1, mesh__pp=1)
   result = Trainer(cfg, tmp_path / "run", log=lines.append).run()
-  assert any("restored step 4 from" in x and "step_00000004" in x for x in lines), lines
+  [loaded] = [e for e in result.events if isinstance(e, CheckpointLoaded)]
+  assert loaded.step == 4 and loaded.path.endswith("step_00000004"), loaded
   assert [m["sample_digest"] for m in result.metrics] == [m["sample_digest"] for m in full.metrics]
   assert_matches_reference(result.metrics, result.interpreter.all_params(), cfg)
 

@@ -92,7 +92,9 @@ def test_young_daly_interval():
   cd = load_config_file("configs/sim/llama3_16k.py:runlocal")
   cfg = from_config_dict(cd)
   mtbf = cfg.trace.device_mtbf_s / cfg.layout.devices
-  assert cfg.recovery.checkpoint_interval_s == pytest.approx(math.sqrt(2 * mtbf * 5.0))
+  # Young/Daly on the blocking part of a save (0.5 s), never below the background write (5 s).
+  assert cfg.checkpoint_blocking_s == 0.5 and cfg.checkpoint_write_s == 5.0 and cfg.young_daly
+  assert cfg.recovery.checkpoint_interval_s == pytest.approx(max(math.sqrt(2 * mtbf * 0.5), 5))
 
 
 def test_pause_parts_sum_to_the_pause(costs):
@@ -146,6 +148,26 @@ def test_ettr_breakdown_sums_to_wall_time(tiny):
   assert g["policies"]["restart"]["recoveries"]["in_place"] == 0
   assert g["policies"]["restart"]["recovery_success_rate"] is None
   assert g["policies"]["recycle"]["losses_s"]["restarts"] == 0
+
+
+def test_each_policy_checkpoints_for_the_restores_it_needs(tiny):
+  """Young/Daly per policy: restart restores at every failure and saves often; recycle never
+  restored in this trace and saves as if it might once in it; a save blocks 0.5 s of each
+  interval, and that is the checkpoint loss."""
+  g = tiny["goodput"]["policies"]
+  hours = tiny["trace"]["duration_s"]
+  for name, p in g.items():
+    restores = max(p["recoveries"]["restores"], 1)
+    want = max(math.sqrt(2 * 0.5 * hours / restores), 5.0)
+    assert p["checkpoint_interval_s"] == pytest.approx(want), name
+  assert g["restart"]["recoveries"]["restores"] > 1 and g["recycle"]["recoveries"]["restores"] == 0
+  assert g["restart"]["checkpoint_interval_s"] < g["recycle"]["checkpoint_interval_s"]
+  for name in ("recycle", "restart"):
+    stall = g[name]["losses_s"]["checkpoint"] / (g[name]["committed_s"]
+                                                + g[name]["losses_s"]["checkpoint"]
+                                                + g[name]["losses_s"]["slowed"]
+                                                + g[name]["losses_s"]["stragglers"])
+    assert stall == pytest.approx(0.5 / g[name]["checkpoint_interval_s"], rel=1e-6), name
 
 
 def test_auto_matches_the_best_single_policy(tiny):

@@ -28,7 +28,12 @@ from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.traces import Event, Trace
 from resilient_jax.training.faults import FaultEvent
 from resilient_jax.training.loop import Trainer
-from tests.helpers import assert_matches_reference, expected_digests, tiny_config
+from tests.helpers import (
+  assert_matches_reference,
+  expected_digests,
+  loaded_checkpoints,
+  tiny_config,
+)
 from tests.test_tensorboard import texts
 
 FAULTS = "3:1.1,6:+1.1"
@@ -246,5 +251,5 @@ def test_restart_grows_back_through_a_checkpoint_without_redoing_a_step(tmp_path
   assert rejoin["state_from"] == "checkpoint" and rejoin["steps_rerun"] == 0
   assert any("checkpointing step 5 and restoring it onto the new layout" in line
              for line in lines)
-  assert any("restored step 5" in line and "saved on dp=1 pp=4" in line for line in lines)
+  assert (5, "dp=1 pp=4 tp=1") in [(s, on) for s, on, _ in loaded_checkpoints(result)]
   assert math.isclose(result.metrics[-1]["step"], 7)

@@ -24,6 +24,7 @@ DAYS = 90
 GPU_HOURS_PER_FAILURE = 16384 * 1.8  # Kokolis et al. 2024: MTTF 1.8 h at 16k GPUs
 LAYERS, WIDTH = 80, 8192
 PARAMS = LAYERS * 12 * WIDTH**2 + 2 * llama3_16k.VOCAB * WIDTH
+D2H_BYTES_PER_S = 25e9  # a GPU's share of a PCIe Gen5 x16 switch uplink, as for Llama 3
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -37,7 +38,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.update(name="70B (Llama 3 70B shape)", num_layers=LAYERS, d_model=WIDTH, num_heads=64)
   c.cluster.devices = DEVICES
   c.parallel.update(pp=8)
-  c.recovery.checkpoint_write_s = 16 * PARAMS / llama3_16k.STORAGE_BYTES_PER_S
+  # Written at Llama 3's storage bandwidth in the background; what blocks is each device's share
+  # to host memory at `D2H_BYTES_PER_S` (the assumption configs/sim/llama3_16k.py states).
+  c.recovery.update(checkpoint_write_s=16 * PARAMS / llama3_16k.STORAGE_BYTES_PER_S,
+                    checkpoint_blocking_s=16 * PARAMS / DEVICES / D2H_BYTES_PER_S)
   c.trace.update(
     hours=DAYS * 24.0,
     mix="byterobust",

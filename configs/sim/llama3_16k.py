@@ -27,6 +27,16 @@ LAYERS, WIDTH, VOCAB = 126, 16384, 128256
 # at the 2 TB/s Llama 3's storage sustains (section 3.3.1), as one blocking save.
 PARAMS = LAYERS * 12 * WIDTH**2 + 2 * VOCAB * WIDTH
 STORAGE_BYTES_PER_S = 2e12
+# What blocks training is only the copy of each device's own share of that state (the
+# distributed layout: every device saves 1/devices of it) from HBM to host memory; the write to
+# storage then runs in the background. 25 GB/s a GPU is an assumption: half of a PCIe Gen5 x16
+# link's 64 GB/s a direction, as two GPUs share a PCIe switch's uplink on an HGX H100 board.
+D2H_BYTES_PER_S = 25e9
+
+
+def blocking_save_s(params: int, devices: int) -> float:
+  """Seconds a save blocks training: each device's share of the state, to host memory."""
+  return 16 * params / devices / D2H_BYTES_PER_S
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -48,8 +58,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     regroup_s=0.72,  # benchmarks/replan.py at 16,384 devices, worst pattern
     regroup_steps=1.0,  # the runtime's resilience.regroup_steps: new groups and compiles
     restart_s=600.0,  # a whole-job restart at this scale: minutes
-    checkpoint_interval_s=0.0,  # Young/Daly for the trace's failure rate
-    checkpoint_write_s=16 * PARAMS / STORAGE_BYTES_PER_S,
+    checkpoint_interval_s=0.0,  # Young/Daly for each policy's restores
+    checkpoint_write_s=16 * PARAMS / STORAGE_BYTES_PER_S,  # to storage, in the background
+    checkpoint_blocking_s=blocking_save_s(PARAMS, DEVICES),  # device to host: 16 ms
   )
   c.trace = dict(
     hours=DAYS * 24.0,
@@ -74,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.update(num_layers=8, d_model=1024, num_heads=8, seq_len=8192, vocab_size=32000)
     c.parallel.update(tp=1)
     c.cluster.update(devices=8, devices_per_node=1)
-    c.recovery.update(checkpoint_write_s=5.0)
+    c.recovery.update(checkpoint_write_s=5.0, checkpoint_blocking_s=0.5)
     c.trace.update(hours=6.0, device_mtbf_hours=8 * 2.0, repair_hours=1.0, nodes_per_switch=2,
                    straggler_mtbs_hours=16.0)
     c.sweep.failures = "0,1"

@@ -149,6 +149,20 @@ class Corrupt(Event):
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointLoaded(Event):
+  """The checkpoint of `step` (`path`) was loaded, saved on the layout `saved_on` ("dp=2 pp=4
+  tp=1"), onto the plan `onto`: at the start (a resume), or by a restore or a rejoin."""
+
+  path: str
+  saved_on: str
+  onto: str
+  kind: ClassVar[str] = "checkpoint_loaded"
+
+  def line(self) -> str:
+    return f"restored step {self.step} from {self.path} (saved on {self.saved_on}) onto {self.onto}"
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSaved(Event):
   """The checkpoint of `step` is being written to `path` (committed later, in the
   background); `due_at`: the step it was due at when it was deferred."""

@@ -53,6 +53,9 @@ class Grid:
     speeds: workers measured slower (or faster) than their stage's peers, `((worker, speed),
       ...)` sorted, speed 1 left out (`routing.check_speeds`): a policy that re-weights
       (`reweights`) plans for them; the others run their plan at the slow worker's pace.
+    samples: samples in a micro-batch. Above 1 the re-routing policies may move pieces of
+      micro-batches (`routing.split_route`) on grids they plan whole; 1 (the runtime's, until
+      its interpreter runs pieces): whole micro-batches only.
   """
 
   dp: int
@@ -62,9 +65,10 @@ class Grid:
   memory_cap: int | None = None
   global_batch: int | None = None
   speeds: tuple[tuple[Worker, float], ...] = ()
+  samples: int = 1
 
   def __post_init__(self):
-    require_ints("Grid.", {"dp": self.dp, "pp": self.pp, "m": self.m})
+    require_ints("Grid.", {"dp": self.dp, "pp": self.pp, "m": self.m, "samples": self.samples})
     if self.base not in GENERATORS:
       raise ValueError(f"Grid.base={self.base!r} is not one of {sorted(GENERATORS)}")
     object.__setattr__(self, "speeds", check_speeds(self.dp, self.pp, self.speeds))

@@ -147,7 +147,10 @@ class PlannerPolicy(InPlacePolicy):
       self._plans[key], makespan = adaptive.plan_timed(
         self.planner,
         FailureState(dp, grid.pp, grid.m, planned_failed,
-                     grid.speeds if self.plans_speeds(grid) else ()),
+                     grid.speeds if self.plans_speeds(grid) else (),
+                     # Pieces on grids planned whole: a reduced grid has fewer peers to spread
+                     # them over than the grid it stands for, so it keeps micro-batches whole.
+                     grid.samples if state[0] == "exact" and self.planner == "adaptive" else 1),
         op,
         memory_cap=grid.memory_cap,
         base=grid.base,
@@ -250,6 +253,10 @@ class PlannerPolicy(InPlacePolicy):
     return self.plan_step_time(grid, failed, costs)
 
   def runtime_plan(self, planned: Schedule, layout: Layout, costs: PlanCosts) -> GridPlan:
+    if planned.pieces:
+      # The coordinator's grid has `samples` 1, so this is a caller's mistake, not a failure.
+      raise ValueError("the runtime's interpreter does not run pieces of micro-batches yet: "
+                       "plan with Grid.samples=1")
     # Counting the plan's ops would build every worker's list of an expanded plan: a larger
     # grid's plan was validated where it changed, its footprint's sub-grid (`_expanded`).
     if layout.grid.compute_ops <= VALIDATE_MAX_OPS:

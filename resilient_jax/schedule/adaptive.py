@@ -28,6 +28,8 @@ from resilient_jax.schedule.core import (
   OPT,
   B,
   Op,
+  Piece,
+  PieceMap,
   Schedule,
   W,
   Worker,
@@ -36,16 +38,16 @@ from resilient_jax.schedule.core import (
 from resilient_jax.schedule.cost import OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.generators import GENERATORS, generate
-from resilient_jax.schedule.list_scheduler import _KIND, _VARIANTS, _list_schedule
+from resilient_jax.schedule.list_scheduler import _KIND, _VARIANTS, _list_schedule, _nodes
 from resilient_jax.schedule.routing import (
   FailureState,
   Route,
   _live_workers,
   _loads,
-  default_memory_cap,
   memory_cap_for_load,
   reroute,
   speed_scaled,
+  split_route,
 )
 from resilient_jax.schedule.validate import Timing, peak_inflight, validate
 
@@ -72,16 +74,26 @@ def _collector_paused() -> Iterator[None]:
       gc.enable()
 
 
-def _to_ops(live: Sequence[Worker], raw: list[list[tuple[int, int]]]) -> dict[Worker, list[Op]]:
-  return {w: [Op(_KIND[k], mb) for k, mb in ops] for w, ops in zip(live, raw, strict=True)}
+def _to_ops(live: Sequence[Worker], raw: list[list[tuple[int, int]]],
+            pieces: PieceMap | None = None, samples: int = 1) -> dict[Worker, list[Op]]:
+  if not pieces:
+    return {w: [Op(_KIND[k], mb) for k, mb in ops] for w, ops in zip(live, raw, strict=True)}
+  rows = {(d, s, mb): (lo, hi) for (mb, s), split in pieces.items() for d, lo, hi in split}
+  out: dict[Worker, list[Op]] = {}
+  for (d, s), ops in zip(live, raw, strict=True):
+    out[(d, s)] = [Piece(_KIND[k], mb, *rows[(d, s, mb)], samples) if (d, s, mb) in rows
+                   else Op(_KIND[k], mb) for k, mb in ops]
+  return out
 
 
 def _finish(
-  name: str, dp: int, pp: int, m: int, route: Route, compute: dict[Worker, list[Op]]
+  name: str, dp: int, pp: int, m: int, route: Route, compute: dict[Worker, list[Op]],
+  pieces: PieceMap | None = None, samples: int = 1,
 ) -> Schedule:
   """Appends the staggered optimizer: AR right after each worker's last W, then OPT."""
   return make_schedule(
-    name, dp, pp, m, {w: [*ops, Op(AR), Op(OPT)] for w, ops in compute.items()}, route=route
+    name, dp, pp, m, {w: [*ops, Op(AR), Op(OPT)] for w, ops in compute.items()}, route=route,
+    pieces=pieces, samples=samples,
   )
 
 
@@ -169,33 +181,72 @@ def plan_adaptive_timed(
   _check_cap(memory_cap)
   dp, pp, m, dead, speeds = state.dp, state.pp, state.m, state.failed, state.speeds
   costs.check_stages(pp)
-  cap = memory_cap if memory_cap is not None else default_memory_cap(dp, pp, m, dead, base,
-                                                                     speeds)
-  best: tuple[tuple[float, int], Schedule, float, Timing | None] | None = None
+  best: tuple[tuple[float, int], Schedule, float, Timing | None, int] | None = None
   # A worker already down to one micro-batch sheds nothing: its routes are planned once.
-  routes = dict.fromkeys(reroute(dp, pp, m, dead, speeds, shed)
-                         for shed in (_SHEDS if speeds else (0,)))
-  for i, route in enumerate(routes):
-    planned = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base, speeds)
+  routes: dict[tuple[Route, tuple], None] = dict.fromkeys(
+    (reroute(dp, pp, m, dead, speeds, shed), ()) for shed in (_SHEDS if speeds else (0,)))
+  if state.samples > 1 and (dead or speeds):
+    routes.update(dict.fromkeys(_split_candidates(state)))
+  for i, (route, split) in enumerate(routes):
+    pieces = dict(split)
+    cap = memory_cap if memory_cap is not None else memory_cap_for_load(
+      max(_loads(route, pieces).values()), pp, m, base)
+    planned = _adaptive_on_route(dp, pp, m, dead, route, costs, cap, base, speeds, pieces,
+                                 state.samples)
     score = (round(planned[1], 9), i)
     if best is None or score < best[0]:
-      best = (score, *planned)
-  _, schedule, makespan, timing = best
+      best = (score, *planned, cap)
+  _, schedule, makespan, timing, cap = best
   validate(schedule, memory_cap=cap, timing=timing)
   return schedule, makespan
+
+
+_SHED_SAMPLES = (0, 2, 1, 4)
+"""Micro-batches' worth of samples, in halves, a slow worker gives up beyond its proportional
+share in `_split_candidates` (0, one, a half, two), tried in turn like `_SHEDS`."""
+
+
+def _split_candidates(state: FailureState) -> list[tuple[Route, tuple]]:
+  """Sample-granular routes for `plan_adaptive` to time besides the whole-micro-batch ones
+  (`split_route`): the failed workers' samples over `2m, 4m, ...` takers per stage and over
+  every survivor (few large pieces or many small ones: the fixed cost of an op decides which
+  is faster), and a slow worker's proportional share of samples, shedding a little more.
+
+  Cost: `log2(D / 2m) + 1` more plans for failures (4 for a straggler), each as a plan of
+  whole micro-batches with at most one more node per taking worker and micro-batch split; only
+  asked for when `FailureState.samples` is above 1, which the policies set on grids they plan
+  whole (the runtime's recovery path, on grids planned by footprint, never pays it)."""
+  dp, pp, m, size = state.dp, state.pp, state.m, state.samples
+  if state.speeds:
+    sheds = dict.fromkeys(h * size // 2 for h in _SHED_SAMPLES)
+    out = [split_route(dp, pp, m, size, state.failed, state.speeds, shed=h) for h in sheds]
+  else:
+    most = dp - min(sum(1 for _, s in state.failed if s == st)
+                    for st in {s for _, s in state.failed})
+    counts: list[int | None] = []
+    t = 2 * m
+    while t < most:
+      counts.append(t)
+      t *= 2
+    counts.append(None)
+    out = [split_route(dp, pp, m, size, state.failed, takers=t) for t in counts]
+  return [(route, tuple(sorted(pieces.items()))) for route, pieces in out]
 
 
 @_collector_paused()
 def _adaptive_on_route(
   dp: int, pp: int, m: int, dead: frozenset[Worker], route: Route, costs: OpCosts, cap: int,
-  base: str, speeds: tuple[tuple[Worker, float], ...] = (),
+  base: str, speeds: tuple[tuple[Worker, float], ...] = (), pieces: PieceMap | None = None,
+  samples: int = 1,
 ) -> tuple[Schedule, float, Timing | None]:
-  """`plan_adaptive` on given routes, unvalidated; returns the schedule, its makespan and the
-  list scheduler's start times (None when the base order won), `validate`'s certificate."""
+  """`plan_adaptive` on given routes (and pieces), unvalidated; returns the schedule, its
+  makespan and the list scheduler's start times (None when the base order won), `validate`'s
+  certificate."""
   live = _live_workers(dp, pp, dead)
   speed_of = dict(speeds)
   speed = [speed_of.get(w, 1.0) for w in live] if speeds else None
-  loads = _loads(route)
+  loads = _loads(route, pieces)
+  graph = _nodes(pp, route, live, pieces, samples, costs.fixed)
   ramp = [math.ceil((pp - s) * loads[(d, s)] / m) for d, s in live]
   # Each variant costs one O(#ops log #ops) pass; past ~50k ops only the first few are tried so
   # that planning a 64x16 grid stays within a few seconds.
@@ -213,13 +264,14 @@ def _adaptive_on_route(
       continue
     out, starts, span, peak, feed_was_local, crit_is_mb = _list_schedule(
       pp, m, route, live, costs, cap, order, f_key, ramp if limit == "ramp" else None, speed,
-      beat=math.inf if best is None else best[0], beat_peak=0 if best is None else best[1])
+      beat=math.inf if best is None else best[0], beat_peak=0 if best is None else best[1],
+      pieces=pieces, samples=samples, graph=graph)
     if feed_was_local:
       same_as_local.add((order, limit))
     score = (round(span, 9), peak)
     if best is None or score < best:
       best, raw, makespan, times = score, out, span, starts
-  chosen = _to_ops(live, raw)
+  chosen = _to_ops(live, raw, pieces, samples)
   timing: Timing | None = Timing(dict(zip(live, times, strict=True)),
                                  speed_scaled(costs, speeds), costs.comm)
   if not dead:
@@ -234,7 +286,8 @@ def _adaptive_on_route(
     score = (round(span, 9), peak)
     if peak <= cap and best is not None and score < best:
       chosen, makespan, route, timing = base_compute, span, fault_free.route, None
-  return _finish("adaptive", dp, pp, m, route, chosen), makespan, timing
+      pieces = None
+  return _finish("adaptive", dp, pp, m, route, chosen, pieces, samples), makespan, timing
 
 
 def plan_on_route(

@@ -57,6 +57,53 @@ class Op:
     return f"{self.kind}{self.mb}" if self.mb >= 0 else self.kind
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class Piece(Op):
+  """A compute op on part of a micro-batch: samples `lo .. hi - 1` of the `size` it holds.
+
+  Sample-granular re-routing (`routing.split_route`) spreads a failed or slow worker's samples
+  over more of its stage's peers than it has micro-batches: each peer runs a piece, the stage
+  before sends each piece its rows of the activations and the stage after gathers them. Loss
+  weights over the global batch make a sample the unit, so a piece's gradients add up to the
+  whole micro-batch's. On a worker a piece stands where the whole op would: one per
+  micro-batch, its F, B and W all on the same rows. A `Piece` never equals the `Op` of the whole
+  micro-batch (dataclass equality compares the class).
+  """
+
+  lo: int = 0
+  hi: int = 0
+  size: int = 0
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.kind not in COMPUTE_KINDS:
+      raise ValueError(f"a piece is a compute op, not {self.kind}")
+    if not 0 <= self.lo < self.hi <= self.size or (self.lo, self.hi) == (0, self.size):
+      raise ValueError(f"piece {self.lo}:{self.hi} of {self.size} samples is not a proper part")
+
+  @property
+  def fraction(self) -> float:
+    """The share of the micro-batch's samples this piece holds."""
+    return (self.hi - self.lo) / self.size
+
+  def like(self, kind: str) -> Piece:
+    """The op of kind `kind` on the same rows."""
+    return Piece(kind, self.mb, self.lo, self.hi, self.size)
+
+  def __str__(self) -> str:
+    return f"{self.kind}{self.mb}[{self.lo}:{self.hi}]"
+
+
+def same_rows(op: Op, kind: str) -> Op:
+  """The op of kind `kind` on the rows `op` runs on (the whole micro-batch or its piece)."""
+  return op.like(kind) if isinstance(op, Piece) else Op(kind, op.mb)
+
+
+PieceMap = Mapping[tuple[int, int], tuple[tuple[int, int, int], ...]]
+"""`{(mb, stage): ((dp, lo, hi), ...)}`: the stages of micro-batches split into pieces, each
+piece's worker and samples, in sample order, tiling `0 .. samples`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """One training step for a DP x PP grid, possibly with failed workers.
@@ -71,6 +118,9 @@ class Schedule:
       builds entries on use).
     ops: ordered ops of every live worker (a dict, or an `expand.ExpandedOps` that builds a
       worker's list on first use: a process of a large job only reads its own workers').
+    pieces: the stages of micro-batches split into pieces (`PieceMap`); for those,
+      `route[mb][stage]` names the first piece's worker and the ops are `Piece`s.
+    samples: samples in one micro-batch (what pieces divide).
   """
 
   name: str
@@ -79,6 +129,8 @@ class Schedule:
   microbatches: int
   route: Sequence[tuple[int, ...]]
   ops: Mapping[Worker, tuple[Op, ...]]
+  pieces: PieceMap = dataclasses.field(default_factory=dict)
+  samples: int = 1
 
   @property
   def num_microbatches(self) -> int:
@@ -100,13 +152,46 @@ class Schedule:
     return [w for w in self.workers if w[1] == stage]
 
   def microbatches_of(self, worker: Worker) -> list[int]:
-    """Micro-batches whose stage `worker[1]` runs on `worker`, in id order."""
+    """Micro-batches whose stage `worker[1]` runs on `worker` (whole or a piece), in id order."""
     d, s = worker
-    return [mb for mb in range(self.num_microbatches) if self.route[mb][s] == d]
+    if not self.pieces:
+      return [mb for mb in range(self.num_microbatches) if self.route[mb][s] == d]
+    return [mb for mb in range(self.num_microbatches)
+            if (any(p[0] == d for p in self.pieces[(mb, s)]) if (mb, s) in self.pieces
+                else self.route[mb][s] == d)]
+
+  def stage_ops(self, mb: int, stage: int, kind: str) -> list[tuple[Worker, Op]]:
+    """The ops of kind `kind` that run stage `stage` of `mb`: one, or one per piece."""
+    split = self.pieces.get((mb, stage)) if self.pieces else None
+    if split is None:
+      return [((self.route[mb][stage], stage), Op(kind, mb))]
+    return [((d, stage), Piece(kind, mb, lo, hi, self.samples)) for d, lo, hi in split]
+
+  def samples_of(self, worker: Worker, mb: int) -> tuple[int, int]:
+    """The samples `lo, hi` of `mb` that `worker` runs its stage on (`0, samples`: all)."""
+    split = self.pieces.get((mb, worker[1])) if self.pieces else None
+    if split is None:
+      return 0, self.samples
+    for d, lo, hi in split:
+      if d == worker[0]:
+        return lo, hi
+    raise KeyError(f"worker {worker} runs no piece of micro-batch {mb}")
 
   def backward_op(self, mb: int, stage: int) -> Op:
     """The op that produces the activation gradient of `mb` at `stage` (B or BW)."""
-    worker = self.worker_of(mb, stage)
+    return self.backward_op_at(self.worker_of(mb, stage), mb, stage)
+
+  def backward_ops(self, mb: int, stage: int) -> list[tuple[Worker, Op]]:
+    """Every op that produces part of the activation gradient of `mb` at `stage`: one, or one
+    per piece."""
+    split = self.pieces.get((mb, stage)) if self.pieces else None
+    if split is None:
+      worker = self.worker_of(mb, stage)
+      return [(worker, self.backward_op_at(worker, mb, stage))]
+    return [((d, stage), self.backward_op_at((d, stage), mb, stage)) for d, _, _ in split]
+
+  def backward_op_at(self, worker: Worker, mb: int, stage: int) -> Op:
+    """The B or BW of `mb` on `worker` (of stage `stage`)."""
     index = self._backward_index.get(worker)
     if index is None:
       # Built once per worker, and only for the workers asked about, so that `dependencies()`
@@ -155,6 +240,10 @@ class Schedule:
     if moved:
       lines.append("re-routed micro-batches:")
       lines.extend(moved)
+    if self.pieces:
+      lines.append(f"split into pieces (of {self.samples} samples):")
+      lines.extend(f"  mb{mb} s{s}: " + " ".join(f"d{d}[{lo}:{hi}]" for d, lo, hi in split)
+                   for (mb, s), split in sorted(self.pieces.items()))
     return "\n".join(lines)
 
   def __str__(self) -> str:
@@ -173,6 +262,9 @@ def dependencies(schedule: Schedule, worker: Worker, op: Op) -> Iterator[tuple[W
   depends on nothing. No op depends on FR.
   """
   d, s = worker
+  if schedule.pieces:
+    yield from _piece_dependencies(schedule, worker, op)
+    return
   if op.kind == F:
     if s > 0:
       yield schedule.worker_of(op.mb, s - 1), Op(F, op.mb)
@@ -193,6 +285,32 @@ def dependencies(schedule: Schedule, worker: Worker, op: Op) -> Iterator[tuple[W
       yield worker, Op(F, op.mb)
 
 
+def _piece_dependencies(schedule: Schedule, worker: Worker, op: Op
+                        ) -> Iterator[tuple[Worker, Op]]:
+  """`dependencies` of a schedule with pieces: a forward waits for every piece of the stage
+  before (each sends its rows; a whole micro-batch is gathered from its pieces), a backward
+  for every piece of the stage after, and a piece's own ops chain on its rows."""
+  s = worker[1]
+  if op.kind == F:
+    if s > 0:
+      yield from schedule.stage_ops(op.mb, s - 1, F)
+  elif op.kind in (B, BW):
+    yield worker, same_rows(op, F)
+    if s < schedule.pp - 1:
+      yield from schedule.backward_ops(op.mb, s + 1)
+  elif op.kind == W:
+    yield worker, same_rows(op, B)
+  elif op.kind == AR:
+    for other in schedule.ops[worker]:
+      if other.kind in (W, BW):
+        yield worker, other
+  elif op.kind == OPT:
+    yield worker, Op(AR)
+  elif op.kind == FR:
+    if s < schedule.pp - 1:
+      yield worker, same_rows(op, F)
+
+
 def fault_free_route(dp: int, pp: int, microbatches: int) -> tuple[tuple[int, ...], ...]:
   """Every micro-batch runs all its stages in its owner's pipeline."""
   return tuple((mb // microbatches,) * pp for mb in range(dp * microbatches))
@@ -205,6 +323,8 @@ def make_schedule(
   microbatches: int,
   per_worker: Mapping[Worker, Iterable[Op]],
   route: tuple[tuple[int, ...], ...] | None = None,
+  pieces: PieceMap | None = None,
+  samples: int = 1,
 ) -> Schedule:
   """Builds a `Schedule`, freezing the per-worker lists."""
   return Schedule(
@@ -214,4 +334,6 @@ def make_schedule(
     microbatches=microbatches,
     route=route if route is not None else fault_free_route(dp, pp, microbatches),
     ops={w: tuple(ops) for w, ops in sorted(per_worker.items())},
+    pieces=dict(pieces or {}),
+    samples=samples,
   )

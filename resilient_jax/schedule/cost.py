@@ -22,6 +22,7 @@ from resilient_jax.schedule.core import (
   B,
   F,
   Op,
+  Piece,
   Schedule,
   W,
   Worker,
@@ -79,6 +80,11 @@ class OpCosts:
     comm: latency of any transfer, i.e. of any dependency between two different workers.
     fr: redundant-forward time (FR) of each stage, i.e. of its successor's forward; None means
       the forward time of stage `(s + 1) % pp` (the stages form a ring).
+    fixed: the share of a whole micro-batch's compute op that does not shrink with its samples
+      (launch, weights read once, per-op set-up): a piece of a fraction `x` of the samples
+      (`core.Piece`) takes `fixed + (1 - fixed) * x` of the whole op's time, so an op's time is
+      `fixed_s + per_sample_s * samples`, the fit `benchmarks/piece_cost.py` measures. Tiny
+      pieces are not free.
   """
 
   f: PerStage = 1.0
@@ -89,6 +95,7 @@ class OpCosts:
   opt: PerStage = 0.0
   comm: float = 0.0
   fr: PerStage | None = None
+  fixed: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -97,6 +104,15 @@ class OpCosts:
       object.__setattr__(self, field.name, value)
     if isinstance(self.comm, tuple):
       raise ValueError("OpCosts.comm is one latency, not a per-stage tuple")
+    if isinstance(self.fixed, tuple) or not self.fixed < 1:
+      raise ValueError(f"OpCosts.fixed is one share in [0, 1), got {self.fixed!r}")
+
+  def piece_scale(self, op: Op) -> float:
+    """The share of the whole op's time `op` takes: 1, or for a piece `fixed + (1 - fixed) *
+    its share of the samples`."""
+    if isinstance(op, Piece):
+      return self.fixed + (1.0 - self.fixed) * op.fraction
+    return 1.0
 
   def check_stages(self, pp: int) -> None:
     """Raises ValueError unless every per-stage tuple has exactly `pp` entries."""
@@ -137,6 +153,8 @@ class OpCosts:
     """How long `op` takes on `worker`; usable wherever a `DurationFn` is expected."""
     stage = worker[1]
     kind = op.kind
+    if isinstance(op, Piece):
+      return self.piece_scale(op) * self.duration(worker, Op(kind, op.mb))
     if kind == F:
       return self.f_at(stage)
     if kind == B:

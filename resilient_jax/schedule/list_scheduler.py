@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from resilient_jax.schedule.core import B, F, W, Worker
+from resilient_jax.schedule.core import B, F, PieceMap, W, Worker
 from resilient_jax.schedule.cost import OpCosts
 from resilient_jax.schedule.errors import ScheduleError
 from resilient_jax.schedule.routing import Route
@@ -72,6 +72,9 @@ def _list_schedule(
   speed: Sequence[float] | None = None,
   beat: float = math.inf,
   beat_peak: int = 0,
+  pieces: PieceMap | None = None,
+  samples: int = 1,
+  graph: _Graph | None = None,
 ) -> _Listed:
   """Event-driven list scheduling of F, B and W over the cost model.
 
@@ -101,6 +104,12 @@ def _list_schedule(
     beat_peak: the best variant's in-flight peak, which breaks a tie of makespans: once this
       pass holds as many in flight, it also stops when its makespan can at best tie `beat`
       (rounded to 1e-9 s, as `adaptive` compares them).
+    pieces: stages of micro-batches split into pieces (`core.PieceMap`): each piece is a node
+      of its own on its worker, timed at `costs.piece_scale` of the whole op; the next stage's
+      forward waits for every piece (a gather), each piece's backward for the whole gradient.
+    samples: samples in a micro-batch (what `pieces` divide).
+    graph: `_nodes` of these routes and pieces, when the caller built it already (it plans
+      several variants on the same routes).
 
   Returns:
     Per worker (in `live` order) its compute ops in execution order as `(kind, mb)` with kinds
@@ -116,11 +125,11 @@ def _list_schedule(
   Raises:
     ScheduleError: if the ops cannot all be placed (a limit below 1).
   """
-  wid = {w: i for i, w in enumerate(live)}
-  # A node is one (micro-batch, stage): node = mb * pp + stage.
-  node_w = [wid[(route[mb][s], s)] for mb in range(len(route)) for s in range(pp)]
-  crit, crit_is_mb = _criticality(pp, node_w, len(live))
-  f_entry = _f_entries(f_key, pp, m, crit)
+  if graph is None:
+    graph = _nodes(pp, route, live, pieces, samples, costs.fixed)
+  node_w = graph.node_w
+  crit, crit_is_mb = _criticality(graph, len(live))
+  f_entry = _f_entries(f_key, m, crit, graph.node_mb)
   act_lim = list(act_cap) if act_cap is not None else [cap] * len(live)
   speed = list(speed) if speed is not None else [1.0] * len(live)
   dur = [(costs.f_at(s) / v, costs.b_at(s) / v, costs.w_at(s) / v)
@@ -128,12 +137,12 @@ def _list_schedule(
   # Per worker, the time its ops not yet started take back to back, and what follows its last
   # op (its stage's AR and OPT): its makespan's bound at each pick (`_cannot_win`).
   left = [0.0] * len(live)
-  for w in node_w:
-    left[w] += sum(dur[w])
+  for w, x in zip(node_w, graph.scale, strict=True):
+    left[w] += sum(dur[w]) * x
   tail = [costs.ar_at(s) + costs.opt_at(s) / v for (_, s), v in zip(live, speed, strict=True)]
   deadline = (tail, beat, beat_peak)
   out, starts, last_end, peak, feed_was_local = _place(
-    pp, live, dur, costs.comm, cap, act_lim, order, f_key, node_w, f_entry, left, deadline)
+    graph, live, dur, costs.comm, cap, act_lim, order, f_key, f_entry, left, deadline)
   if last_end is None:  # stopped: it would not beat `beat`
     return _Listed(out, starts, math.inf, peak, feed_was_local, crit_is_mb)
   scheduled, total = sum(len(ops) for ops in out), 3 * len(node_w)
@@ -149,29 +158,95 @@ def _list_schedule(
   return _Listed(out, starts, makespan, peak, feed_was_local, crit_is_mb)
 
 
-def _criticality(pp: int, node_w: list[int], n_w: int) -> tuple[list[int], bool]:
+class _Graph(NamedTuple):
+  """The list scheduler's nodes: one per (micro-batch, stage), or per piece of a split stage,
+  numbered in (micro-batch, stage, piece) order (without pieces: node = mb * pp + stage).
+
+  Attributes:
+    node_w: per node, its worker (index in `live`).
+    node_s: per node, its stage.
+    node_mb: per node, its micro-batch.
+    nxt: per node, the nodes of the next stage of its micro-batch (its forward's consumers).
+    prv: per node, the nodes of the stage before (its forward's inputs).
+    scale: per node, the share of the whole op's time it takes (`OpCosts.piece_scale`).
+    feeds: per node, the workers whose supply of forwards its F adds one to (the next stage's:
+      each piece of a split one; a gathered whole one once, by its first piece).
+  """
+
+  node_w: list[int]
+  node_s: list[int]
+  node_mb: list[int]
+  nxt: list[tuple[int, ...]]
+  prv: list[tuple[int, ...]]
+  scale: list[float]
+  feeds: list[tuple[int, ...]]
+
+
+def _nodes(pp: int, route: Route, live: Sequence[Worker], pieces: PieceMap | None,
+           samples: int, fixed: float) -> _Graph:
+  """The `_Graph` of `route` (and `pieces`) over the `live` workers."""
+  wid = {w: i for i, w in enumerate(live)}
+  n_mb = len(route)
+  if not pieces:
+    n = n_mb * pp
+    last = pp - 1
+    node_w = [wid[(route[mb][s], s)] for mb in range(n_mb) for s in range(pp)]
+    nxt = [(i + 1,) if i % pp < last else () for i in range(n)]
+    return _Graph(
+      node_w,
+      list(range(pp)) * n_mb,
+      [mb for mb in range(n_mb) for _ in range(pp)],
+      nxt,
+      [(i - 1,) if i % pp else () for i in range(n)],
+      [1.0] * n,
+      [(node_w[i + 1],) if i % pp < last else () for i in range(n)],
+    )
+  node_w: list[int] = []
+  node_s: list[int] = []
+  node_mb: list[int] = []
+  scale: list[float] = []
+  at: list[tuple[int, ...]] = []  # per (mb, stage), its nodes
+  for mb in range(n_mb):
+    for s in range(pp):
+      split = pieces.get((mb, s))
+      parts = ((route[mb][s], 0, samples),) if split is None else split
+      first = len(node_w)
+      for d, lo, hi in parts:
+        node_w.append(wid[(d, s)])
+        node_s.append(s)
+        node_mb.append(mb)
+        scale.append(1.0 if split is None else fixed + (1.0 - fixed) * (hi - lo) / samples)
+      at.append(tuple(range(first, len(node_w))))
+  nxt = [at[mb * pp + s + 1] if s < pp - 1 else () for mb, s in zip(node_mb, node_s, strict=True)]
+  prv = [at[mb * pp + s - 1] if s else () for mb, s in zip(node_mb, node_s, strict=True)]
+  feeds = [tuple(node_w[n] for n in nxt[i] if prv[n][0] == i) for i in range(len(node_w))]
+  return _Graph(node_w, node_s, node_mb, nxt, prv, scale, feeds)
+
+
+def _criticality(graph: _Graph, n_w: int) -> tuple[list[int], bool]:
   """The "crit" key of every node, and whether it orders each worker's forwards as "mb" does.
 
   Args:
-    pp: pipeline stages.
-    node_w: the worker (index in `live`) of every node `mb * pp + stage`.
+    graph: the nodes.
     n_w: live workers.
 
   Returns:
     Per node, minus the load of the most loaded worker at its stage or below in its
-    micro-batch; and whether all nodes of every worker share one key (then "crit" and "mb"
-    make the same plan).
+    micro-batch (pieces count as nodes); and whether all nodes of every worker share one key
+    (then "crit" and "mb" make the same plan).
   """
+  node_w, node_mb = graph.node_w, graph.node_mb
   load = [0] * n_w
   for w in node_w:
     load[w] += 1
   crit = [0] * len(node_w)
-  for mb in range(len(node_w) // pp):
-    worst = 0
-    for s in range(pp - 1, -1, -1):
-      node = mb * pp + s
-      worst = max(worst, load[node_w[node]])
-      crit[node] = -worst
+  worst, mb = 0, -1
+  # Nodes run in (micro-batch, stage) order: backwards, each micro-batch from its last stage.
+  for node in range(len(node_w) - 1, -1, -1):
+    if node_mb[node] != mb:
+      worst, mb = 0, node_mb[node]
+    worst = max(worst, load[node_w[node]])
+    crit[node] = -worst
   crit_of: list[int | None] = [None] * n_w
   for node, w in enumerate(node_w):
     if crit_of[w] is None:
@@ -181,7 +256,7 @@ def _criticality(pp: int, node_w: list[int], n_w: int) -> tuple[list[int], bool]
   return crit, True
 
 
-def _f_entries(f_key: str, pp: int, m: int, crit: list[int]) -> list[int]:
+def _f_entries(f_key: str, m: int, crit: list[int], node_mb: list[int]) -> list[int]:
   """Every node's entry in its worker's queue of ready forwards under `f_key`.
 
   Queue entries are ints ordered as (key, node) tuples would be, node = entry % n_nodes:
@@ -193,13 +268,13 @@ def _f_entries(f_key: str, pp: int, m: int, crit: list[int]) -> list[int]:
   if f_key == "mb":
     return list(range(n_nodes))
   if f_key in ("local", "feed"):
-    return [(node // pp % m) * n_nodes + node for node in range(n_nodes)]
+    return [(node_mb[node] % m) * n_nodes + node for node in range(n_nodes)]
   low = min(crit, default=0)
   return [(crit[node] - low) * n_nodes + node for node in range(n_nodes)]
 
 
 def _place(
-  pp: int,
+  graph: _Graph,
   live: Sequence[Worker],
   dur: list[tuple[float, float, float]],
   comm: float,
@@ -207,7 +282,6 @@ def _place(
   act_lim: list[int],
   order: tuple[int, ...],
   f_key: str,
-  node_w: list[int],
   f_entry: list[int],
   left: list[float],
   deadline: tuple[list[float], float, int],
@@ -215,10 +289,11 @@ def _place(
   """The event loop of `_list_schedule`: idle workers pick, then the next instant's events land.
 
   Args:
-    pp, live, cap, order, f_key: as for `_list_schedule`.
-    dur, comm: per worker, its F, B and W times (at its speed); the transfer time.
+    live, cap, order, f_key: as for `_list_schedule`.
+    graph: the nodes (`_nodes`).
+    dur, comm: per worker, its F, B and W times (at its speed) for a whole micro-batch; the
+      transfer time.
     act_lim: per worker, most micro-batches between F and B.
-    node_w: the worker (index in `live`) of every node `mb * pp + stage`.
     f_entry: every node's entry in a queue of ready forwards (`_f_entries`).
     left, deadline: per worker, its ops' time back to back (consumed as they start); (per
       worker, its stage's AR and OPT after its last op, `beat`, `beat_peak`): see there.
@@ -227,17 +302,19 @@ def _place(
     Per worker its `(kind, mb)` in order, their starts and its last op's end (None: stopped);
     the most micro-batches in flight; (for "feed") whether every F picked was its heap's head.
   """
+  node_w, node_s, node_mb, nxt, prv, scale, feeds = graph
   n_w, n_nodes = len(live), len(node_w)
   tail, beat, tie_peak = deadline
-  # B of a node waits for its own F and, below the last stage, for the B of the stage above.
-  b_need = [1 if i % pp == pp - 1 else 2 for i in range(n_nodes)]
+  # B of a node waits for its own F and, below the last stage, for the Bs of the stage above;
+  # F for the Fs of the stage below (more than one where that stage is split into pieces).
+  b_need = [1 + len(n) for n in nxt]
   b_ready = [0.0] * n_nodes
-  queues: list[tuple[list, list, list]] = [([], [], []) for _ in range(n_w)]
+  f_need = [len(p) for p in prv]
+  f_ready = [0.0] * n_nodes
+  queues, supply, rank = _start(graph, live, f_entry)
   inflight = [0] * n_w
   active = [0] * n_w
   busy = [False] * n_w
-  # Forwards started upstream or waiting here that this worker has not started yet.
-  supply = [0] * n_w
   last_end = [0.0] * n_w
   out: list[list[tuple[int, int]]] = [[] for _ in range(n_w)]
   starts: list[list[float]] = [[] for _ in range(n_w)]
@@ -246,11 +323,6 @@ def _place(
   events: list[tuple[float, int, int]] = []
   seq = 0
   push, pop = heapq.heappush, heapq.heappop
-  for node in range(0, n_nodes, pp):
-    push(queues[node_w[node]][_F], f_entry[node])
-    supply[node_w[node]] += 1
-  # Downstream stages first, then by worker: `(-stage, w)` as one int.
-  rank = [(pp - 1 - s) * n_w + w for w, (_, s) in enumerate(live)]
   peak = 0
   dirty = set(range(n_w))
   t = 0.0
@@ -270,7 +342,7 @@ def _place(
       if pick < 0:
         continue
       if pick == _F and f_key == "feed":
-        node, was_head = _feed_pick(q[_F], supply, node_w, pp)
+        node, was_head = _feed_pick(q[_F], supply, node_w, nxt)
         feed_was_local = feed_was_local and was_head
       else:
         node = pop(q[pick]) % n_nodes
@@ -279,25 +351,45 @@ def _place(
         peak = max(peak, inflight[w])
         active[w] += 1
         supply[w] -= 1
-        if node % pp < pp - 1:
-          supply[node_w[node + 1]] += 1
+        for v in feeds[node]:
+          supply[v] += 1
       elif pick == _B:
         active[w] -= 1
       end = t + left[w] + tail[w]  # the pass's makespan at the earliest; the call only near it
       if end >= beat - _TIE and _cannot_win(end, beat, peak >= tie_peak):
         return out, starts, None, peak, feed_was_local
-      left[w] -= dur[w][pick]
+      took = dur[w][pick] * scale[node]
+      left[w] -= took
       busy[w] = True
-      out[w].append((pick, node // pp))
+      out[w].append((pick, node_mb[node]))
       starts[w].append(t)
       seq += 1
-      push(events, (t + dur[w][pick], seq, (node * 3 + pick) * 2 + 1))
+      push(events, (t + took, seq, (node * 3 + pick) * 2 + 1))
     dirty.clear()
     if not events:
       return out, starts, last_end, peak, feed_was_local
     t = events[0][0]
-    seq = _land(t, events, seq, node_w, f_entry, queues, busy, last_end, inflight, b_need,
-                b_ready, dirty, pp, comm)
+    seq = _land(t, events, seq, graph, f_entry, queues, busy, last_end, inflight,
+                (b_need, b_ready, f_need, f_ready), dirty, comm)
+
+
+def _start(graph: _Graph, live: Sequence[Worker], f_entry: list[int]
+           ) -> tuple[list[tuple[list, list, list]], list[int], list[int]]:
+  """`_place`'s start: per worker its queues of ready F, B and W (the first stage's forwards
+  queued), its supply (forwards started upstream or waiting here that it has not started yet),
+  and the order idle workers pick in (downstream stages first, then by worker: `(-stage, w)` as
+  one int)."""
+  node_w, node_s, _, _, prv, _, _ = graph
+  n_w = len(live)
+  queues: list[tuple[list, list, list]] = [([], [], []) for _ in range(n_w)]
+  supply = [0] * n_w
+  for node in range(len(node_w)):
+    if not prv[node]:
+      heapq.heappush(queues[node_w[node]][_F], f_entry[node])
+      supply[node_w[node]] += 1
+  pp = max(node_s, default=0) + 1
+  rank = [(pp - 1 - s) * n_w + w for w, (_, s) in enumerate(live)]
+  return queues, supply, rank
 
 
 def _cannot_win(end: float, beat: float, tie_loses: bool) -> bool:
@@ -310,16 +402,16 @@ def _cannot_win(end: float, beat: float, tie_loses: bool) -> bool:
                                and round(end - 1e-12, 9) >= beat)
 
 
-def _feed_pick(fq: list[int], supply: list[int], node_w: list[int], pp: int) -> tuple[int, bool]:
+def _feed_pick(fq: list[int], supply: list[int], node_w: list[int],
+               nxt: list[tuple[int, ...]]) -> tuple[int, bool]:
   """Takes "feed"'s F out of the heap `fq`: the F whose next stage has the fewest forwards
   coming or waiting, which keeps every worker of the next stage fed instead of queueing work at
-  one of them. Returns its node and whether it was the heap's head ("local"'s pick)."""
+  one of them (of a split next stage, its first piece's worker; `nxt`: `_Graph.nxt`).
+  Returns its node and whether it was the heap's head ("local"'s pick)."""
   n_nodes = len(node_w)
   best_i = min(
     range(len(fq)),
-    key=lambda i: (
-      supply[node_w[fq[i] % n_nodes + 1]] if fq[i] % n_nodes % pp < pp - 1 else 0, fq[i]
-    ),
+    key=lambda i: (supply[node_w[n[0]]] if (n := nxt[fq[i] % n_nodes]) else 0, fq[i]),
   )
   was_head = fq[best_i] == fq[0]
   node = fq[best_i] % n_nodes
@@ -333,26 +425,28 @@ def _land(
   t: float,
   events: list[tuple[float, int, int]],
   seq: int,
-  node_w: list[int],
+  graph: _Graph,
   f_entry: list[int],
   queues: list[tuple[list, list, list]],
   busy: list[bool],
   last_end: list[float],
   inflight: list[int],
-  b_need: list[int],
-  b_ready: list[float],
+  needs: tuple[list[int], list[float], list[int], list[float]],
   dirty: set[int],
-  pp: int,
   comm: float,
 ) -> int:
   """Lands every event at time `t`, before any worker picks, so choices see all that is ready.
 
   A finished op frees its worker and makes its successors ready: the next stage's F (after
-  `comm`), its own W, and the B of the stage below once both its F and the B above are done.
-  Readiness at a later time is a new event; at `t` the op joins its worker's queue at once.
-  Every worker touched goes into `dirty`. Returns the last event sequence number used.
+  `comm`, once every piece it gathers is done), its own W, and the B of the stage below once
+  both its F and every B above are done. Readiness at a later time is a new event; at `t` the
+  op joins its worker's queue at once. Every worker touched goes into `dirty`. `needs`: per
+  node, the Bs and Fs it still waits for and when the last one's output arrives. Returns the
+  last event sequence number used.
   """
   push, pop = heapq.heappush, heapq.heappop
+  node_w, nxt, prv = graph.node_w, graph.nxt, graph.prv
+  b_need, b_ready, f_need, f_ready = needs
   while events and events[0][0] <= t:
     code = pop(events)[2]
     node, kind = divmod(code >> 1, 3)
@@ -363,35 +457,49 @@ def _land(
       continue
     busy[w] = False
     last_end[w] = t
-    s = node % pp
     # What becomes ready now (free transfers) joins its queue at once: an event at time t
     # would only be popped in this same batch, before any worker picks.
     if kind == _F:
-      if s < pp - 1:
-        if comm:
+      at = t + comm
+      for n in nxt[node]:
+        if f_need[n] > 1:  # a gather: the last piece's output completes the input
+          f_need[n] -= 1
+          if at > f_ready[n]:
+            f_ready[n] = at
+          continue
+        ready = f_ready[n] if f_ready[n] > at else at
+        if ready > t:
           seq += 1
-          push(events, (t + comm, seq, ((node + 1) * 3 + _F) * 2))
+          push(events, (ready, seq, (n * 3 + _F) * 2))
         else:
-          push(queues[node_w[node + 1]][_F], f_entry[node + 1])
-          dirty.add(node_w[node + 1])
-      up, at = node, t
-    elif kind == _B:
-      push(queues[w][_W], node)
-      if s == 0:
-        continue
-      up, at = node - 1, t + comm
-    else:
+          push(queues[node_w[n]][_F], f_entry[n])
+          dirty.add(node_w[n])
+      # Its own B needs this F (and every B of the stage above).
+      if t > b_ready[node]:
+        b_ready[node] = t
+      b_need[node] -= 1
+      if b_need[node] == 0:
+        if b_ready[node] > t:
+          seq += 1
+          push(events, (b_ready[node], seq, (node * 3 + _B) * 2))
+        else:
+          push(queues[w][_B], node)
+      continue
+    if kind == _W:
       inflight[w] -= 1
       continue
-    # B of `up` is ready once its own F and the B of the stage above are done.
-    if at > b_ready[up]:
-      b_ready[up] = at
-    b_need[up] -= 1
-    if b_need[up] == 0:
-      if b_ready[up] > t:
-        seq += 1
-        push(events, (b_ready[up], seq, (up * 3 + _B) * 2))
-      else:
-        push(queues[node_w[up]][_B], up)
-        dirty.add(node_w[up])
+    push(queues[w][_W], node)
+    # B of each node of the stage below is ready once its own F and every B above are done.
+    at = t + comm
+    for up in prv[node]:
+      if at > b_ready[up]:
+        b_ready[up] = at
+      b_need[up] -= 1
+      if b_need[up] == 0:
+        if b_ready[up] > t:
+          seq += 1
+          push(events, (b_ready[up], seq, (up * 3 + _B) * 2))
+        else:
+          push(queues[node_w[up]][_B], up)
+          dirty.add(node_w[up])
   return seq

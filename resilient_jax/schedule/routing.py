@@ -66,6 +66,8 @@ class FailureState:
       (any iterable of pairs or a mapping; stored sorted, speed 1 left out): the planners move
       micro-batches off a slow worker in proportion (`proportional_loads`) and time its ops
       at `1 / speed` of the cost model's.
+    samples: samples in one micro-batch. Above 1 the adaptive planner also re-routes pieces of
+      micro-batches (`split_route`), sample counts rather than whole micro-batches.
   """
 
   dp: int
@@ -73,10 +75,13 @@ class FailureState:
   m: int
   failed: frozenset[Worker] = frozenset()
   speeds: tuple[tuple[Worker, float], ...] = ()
+  samples: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "failed", _check_grid(self.dp, self.pp, self.m, self.failed))
     object.__setattr__(self, "speeds", check_speeds(self.dp, self.pp, self.speeds, self.failed))
+    if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+      raise ValueError(f"samples per micro-batch must be an int >= 1, got {self.samples!r}")
 
 
 def check_speeds(dp: int, pp: int, speeds: Iterable[tuple[Worker, float]] | Mapping,
@@ -316,11 +321,15 @@ def speed_scaled(costs: OpCosts, speeds: Iterable[tuple[Worker, float]]) -> Dura
   return duration
 
 
-def _loads(route: Route) -> dict[Worker, int]:
-  """Micro-batches per (live) worker under `route`."""
+def _loads(route: Route, pieces: Mapping | None = None) -> dict[Worker, int]:
+  """Micro-batches per (live) worker under `route`, a piece counting as one (`pieces`: the
+  split stages, whose first piece the route names)."""
   loads: dict[Worker, int] = {}
   for r in route:
     for s, d in enumerate(r):
+      loads[(d, s)] = loads.get((d, s), 0) + 1
+  for (_, s), split in (pieces or {}).items():
+    for d, _, _ in split[1:]:
       loads[(d, s)] = loads.get((d, s), 0) + 1
   return loads
 
@@ -397,3 +406,119 @@ def route_lower_bound(state: FailureState, costs: OpCosts, *, memory_cap: int | 
     end = first_b + work - min(room * f[s], first_b - first_f)
     bound = max(bound, end + costs.ar_at(s) + costs.opt_at(s))
   return bound
+
+
+def split_route(dp: int, pp: int, m: int, samples: int, failed: Iterable[Worker],
+                speeds: Iterable[tuple[Worker, float]] = (), *, takers: int | None = None,
+                shed: int = 0) -> tuple[Route, dict[tuple[int, int], tuple[tuple[int, int, int],
+                                                                      ...]]]:
+  """Routes at sample granularity: the samples a failed or slow worker gives up go, as pieces
+  of micro-batches (`core.Piece`), to more of its stage's peers than it has micro-batches.
+
+  Per stage with failed or slow workers every worker gets a load in samples: a failed worker
+  none; without slow workers, `takers` survivors (all by default; which ones rotates with the
+  stage as in `reroute`) share the failed workers' `k * m * samples` as evenly as samples
+  allow and the others keep their own; with slow workers, every worker's share in proportion
+  to its speed (`proportional_loads` over samples), each slow one giving up `shed` samples
+  more. A worker below its own `m * samples` keeps whole micro-batches evenly spaced (as
+  `_weighted_stage`) and the first samples of one more; everything else it owned, in id order,
+  is cut into consecutive chunks, one per worker above its own, in the order of the stage's
+  workers. A micro-batch's stage ending on one worker is routed whole; one on several is split.
+
+  Args:
+    dp: data-parallel pipelines, failed ones included.
+    pp: pipeline stages.
+    m: micro-batches per pipeline.
+    samples: samples in one micro-batch.
+    failed: the failed workers.
+    speeds: `((worker, speed), ...)` of slow (or fast) live workers.
+    takers: survivors that share a stage's failed workers' samples (no slow worker there);
+      None: all of them.
+    shed: samples each slow worker gives up beyond its proportional share (keeping at least
+      one).
+
+  Returns:
+    `(route, pieces)`: `route[mb][stage]` (a split stage names its first piece's worker) and
+    the `core.PieceMap` of the split stages.
+
+  Raises:
+    StageLostError: when every worker of some stage has failed.
+    ValueError: for a bad shape, worker or speed.
+  """
+  dead = _check_grid(dp, pp, m, failed)
+  speed = dict(check_speeds(dp, pp, speeds, dead))
+  if samples < 1:
+    raise ValueError(f"samples must be >= 1, got {samples}")
+  route = [[mb // m] * pp for mb in range(dp * m)]
+  pieces: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
+  own = m * samples
+  for s in range(pp):
+    weights = [0.0 if (d, s) in dead else speed.get((d, s), 1.0) for d in range(dp)]
+    if all(w == 1.0 for w in weights):
+      continue
+    live = [d for d in range(dp) if weights[d] > 0]
+    if not live:
+      raise StageLostError(s, dp)
+    if all(w in (0.0, 1.0) for w in weights):
+      n = len(live) if takers is None else max(1, min(takers, len(live)))
+      chosen = [live[(s + i) % len(live)] for i in range(n)]
+      q, r = divmod((dp - len(live)) * own, n)
+      loads = [0 if w == 0 else own for w in weights]
+      for i, d in enumerate(chosen):
+        loads[d] += q + (1 if i < r else 0)
+    else:
+      loads = proportional_loads(weights, dp * own, rotate=s)
+      slow = [d for d in range(dp) if 0 < weights[d] < 1]
+      if shed and len(slow) < len(live):
+        for d in slow:
+          loads[d] = max(1, loads[d] - shed)
+        rest = [0.0 if d in slow else w for d, w in enumerate(weights)]
+        others = proportional_loads(rest, dp * own - sum(loads[d] for d in slow), rotate=s)
+        loads = [loads[d] if d in slow else others[d] for d in range(dp)]
+    _split_stage(dp, m, samples, s, loads, route, pieces)
+  return tuple(tuple(r) for r in route), pieces
+
+
+def _split_stage(dp: int, m: int, samples: int, s: int, loads: list[int],
+                 route: list[list[int]],
+                 pieces: dict[tuple[int, int], tuple[tuple[int, int, int], ...]]) -> None:
+  """`split_route`'s stage `s` for per-worker sample `loads`: fills `route` and `pieces`."""
+  own = m * samples
+  parts: dict[int, list[tuple[int, int, int]]] = {}
+  line: list[tuple[int, int, int]] = []  # (mb, lo, hi) given away, in id order
+  for d in range(dp):
+    keep = min(loads[d], own)
+    if keep == own:
+      continue
+    whole, part = divmod(keep, samples)
+    kept = [j for j in range(m) if (j + 1) * whole // m != j * whole // m]
+    first_given = True
+    for j in range(m):
+      mb = d * m + j
+      if j in kept:
+        continue
+      if part and first_given:
+        parts.setdefault(mb, []).append((d, 0, part))
+        line.append((mb, part, samples))
+      else:
+        line.append((mb, 0, samples))
+      first_given = False
+  i = 0
+  for d in range(dp):
+    extra = loads[d] - own
+    while extra > 0:
+      mb, lo, hi = line[i]
+      take = min(extra, hi - lo)
+      parts.setdefault(mb, []).append((d, lo, lo + take))
+      extra -= take
+      if lo + take < hi:
+        line[i] = (mb, lo + take, hi)
+      else:
+        i += 1
+  for mb, ps in parts.items():
+    ps.sort(key=lambda p: p[1])
+    if len(ps) == 1:
+      route[mb][s] = ps[0][0]
+    else:
+      route[mb][s] = ps[0][0]
+      pieces[(mb, s)] = tuple(ps)

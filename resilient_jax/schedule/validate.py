@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Schedule, W, Worker
+from resilient_jax.schedule.core import AR, BW, FR, OPT, B, F, Op, Piece, Schedule, W, Worker
 from resilient_jax.schedule.cost import DurationFn, OpCosts, simulate
 from resilient_jax.schedule.errors import ScheduleError
 
@@ -161,7 +161,10 @@ def _certified(schedule: Schedule, timing: Timing) -> bool:
         return False
       prev = t + took
       if kind != W:
-        end[(op.mb * pp + s) * 2 + (kind != F)] = prev
+        # The latest of a split stage's pieces: the next stage gathers them all.
+        key = (op.mb * pp + s) * 2 + (kind != F)
+        if prev > end.get(key, -1.0):
+          end[key] = prev
   for w in schedule.workers:
     s = w[1]
     for op, t in zip(schedule.ops[w], timing.starts[w], strict=False):
@@ -251,6 +254,40 @@ def _check_worker(schedule: Schedule, worker: Worker, routed: set[int]) -> None:
     raise ScheduleError(f"{where}: OPT runs before AR")
 
 
+def _check_pieces(schedule: Schedule, routed: dict[Worker, set[int]]) -> None:
+  """A split stage's pieces tile the micro-batch's samples on distinct live workers, and each
+  of those runs its piece's rows, where an unsplit stage runs whole ops.
+
+  Adds each piece's micro-batch to its worker's `routed` set (the route names only the first).
+  """
+  name, size = schedule.name, schedule.samples
+  for (mb, s), split in schedule.pieces.items():
+    if not (0 <= mb < schedule.num_microbatches and 0 <= s < schedule.pp):
+      raise ScheduleError(f"schedule {name}: pieces of mb{mb} stage {s} are outside the grid")
+    at = 0
+    for d, lo, hi in split:
+      if lo != at or hi <= lo:
+        raise ScheduleError(f"schedule {name}: pieces of mb{mb} at stage {s} do not tile its "
+                            f"{size} samples: {lo}:{hi} after {at}")
+      at = hi
+      if (d, s) not in schedule.ops:
+        raise ScheduleError(f"schedule {name}: a piece of mb{mb} goes to {(d, s)}, not a live "
+                            "worker")
+      routed[(d, s)].add(mb)
+    if at != size or len({d for d, _, _ in split}) != len(split) or len(split) < 2:
+      raise ScheduleError(f"schedule {name}: pieces of mb{mb} at stage {s} must cover its "
+                          f"{size} samples on at least two distinct workers")
+  for w in schedule.workers:
+    for op in schedule.ops[w]:
+      if op.mb < 0:
+        continue
+      want = schedule.samples_of(w, op.mb) if (op.mb, w[1]) in schedule.pieces else None
+      got = (op.lo, op.hi) if isinstance(op, Piece) else None
+      if got != want or (isinstance(op, Piece) and op.size != size):
+        raise ScheduleError(f"schedule {name}: worker {w} runs {op}, but its share of "
+                            f"mb{op.mb} is {'the whole micro-batch' if want is None else want}")
+
+
 def validate(schedule: Schedule, memory_cap: int | None = None, timing: Timing | None = None
              ) -> ValidationReport:
   """Checks `schedule` and measures its memory.
@@ -266,15 +303,20 @@ def validate(schedule: Schedule, memory_cap: int | None = None, timing: Timing |
     The per-worker memory peaks.
 
   Raises:
-    ScheduleError: with a one-line reason, for a bad route, a missing, duplicated or misplaced
-      op, an op for a micro-batch not routed to its worker, a deadlock, or a worker above
-      `memory_cap`.
+    ScheduleError: with a one-line reason, for a bad route, pieces that do not tile their
+      micro-batch or an op on other rows than its worker's piece, a missing, duplicated or
+      misplaced op, an op for a micro-batch not routed to its worker, a deadlock, or a worker
+      above `memory_cap`.
   """
   _check_route(schedule)
   routed: dict[Worker, set[int]] = {w: set() for w in schedule.ops}
+  pieces = schedule.pieces
   for mb, r in enumerate(schedule.route):
     for s, d in enumerate(r):
-      routed[(d, s)].add(mb)
+      if not pieces or (mb, s) not in pieces:
+        routed[(d, s)].add(mb)
+  if pieces:
+    _check_pieces(schedule, routed)
   for w in schedule.workers:
     _check_worker(schedule, w, routed[w])
   # Local orders are fine; a cross-worker cycle shows up as a deadlock of the replay. Unit

@@ -105,7 +105,12 @@ class SimConfig:
     profile: path of a measured per-stage profile that replaces the spec cost model ("": none).
     recovery: recovery times; its checkpoint interval is the configured one, or the Young/Daly
       optimum for the trace's failure rate and `checkpoint_write_s` when configured as 0.
-    checkpoint_write_s: the time one checkpoint save blocks training.
+    checkpoint_write_s: the time one checkpoint save takes to reach storage.
+    checkpoint_blocking_s: the part of a save that blocks training: the device-to-host copy of
+      each process's own share when saves are asynchronous (the distributed layout), the whole
+      write when they are not (the default: `checkpoint_write_s`).
+    young_daly: whether the interval was configured as 0: each policy then checkpoints at
+      Young/Daly's interval for the restores it needs (`engine.restore_intervals`).
     regroup_steps: fault-free steps added to `recovery.regroup_s` once the step time is known
       (the runtime's `resilience.regroup_steps`: new groups and compiles after a replan).
     trace: the failure trace.
@@ -129,6 +134,8 @@ class SimConfig:
   exact_ops: int
   checkpoint_write_s: float = 0.0
   regroup_steps: float = 0.0
+  checkpoint_blocking_s: float = 0.0
+  young_daly: bool = False
 
 
 def _section(cd: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -267,13 +274,19 @@ def _recovery(cd: Mapping[str, Any]) -> tuple[dict[str, float], float, float]:
           for k in ("detect_s", "regroup_s", "restart_s", "checkpoint_interval_s")}
   write = _optional(cd, "recovery", "checkpoint_write_s", 0.0, allow_zero=True)
   steps = _optional(cd, "recovery", "regroup_steps", 0.0, allow_zero=True)
-  return keys, write, steps
+  blocking = _optional(cd, "recovery", "checkpoint_blocking_s", write, allow_zero=True)
+  if blocking > write:
+    raise SimConfigError(f"recovery.checkpoint_blocking_s={blocking} is more than the whole "
+                         f"save, checkpoint_write_s={write}")
+  return keys, write, steps, blocking
 
 
 def _checkpoint_interval(keys: dict[str, float], write_s: float, trace: TraceConfig,
-                         layout: Layout) -> RecoveryParams:
+                         layout: Layout, persist_s: float = 0.0) -> RecoveryParams:
   """The recovery times with the checkpoint interval a user would choose: the configured one,
-  or (0) the Young/Daly optimum for the job's failure rate and the write time."""
+  or (0) the Young/Daly optimum for the job's failure rate and the blocking part of a save
+  (what a policy that restores at every failure, restart, would choose; the run then sets each
+  policy's own, `engine.restore_intervals`)."""
   if keys["checkpoint_interval_s"] == 0:
     if trace.csv:
       raise SimConfigError("recovery.checkpoint_interval_s=0 (Young/Daly) needs a generated "
@@ -282,7 +295,7 @@ def _checkpoint_interval(keys: dict[str, float], write_s: float, trace: TraceCon
     if not math.isfinite(interval):
       raise SimConfigError("recovery.checkpoint_interval_s=0 (Young/Daly) needs "
                            "recovery.checkpoint_write_s > 0 and a failure rate")
-    keys = {**keys, "checkpoint_interval_s": interval}
+    keys = {**keys, "checkpoint_interval_s": max(interval, persist_s)}
   return RecoveryParams(**keys)
 
 
@@ -370,9 +383,10 @@ def from_config_dict(cd: Mapping[str, Any]) -> SimConfig:
     network = _network(cd)
     layout = _layout(cd, model)
     recompute = _recompute(cd)
-    recovery, write_s, regroup_steps = _recovery(cd)
+    recovery, write_s, regroup_steps, blocking_s = _recovery(cd)
     trace = _trace(cd)
-    recovery = _checkpoint_interval(recovery, write_s, trace, layout)
+    young_daly = recovery["checkpoint_interval_s"] == 0
+    recovery = _checkpoint_interval(recovery, blocking_s, trace, layout, write_s)
     sweep = _sweep(cd, layout)
     policies = _policies(cd)
     return SimConfig(
@@ -390,6 +404,8 @@ def from_config_dict(cd: Mapping[str, Any]) -> SimConfig:
       exact_ops=_num(cd, "sim", "exact_ops", integer=True, allow_zero=True),
       checkpoint_write_s=write_s,
       regroup_steps=regroup_steps,
+      checkpoint_blocking_s=blocking_s,
+      young_daly=young_daly,
     )
   except SimConfigError:
     raise

@@ -37,7 +37,13 @@ from resilient_jax.policy.rejoin import rejoin_choice
 from resilient_jax.schedule.core import Worker
 from resilient_jax.schedule.routing import relative_throughput_bound
 from resilient_jax.sim.cost_model import CostModel, load_profile
-from resilient_jax.sim.goodput import Breakdown, Recoveries, Slowdown, pause_parts
+from resilient_jax.sim.goodput import (
+  Breakdown,
+  Recoveries,
+  Slowdown,
+  pause_parts,
+  young_daly_interval,
+)
 from resilient_jax.sim.layout import Layout
 from resilient_jax.sim.traces import FailureTracker, Trace
 
@@ -241,8 +247,9 @@ class TraceResult:
     policies: per policy, its run.
     ideal_step_s: the fault-free step time every policy's ETTR is measured against: the
       fastest any of the policies runs.
-    checkpoint_interval_s: wall time between checkpoints.
+    checkpoint_interval_s: wall time between checkpoints (the first policy's where they differ).
     checkpoint_write_s: the time one save blocks training.
+    intervals: per policy, its wall time between checkpoints.
   """
 
   trace: Trace
@@ -251,6 +258,7 @@ class TraceResult:
   ideal_step_s: float = 0.0
   checkpoint_interval_s: float = math.inf
   checkpoint_write_s: float = 0.0
+  intervals: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def failure_states(layout: Layout, trace: Trace) -> list[tuple[float, frozenset[Worker]]]:
@@ -289,7 +297,7 @@ class _Replay:
     self.batch = samples_per_step
     self.interval_s = interval_s
     # Saves block `write_s` out of every interval of wall time.
-    self.stall = min(write_s / interval_s, 1.0) if math.isfinite(interval_s) else 0.0
+    self.stall = min(write_s / interval_s, 1.0) if math.isfinite(interval_s) and interval_s else 0.0
     self.slowdown = slowdown
     self.ideal_step = ideal_step
     self.params = policy.params
@@ -400,7 +408,7 @@ def run_trace(
   policies: Mapping[str, Policy],
   trace: Trace,
   *,
-  checkpoint_interval_s: float,
+  checkpoint_interval_s: float | Mapping[str, float],
   checkpoint_write_s: float = 0.0,
 ) -> TraceResult:
   """Runs every policy through `trace`.
@@ -410,7 +418,8 @@ def run_trace(
     costs: the cost model.
     policies: the policies.
     trace: the events.
-    checkpoint_interval_s: wall time between checkpoints, for rollbacks.
+    checkpoint_interval_s: wall time between checkpoints, for rollbacks: one for every policy,
+      or per policy (`restore_intervals`: Young/Daly for the restores each one needs).
     checkpoint_write_s: the time one save blocks training (checkpoint stalls).
 
   Returns:
@@ -428,14 +437,40 @@ def run_trace(
   # schedule's, or Oobleck's templates' where they are faster), one scale for every policy.
   ideal = min([slowdown.ideal_step, *(p.step_time(grid, frozenset(), costs)
                                       for p in policies.values())])
+  intervals = ({n: checkpoint_interval_s[n] for n in policies}
+               if isinstance(checkpoint_interval_s, Mapping)
+               else dict.fromkeys(policies, checkpoint_interval_s))
   runs = {
-    name: _Replay(p, grid, costs, trace.duration_s, layout.global_batch, checkpoint_interval_s,
+    name: _Replay(p, grid, costs, trace.duration_s, layout.global_batch, intervals[name],
                   checkpoint_write_s, slowdown, ideal).run(timeline)
     for name, p in policies.items()
   }
   states = [(0.0, frozenset())]
   states += [(t, f) for (t, f, _), (_, g, _) in zip(timeline[1:], timeline, strict=False) if f != g]
-  return TraceResult(trace, states, runs, ideal, checkpoint_interval_s, checkpoint_write_s)
+  first = next(iter(intervals.values()), math.inf)
+  return TraceResult(trace, states, runs, ideal, first, checkpoint_write_s, intervals)
+
+
+def restore_intervals(result: TraceResult, blocking_s: float, persist_s: float
+                      ) -> dict[str, float]:
+  """Per policy, the checkpoint interval for the restores it needs: Young/Daly,
+  `sqrt(2 * blocking_s * MTBF)` with the MTBF of the failures that made that policy restore in
+  `result` (a run through the same trace: restart restores at every failure, an in-place policy
+  only where it fell back; at least one restore a trace is assumed, so a policy that never
+  restored checkpoints as if it might once), and never more often than a save persists
+  (`persist_s`: the background write to storage must end before the next save starts).
+
+  Args:
+    result: a run of the policies through the trace (any interval: whether a failure needs a
+      restore does not depend on it, except for `auto`'s choice of restart, priced with it).
+    blocking_s: the part of a save that blocks training (the device-to-host copy).
+    persist_s: the time a save takes to reach storage, in the background.
+  """
+  out = {}
+  for name, run in result.policies.items():
+    mtbf = result.trace.duration_s / max(run.recoveries.restores, 1)
+    out[name] = max(young_daly_interval(mtbf, blocking_s), persist_s)
+  return out
 
 
 def predict_relative_throughput(

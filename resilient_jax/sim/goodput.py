@@ -18,7 +18,8 @@ splits exactly into the committed time and the losses (`Breakdown.wall_s` is the
   (a slow worker keeps the share it can finish: their step time with the speeds over without,
   `engine._Replay.slow_factor`); every other policy runs its plan at the slowest device's pace
   (`Slowdown`);
-* checkpoint stalls: the time saves block training (`checkpoint_write_s` per interval);
+* checkpoint stalls: the time saves block training (the blocking part of a save per interval,
+  each policy's interval: `engine.restore_intervals`);
 * waiting: no grid can be formed until a repair.
 
 A recovery's pause is split by the rule `policy/base.py`'s `InPlacePolicy.recovery` and
@@ -281,8 +282,11 @@ _SHORT = {"detection": "detect", "replanning": "replan", "restarts": "restart", 
 def goodput_json(result: Any) -> dict[str, Any]:
   """results.json's `goodput`: per policy its ETTR, losses and recoveries (an
   `engine.TraceResult` in), what it was measured against, and re-routing against restart."""
+  intervals = getattr(result, "intervals", None) or {}
   policies = {
-    name: run.breakdown.to_json(run.recoveries) for name, run in result.policies.items()
+    name: {**run.breakdown.to_json(run.recoveries),
+           "checkpoint_interval_s": intervals.get(name, result.checkpoint_interval_s)}
+    for name, run in result.policies.items()
   }
   out: dict[str, Any] = {
     "ideal_step_s": result.ideal_step_s,
@@ -309,21 +313,23 @@ def format_goodput(results: Mapping[str, Any]) -> list[str]:
   """The printed ETTR table: per policy its ETTR, its losses in % of wall time and its
   recoveries, then `auto` against the best single policy and re-routing against restart."""
   g = results["goodput"]
-  interval = g["checkpoint_interval_s"]
-  every = f"every {interval:.0f} s" if math.isfinite(interval) else "never"
   lines = [
     f"ETTR (committed training / wall time, at the fault-free step {g['ideal_step_s']:.3f} s; "
-    f"checkpoints {every}, {g['checkpoint_write_s']:g} s each); losses in % of wall time:",
+    f"a checkpoint blocks {g['checkpoint_write_s']:.3g} s, every `ckpt s`); losses in % of wall "
+    "time:",
     f"{'policy':>8} {'ETTR':>6} " + " ".join(f"{_SHORT[k]:>7}" for k in LOSSES)
-    + f" {'failures':>8} {'in place':>8} {'restores':>8} {'fallback':>8} {'in recov':>8}",
+    + f" {'failures':>8} {'in place':>8} {'restores':>8} {'fallback':>8} {'in recov':>8}"
+    + f" {'ckpt s':>7}",
   ]
   for name, p in g["policies"].items():
     r = p["recoveries"]
+    interval = p.get("checkpoint_interval_s", g["checkpoint_interval_s"])
+    every = f"{interval:7.0f}" if interval is not None and math.isfinite(interval) else "  never"
     lines.append(
-      f"{name:>8} {p['ettr']:6.3f} "
+      f"{name:>8} {p['ettr']:6.4f} "
       + " ".join(f"{100 * p['losses_share'][k]:7.2f}" for k in LOSSES)
       + f" {r['failures']:8d} {r['in_place']:8d} {r['restores']:8d} {r['fallbacks']:8d}"
-      + f" {r['interrupted']:8d}"
+      + f" {r['interrupted']:8d} {every}"
     )
   best = g.get("best_single")
   if best and "auto" in g["policies"]:

@@ -21,7 +21,7 @@ from resilient_jax.checkpoint import CheckpointError, load_latest
 from resilient_jax.checkpoint.lease import Lease, Superseded
 from resilient_jax.checkpoint.run_meta import check_resumable, checkpoint_meta
 from resilient_jax.checkpoint.store import Loaded, committed_steps, load, step_dir
-from resilient_jax.observe.events import CheckpointSaved
+from resilient_jax.observe.events import CheckpointLoaded, CheckpointSaved
 from resilient_jax.observe.progress import reporting
 from resilient_jax.schedule.plan import Plan, describe
 from resilient_jax.training.local_copies import LocalCopies
@@ -99,10 +99,10 @@ class Checkpoints:
     run.interpreter.import_state(loaded.params, loaded.opt_state)
     self.local.note(loaded.step)
     lay = loaded.meta["layout"]
-    run.log(f"restored step {loaded.step} from {loaded.path} (saved on dp={lay['dp']} "
-            f"pp={lay['pp']} tp={lay.get('tp', 1)}) onto {describe(run.coordinator.plan)}"
-            + (f" tp={run.cfg.mesh.tp}" if run.cfg.mesh.tp > 1 else "")
-            + (f", {run.group.processes} processes" if run.group.processes else ""))
+    run.events.emit(CheckpointLoaded(
+      loaded.step, str(loaded.path), f"dp={lay['dp']} pp={lay['pp']} tp={lay.get('tp', 1)}",
+      describe(run.coordinator.plan) + (f" tp={run.cfg.mesh.tp}" if run.cfg.mesh.tp > 1 else "")
+      + (f", {run.group.processes} processes" if run.group.processes else "")))
     return loaded.step
 
   def _hold_workdir(self) -> None:

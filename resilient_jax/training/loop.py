@@ -100,9 +100,10 @@ class Trainer:
                faults: Sequence[FaultEvent] = (), cluster: Any = None, model: Any = None,
                loss_fn: Any = None, data: Any = None, started: float | None = None):
     check_fault_events(faults, cfg)
-    self.state = start_run(cfg, workdir, devices=devices, log=log, cluster=cluster, model=model,
-                           loss_fn=loss_fn, data=data)
-    run = self.state
+    self.run_state = start_run(cfg, workdir, devices=devices, log=log, cluster=cluster,
+                               model=model, loss_fn=loss_fn, data=data)
+    """The run's parts (`run.Run`); what a step changes is the `TrainState` the loop threads."""
+    run = self.run_state
     run.goodput.started = started or run.goodput.started  # the goodput's wall time from there
     self.checkpoints = Checkpoints(run)
     events = [FaultEvent(f.step, (f.dp, f.stage), rejoin=f.rejoin)
@@ -127,20 +128,20 @@ class Trainer:
                               self.timelines, self.traces, recipe.learning_rate(cfg))
 
   # The run's parts, as tests, benchmarks and notebooks reach them.
-  cfg = property(lambda self: self.state.cfg)
+  cfg = property(lambda self: self.run_state.cfg)
   """The run's config (one copy: what the checkpoint rule and every other part read)."""
-  interpreter = property(lambda self: self.state.interpreter)
-  coordinator = property(lambda self: self.state.coordinator)
-  transport = property(lambda self: self.state.transport)
-  workdir = property(lambda self: self.state.workdir)
-  source = property(lambda self: self.state.source)
-  plan = property(lambda self: self.state.batches)
-  writer = property(lambda self: self.state.writer)
+  interpreter = property(lambda self: self.run_state.interpreter)
+  coordinator = property(lambda self: self.run_state.coordinator)
+  transport = property(lambda self: self.run_state.transport)
+  workdir = property(lambda self: self.run_state.workdir)
+  source = property(lambda self: self.run_state.source)
+  plan = property(lambda self: self.run_state.batches)
+  writer = property(lambda self: self.run_state.writer)
 
   @property
   def programs(self) -> list[StagePrograms]:
     """The configured grid's stage programs."""
-    return self.state.programs.configured
+    return self.run_state.programs.configured
 
   def add_hook(self, fn: StepHook, every: int = 1) -> None:
     """Calls `fn(StepInfo)` after every `every`-th committed step (and the last), before the
@@ -156,11 +157,11 @@ class Trainer:
     the job, with a checkpoint of it: `Preempted`. Whatever ends the run, a checkpoint save in
     flight is committed (or its error reported) first.
     """
-    with self.state.builds.counting():
+    with self.run_state.builds.counting():
       return self._run()
 
   def _run(self) -> TrainResult:
-    run, cfg = self.state, self.cfg
+    run, cfg = self.run_state, self.cfg
     try:
       start = self.admissions.join() if run.group.relaunched else self.checkpoints.load(
         "start") + 1
@@ -204,7 +205,7 @@ class Trainer:
 
   def request_stop(self, why: str) -> None:
     """Asks the job to stop after the step in flight (every process agrees on it)."""
-    self.state.transport.stop_requested = True
+    self.run_state.transport.stop_requested = True
     self.stop_signal = why
 
   def _stop_if_asked(self, info: StepInfo) -> None:
@@ -214,7 +215,7 @@ class Trainer:
       self._stop_after(info.step)
 
   def _stop_after(self, step: int) -> None:
-    run = self.state
+    run = self.run_state
     why = (f"this process received {self.stop_signal}" if run.transport.stop_requested else
            "another process of the job received a stop signal")
     run.log(f"stopping after step {step}: {why}; checkpointing it")
