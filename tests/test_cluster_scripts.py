@@ -176,6 +176,7 @@ def test_sbatch_runs_entry_point(fake_slurm):
   "srun_rc, env, requeued",
   [
     (5, {}, True),
+    (9, {}, True),
     (0, {}, False),
     (3, {}, False),
     (2, {}, False),

@@ -695,6 +695,33 @@ def test_first_writer_wins_passes_other_errors_on():
     first_writer_wins(Client("UNAVAILABLE: the service is gone"), "k", {"lost": [2]})
 
 
+@pytest.mark.parametrize("reachable, code", [(True, 6), (False, 5)])
+def test_a_wait_that_times_out_without_the_service_is_the_services_loss(monkeypatch, reachable,
+                                                                        code):
+  """A wait past `distributed.wait_timeout_s` ends with 6 only while the coordination service
+  answers; cut off from it (process 0's host cut off: `test_cluster_box.py`), the process ends as
+  its watchdog would have, with 5 and its local copy, whichever noticed first."""
+  from resilient_jax.config import DistributedConfig
+  from resilient_jax.runtime import kvstore
+
+  def end(c, message=None):
+    raise SystemExit(c)
+
+  monkeypatch.setattr(kvstore, "end_process", end)
+
+  class Store(kvstore.KeyValueStore):
+    cfg = DistributedConfig(enabled=True, wait_timeout_s=1)
+    process_id = 1
+
+    def check_coordinator(self):
+      if not reachable:
+        end(5)  # `Cluster.coordinator_lost`: the local copy, then exit 5
+
+  with pytest.raises(SystemExit) as e:
+    Store().poll("a key that never comes", lambda: None)
+  assert e.value.code == code
+
+
 class _Pending:
   """A stand-in for a pulled array: ready once `land` is called."""
 
@@ -828,14 +855,17 @@ def test_a_coordinator_that_never_answers_is_one_line_and_the_wait_exit(tmp_path
 
 def test_the_coordination_service_listens_only_where_it_is_named():
   """An IP address (loopback for `launch.local`) binds the service there alone, not on every
-  interface, so no other host can register as a process of the job; a host name keeps JAX's
-  default (it could resolve to a loopback alias on its own host)."""
+  interface, so no other host can register as a process of the job; a host name (SLURM's
+  coordinator) binds the first of its addresses that is this host's and not loopback, and keeps
+  JAX's default where it has none (it could resolve to a loopback alias on its own host). On
+  real hosts: `test_cluster_box.py`."""
   from resilient_jax.runtime.joining import bind_address
 
   assert bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
   assert bind_address("[::1]:1234") == "[::1]:1234"
   assert bind_address("10.0.0.5:8476") == "10.0.0.5:8476"
   assert bind_address("node001:8476") is None and bind_address("") is None
+  assert bind_address("localhost:8476") is None  # loopback only: every interface
 
 
 def test_a_process_that_never_arrives_ends_the_wait_with_one_line(tmp_path):

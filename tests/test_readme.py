@@ -126,6 +126,11 @@ def test_launcher_commands_parse(tmp_path, index):
     from launch.checkpoint import USAGE
 
     assert args[0] in USAGE.split("{")[1].split("}")[0].split(",") and len(args) == 2
+  elif module == "launch.cluster_box":
+    from launch import cluster_box
+
+    names = {f.name for f in (cluster_box._HOSTS, cluster_box._RATE, cluster_box._SLURM)}
+    assert {a.lstrip("-").split("=")[0] for a in args} <= names, args
   else:
     pytest.fail(f"no check for the {module} command of README.md or docs/")
 

@@ -73,8 +73,8 @@ from resilient_jax.model.sharding import Where
 from resilient_jax.observe.logs import info
 from resilient_jax.runtime.joining import (
   await_coordinator,
-  bind_address,
   exit_on_abort,
+  join_arguments,
   native_log_to,
 )
 from resilient_jax.runtime.kvstore import KeyValueStore
@@ -154,26 +154,20 @@ class Cluster(KeyValueStore):
     wait_s = max(1, int(cfg.wait_timeout_s))
     kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": cfg.heartbeat_timeout_s,
                               "initialization_timeout": wait_s}
-    if cfg.coordinator:
-      kwargs["coordinator_address"] = cfg.coordinator
-      kwargs["coordinator_bind_address"] = bind_address(cfg.coordinator)
-    if cfg.num_processes:
-      kwargs["num_processes"] = cfg.num_processes
-    if cfg.process_id >= 0:
-      kwargs["process_id"] = cfg.process_id
-    who = f"process {cfg.process_id}" if cfg.process_id >= 0 else "this process"
-    if cfg.coordinator and cfg.process_id > 0:
-      await_coordinator(cfg.coordinator, wait_s, who)
+    coordinator, num_processes, process_id = join_arguments(cfg, wait_s, kwargs)
+    who = f"process {process_id}" if process_id >= 0 else "this process"
+    if coordinator and process_id > 0:
+      await_coordinator(coordinator, wait_s, who)
     never_formed = (
-      f"{who}: the job at {cfg.coordinator or 'the detected coordinator'} did not form within "
-      f"{wait_s}s (distributed.wait_timeout_s): did all {cfg.num_processes or 'its'} processes "
+      f"{who}: the job at {coordinator or 'the detected coordinator'} did not form within "
+      f"{wait_s}s (distributed.wait_timeout_s): did all {num_processes or 'its'} processes "
       "start, with this coordinator address?")
     exit_on_abort(EXIT_WAIT_TIMEOUT, lambda: never_formed + (
       f" (JAX's own log of it: {join_log})" if join_log and os.path.exists(join_log) else ""))
     # Said before, not during: JAX's join holds the GIL until it returns, so no thread of this
     # process can report while it waits (a reporter thread printed nothing).
-    log(f"{who}: joining the job at {cfg.coordinator or 'the detected coordinator'} "
-        f"({cfg.num_processes or 'all its'} processes), waiting at most {wait_s}s "
+    log(f"{who}: joining the job at {coordinator or 'the detected coordinator'} "
+        f"({num_processes or 'all its'} processes), waiting at most {wait_s}s "
         "(distributed.wait_timeout_s)")
     with (contextlib.nullcontext() if join_log is None else native_log_to(join_log)):
       jax.distributed.initialize(**kwargs)
@@ -516,7 +510,8 @@ class Cluster(KeyValueStore):
         and must cost its own worker only, not the waiters' (the computation stays pending on
         the device; nothing later depends on it).
 
-    Exits the process with `EXIT_WAIT_TIMEOUT` if that takes longer than the configured bound.
+    Exits the process with `EXIT_WAIT_TIMEOUT` if that takes longer than the configured bound
+    (`EXIT_COORDINATOR_LOST` if the coordination service is unreachable then: `timed_out`).
     """
     box: list[BaseException | None] = []
 
@@ -537,8 +532,7 @@ class Cluster(KeyValueStore):
       if dead:
         return RuntimeError(f"processes {sorted(dead)} died while this one waited for {what}")
     if not box:
-      end_process(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
-               f"{self.cfg.wait_timeout_s}s for {what}; exiting with code {EXIT_WAIT_TIMEOUT}")
+      self.timed_out(what)
     return box[0]
 
   def finish(self, code: int = 0) -> None:

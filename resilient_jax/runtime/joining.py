@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -133,17 +134,80 @@ def await_coordinator(address: str, wait_s: float, who: str) -> None:
 
 
 def bind_address(coordinator: str) -> str | None:
-  """Where process 0's coordination service listens: on the address the job names when that is
-  an IP address (loopback for `launch.local`: nothing from another host reaches it), rather
-  than JAX's default of every interface; None (the default) for a host name, which could
-  resolve to a loopback alias on its own host and shut the other hosts out."""
+  """Where process 0's coordination service listens: on the address the job names, rather than
+  JAX's default of every interface. An IP address is used as it is (loopback for
+  `launch.local`: nothing from another host reaches it); a host name (SLURM's coordinator is the
+  first node's name) is resolved, and its first address that is not loopback and belongs to
+  this host is used. None (every interface) only when the name has no such address: one that
+  resolves to a loopback alias on its own host (`127.0.1.1 NAME`) would otherwise shut the
+  other hosts out."""
   import ipaddress
 
   if not coordinator:
     return None
-  host = coordinator.rsplit(":", 1)[0].strip("[]")
+  host, port = coordinator.rsplit(":", 1)
+  host = host.strip("[]")
   try:
     ipaddress.ip_address(host)
+    return coordinator
   except ValueError:
+    pass
+  try:
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+  except OSError:
     return None
-  return coordinator
+  for family, _, _, _, sockaddr in infos:
+    ip = sockaddr[0]
+    if ipaddress.ip_address(ip).is_loopback:
+      continue
+    try:  # one of this host's own addresses (process 0 runs on the coordinator's host)
+      with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+    except OSError:
+      continue
+    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+  return None
+
+
+def detected_job(timeout_s: int) -> tuple[str | None, int | None, int | None, list[int] | None]:
+  """What `jax.distributed.initialize()` would detect from the cluster's environment (SLURM,
+  TPU VMs, GKE, MPI): (coordinator, processes, process id, local device ids), None where
+  nothing was found. Detected here, once, so that process 0 knows the coordinator's address
+  before it starts the service and can bind it there (`bind_address`), and the others can wait
+  for it with a bound (`await_coordinator`). `JAX_LOCAL_DEVICE_IDS` is read as JAX reads it."""
+  from jax._src.clusters import ClusterEnv
+
+  env_ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
+  ids = [int(x) for x in env_ids.split(",")] if env_ids else None
+  coordinator, n, pid, ids = ClusterEnv.auto_detect_unset_distributed_params(
+    None, None, None, ids, None, timeout_s)
+  return coordinator, n, pid, (list(ids) if ids is not None else None)
+
+
+def join_arguments(cfg: Any, wait_s: int, kwargs: dict[str, Any]) -> tuple[str, int, int]:
+  """Adds the job's coordinator, process count, id, device ids and the service's bind address
+  to `kwargs` (`jax.distributed.initialize`'s): the configured ones, else the cluster's
+  (`detected_job`; SLURM's coordinator is the first node's name). Returns (coordinator,
+  processes, process id), "", 0 and -1 where neither says.
+
+  Args:
+    cfg: the job's `DistributedConfig`.
+    wait_s: the bound on detecting them.
+    kwargs: updated in place.
+  """
+  coordinator, num_processes, process_id = cfg.coordinator, cfg.num_processes, cfg.process_id
+  if not coordinator:
+    found, found_n, found_id, device_ids = detected_job(wait_s)
+    coordinator = found or ""
+    num_processes = num_processes or found_n or 0
+    process_id = process_id if process_id >= 0 else (-1 if found_id is None else found_id)
+    if device_ids is not None:
+      kwargs["local_device_ids"] = device_ids
+  if coordinator:
+    kwargs["coordinator_address"] = coordinator
+    kwargs["coordinator_bind_address"] = bind_address(coordinator)
+  if num_processes:
+    kwargs["num_processes"] = num_processes
+  if process_id >= 0:
+    kwargs["process_id"] = process_id
+  return coordinator, num_processes, process_id

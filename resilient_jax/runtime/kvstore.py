@@ -50,6 +50,17 @@ class KeyValueStore:
       self.check_coordinator()
       raise RuntimeError(f"coordination service call failed: {e}") from None
 
+  def timed_out(self, what: str) -> None:
+    """Ends this process after a wait for `what` passed `distributed.wait_timeout_s`: with
+    `EXIT_COORDINATOR_LOST` and its local copy when the coordination service is unreachable
+    then (its host cut off from process 0's, or process 0 lost: a wait for the others cannot
+    end while the service is gone, and the watchdog may not have noticed yet), so that a
+    process that lost the service ends one way whichever noticed first; else
+    `EXIT_WAIT_TIMEOUT`."""
+    self.check_coordinator()
+    end_process(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
+                f"{self.cfg.wait_timeout_s}s for {what}; exiting with code {EXIT_WAIT_TIMEOUT}")
+
   def poll(self, what: str, check: Callable[[], T | None], wake_key: str | None = None) -> T:
     """Calls `check` until it returns something other than None; returns that.
 
@@ -65,8 +76,7 @@ class KeyValueStore:
       if out is not None:
         return out
       if time.monotonic() > deadline:
-        end_process(EXIT_WAIT_TIMEOUT, f"process {self.process_id}: waited more than "
-                 f"{self.cfg.wait_timeout_s}s for {what}; exiting with code {EXIT_WAIT_TIMEOUT}")
+        self.timed_out(what)
       if wake_key is None:
         time.sleep(delay)
         delay = min(2 * delay, POLL_MAX_S)
