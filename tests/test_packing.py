@@ -221,7 +221,8 @@ class _Ring:
         for box in got:
           proc, uid, where = box[0]
           with ring.ready:
-            assert ring.ready.wait_for(lambda: (proc, uid) in ring.offered, timeout=60), what
+            key = (proc, uid)
+            assert ring.ready.wait_for(lambda key=key: key in ring.offered, timeout=60), what
             box[:] = jax.device_put(ring.offered[(proc, uid)], where)
         return None
 
