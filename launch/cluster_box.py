@@ -105,6 +105,7 @@ class ClusterBox:
     self.dir: Path | None = None
     self._daemons: list[subprocess.Popen] = []
     self._closed = True
+    self._sigterm_set = False
     self.keep_logs = False
     """Leave the box's folder (its logs) in place when it closes."""
 
@@ -146,6 +147,7 @@ class ClusterBox:
     if (threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
       signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+      self._sigterm_set = True  # put back at `close`: the process goes on without the box
     try:
       self.dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}box-"))
       _run(["ip", "link", "add", self.bridge, "type", "bridge"])
@@ -189,6 +191,9 @@ class ClusterBox:
         p.wait(5)
     self._daemons.clear()
     self._sweep()
+    if self._sigterm_set and threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGTERM, signal.SIG_DFL)
+      self._sigterm_set = False
     if self.dir is not None and not self.keep_logs:
       shutil.rmtree(self.dir, ignore_errors=True)
     atexit.unregister(self.close)

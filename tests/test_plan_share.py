@@ -252,6 +252,8 @@ def test_a_slow_planner_ends_a_follower_with_the_wait_timeout_exit(monkeypatch):
     raise SystemExit((code, message))
 
   monkeypatch.setattr(kvstore_module, "end_process", end_process)
+  # The service answers (the planner is slow, not gone): the wait's own exit, not exit 5's.
+  monkeypatch.setattr(Cluster, "_coordinator_reachable", lambda self: True)
   follower = KVPlanExchange(_cluster(_Client(), 2, []))
   with pytest.raises(SystemExit) as e:
     follower.read(plan_key(5, 9, 1))

@@ -72,14 +72,16 @@ def dispatch(run: StepRun) -> None:
         remaining -= 1
     if progressed:
       continue
-    # Heads whose only missing input is on its way from another process.
-    pending = [k for s in slots
-               if pos[s] < len(lists[s]) and (s, lists[s][pos[s]][0]) in run.remote_in
-               and all(d in done for d in lists[s][pos[s]][1])
-               for k in run.remote_in[(s, lists[s][pos[s]][0])] if not run.tp.arrived(k)]
+    # Heads whose only missing inputs are on their way from other processes.
+    remote = [run.remote_in[(s, lists[s][pos[s]][0])] for s in slots
+              if pos[s] < len(lists[s]) and (s, lists[s][pos[s]][0]) in run.remote_in
+              and all(d in done for d in lists[s][pos[s]][1])]
+    pending = [k for keys in remote for k in keys if not run.tp.arrived(k)]
     if pending:
       run.tp.wait_arrival(pending, f"step {run.step}'s activations and gradients from other "
                           "processes")
+      continue
+    if remote:  # what they waited for arrived since the sweep (the inbox fills in a thread)
       continue
     if not _try_reduce(run, blocking_ok=True):
       heads = {s: str(lists[s][pos[s]][0]) for s in slots if pos[s] < len(lists[s])}
