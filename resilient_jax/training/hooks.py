@@ -123,7 +123,8 @@ class Hooks:
         out = fn(info)
         if isinstance(out, Rollback):
           return out
-        row.update(out or {})
+        if isinstance(out, Mapping):  # what else a hook returns is not the row's
+          row.update(out)
     return None
 
   def at_end(self, run: Run, metrics: list[dict]) -> None:
