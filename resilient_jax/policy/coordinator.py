@@ -284,7 +284,7 @@ class RunCoordinator(PhaseLog):
     self._apply(planned)
     self._report(workers if self.active is previous else self.dead)
     self._decided_event(step, before)
-    self._new_phase(self.plan_name, self.live_count, self.phases_relative(), step)
+    self._new_phase(self.plan_name, self.live_count, self._relative_step_time(), step)
     return Decision(self.plan, False)
 
   def _decided_event(self, step: int, before: float, *, line: bool = True) -> None:
@@ -293,7 +293,7 @@ class RunCoordinator(PhaseLog):
     self.events.emit(Decided(step, self.policy, self.plan_name, self.live_count, after / before,
                              after / self.fault_free_makespan), line=line)
 
-  def phases_relative(self) -> float:
+  def _relative_step_time(self) -> float:
     """The predicted step time relative to the fault-free plan's."""
     return self.predicted_makespan() / self.fault_free_makespan
 
@@ -316,8 +316,7 @@ class RunCoordinator(PhaseLog):
     """`reweigh`'s decision on `grid` (the current one with the new speeds)."""
     old = self.planned if isinstance(self.planned, Schedule) else None
     self.grid = grid
-    if not self.active.reweights or (grid.speeds
-                                                        and not plans_speeds(self.active, grid)):
+    if not self.active.reweights or (grid.speeds and not plans_speeds(self.active, grid)):
       self.log(f"  {self.policy} does not re-weight stragglers (on this grid): its plan runs at "
                "the slow worker's pace")
       return Decision(self.plan, False)
@@ -415,7 +414,7 @@ class RunCoordinator(PhaseLog):
     self._apply(planned)
     self._report(workers, rejoin=True)
     self._decided_event(step, before)
-    self._new_phase(self.plan_name, self.live_count, self.phases_relative(), step,
+    self._new_phase(self.plan_name, self.live_count, self._relative_step_time(), step,
                     event="rejoin")
     return Decision(self.plan, False)
 
