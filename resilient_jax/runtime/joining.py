@@ -134,13 +134,15 @@ def await_coordinator(address: str, wait_s: float, who: str) -> None:
 
 
 def bind_address(coordinator: str) -> str | None:
-  """Where process 0's coordination service listens: on the address the job names, rather than
-  JAX's default of every interface. An IP address is used as it is (loopback for
-  `launch.local`: nothing from another host reaches it); a host name (SLURM's coordinator is the
-  first node's name) is resolved, and its first address that is not loopback and belongs to
-  this host is used. None (every interface) only when the name has no such address: one that
-  resolves to a loopback alias on its own host (`127.0.1.1 NAME`) would otherwise shut the
-  other hosts out."""
+  """Where process 0's coordination service listens: on the address the job names, never on
+  every interface (JAX's default). An IP address is used as it is (loopback for `launch.local`:
+  nothing from another host reaches it); a host name (SLURM's coordinator is the first node's
+  name) is resolved, and its first address that is not loopback and belongs to this host is
+  used. A name with no such address binds loopback: the one it resolves to here, or 127.0.0.1
+  where it does not resolve (a name that is a loopback alias on its own host, `127.0.1.1 NAME`,
+  then shuts the other hosts out and the job does not form within `distributed.wait_timeout_s`:
+  name the coordinator by its IP address, or make the name resolve to it). None only without a
+  coordinator (JAX's own detection names it)."""
   import ipaddress
 
   if not coordinator:
@@ -155,18 +157,21 @@ def bind_address(coordinator: str) -> str | None:
   try:
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
   except OSError:
-    return None
+    infos = []
+  loopback = None
   for family, _, _, _, sockaddr in infos:
     ip = sockaddr[0]
+    at = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
     if ipaddress.ip_address(ip).is_loopback:
+      loopback = loopback or at
       continue
     try:  # one of this host's own addresses (process 0 runs on the coordinator's host)
       with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((ip, 0))
     except OSError:
       continue
-    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
-  return None
+    return at
+  return loopback or f"127.0.0.1:{port}"
 
 
 def detected_job(timeout_s: int) -> tuple[str | None, int | None, int | None, list[int] | None]:
