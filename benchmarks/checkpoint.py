@@ -258,7 +258,7 @@ def main() -> None:
 
   from configs.gpt_tiny import get_config
   from resilient_jax import checkpoint as ckpt
-  from resilient_jax.checkpoint import reader, universal
+  from resilient_jax.checkpoint import reader
   from resilient_jax.config import from_config_dict
   from resilient_jax.training.loop import Trainer
 
@@ -375,7 +375,7 @@ def main() -> None:
       del arrays
       if rep == 0:  # every worker's state is bitwise the loaded one (placement may alias it)
         for slot in other.interpreter.local_slots:
-          opt = universal.flatten_state(other.interpreter.opt_state[slot])
+          opt = other.interpreter.program(slot).opt_entries(other.interpreter.opt_state[slot])
           for group, got in (("params", other.interpreter.params[slot]), ("opt_state", opt)):
             for name, value in got.items():
               want = getattr(loaded, group)[name]

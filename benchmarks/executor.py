@@ -67,7 +67,7 @@ def make_cfg(schedule: str, dp: int, pp: int, tiny_ops: bool = False):
 def build_executor(cfg):
   import jax
 
-  from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.programs.shared import build_stage_programs
   from resilient_jax.recipe import make_data, make_model, make_optimizer
   from resilient_jax.runtime.interpreter import Interpreter
   from resilient_jax.runtime.transport import Transport

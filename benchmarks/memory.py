@@ -65,7 +65,7 @@ def build(cfg):
   """The stage programs, an interpreter of the configured schedule, and its data."""
   import jax
 
-  from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.programs.shared import build_stage_programs
   from resilient_jax.recipe import make_data, make_model, make_optimizer
   from resilient_jax.runtime.interpreter import Interpreter
   from resilient_jax.runtime.transport import Transport

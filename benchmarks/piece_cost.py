@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
   from resilient_jax.model.config import family
 
   from resilient_jax.model.check import token_batch
-  from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.programs.shared import build_stage_programs
 
   heads = max(args.d_model // 64, 1)
   cfg = family("gpt")(vocab_size=256, seq_len=args.seq_len, num_layers=3 * args.layers,

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
   import optax
 
   from resilient_jax.model.sharding import target, worker_mesh
-  from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.programs.shared import build_stage_programs
   from resilient_jax.spec.model import family
 
   devices = jax.devices()

@@ -63,7 +63,7 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 
 def optimizer_key(cfg: RunConfig) -> tuple:
   """Everything `make_optimizer(cfg)` computes with, hashable: two configs with the same key
-  build optimizers that compile to the same programs (`stages.build_stage_programs` shares
+  build optimizers that compile to the same programs (`shared.build_stage_programs` shares
   them). The learning-rate schedule reads `train.steps` only through its decay length."""
   o = cfg.optimizer
   return o, (None if o.schedule == "constant" else max(cfg.train.steps, o.warmup_steps + 1))

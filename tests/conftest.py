@@ -70,7 +70,7 @@ def _bounded_memory_maps():
   except OSError:  # not Linux: no such limit to keep under
     return
   if count > MAPS_TO_CLEAR:
-    from resilient_jax.programs.stages import clear_shared_programs
+    from resilient_jax.programs.shared import clear_shared_programs
 
     clear_shared_programs()
     gc.collect()

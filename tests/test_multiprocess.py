@@ -451,11 +451,10 @@ def test_a_relaunched_process_rejoins(tmp_path, policy, plan, source):
   assert rejoin["relaunch_to_next_step_s"] > 0 and rejoin["xla_compiles"] == 0
   # What moved is one stage's parameters and optimizer state (recycle: the optimizer's step
   # count, the same in every stage, comes from process 0, the lowest that holds it).
-  from resilient_jax.checkpoint import universal
-
   interp = ref.interpreter
   slot = next(s for s, p in interp.step_program.slots.items() if p.stage == 1)
-  state = [*interp.params[slot].values(), *universal.flatten_state(interp.opt_state[slot]).values()]
+  prog = interp.program(slot)
+  state = [*interp.params[slot].values(), *prog.opt_entries(interp.opt_state[slot]).values()]
   assert rejoin["bytes"] == sum(x.nbytes for x in state)
   assert max(rejoin["state_from"], key=rejoin["state_from"].get) == source
   assert re.search(rf"stage=1\) of process 1: its parameters and optimizer state came from "

@@ -74,7 +74,7 @@ def test_a_stage_passes_its_residuals_and_gradients_packed():
   residual, the gradients are one buffer per dtype, and the packed backward's gradients are
   JAX's own gradient of the stage's loss."""
   from resilient_jax.model.check import token_batch
-  from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.programs.shared import build_stage_programs
   from resilient_jax.recipe import make_model, make_optimizer, optimizer_key
   from tests.helpers import assert_close, tiny_config
 
@@ -95,9 +95,14 @@ def test_a_stage_passes_its_residuals_and_gradients_packed():
   assert n_res > 100 and len(chunks) == 6 and len(packed) <= 12, (n_res, len(packed))
   assert len({c.layout for c in chunks[1:-1]}) == 1  # the blocks' chunks: one layout
   assert len(jax.tree.leaves((res.arrays, saved.arrays))) <= 2  # the tokens, if read
-  zeros = prog.zero_grads(params, device)  # a buffer per block, one for the rest
-  assert isinstance(zeros, Packed) and len(jax.tree.leaves(zeros)) == 5
-  assert len({zeros.layout.sizes[:4]}) == 1 and len(set(zeros.layout.sizes[:4])) == 1
+  # The state (parameters, gradients): a buffer per block and optimizer class (AdamW decays
+  # the matrices, not the biases and norms), one per class for the arrays outside the blocks.
+  zeros = prog.zero_grads(params, device)
+  assert isinstance(zeros, Packed) and zeros.layout == params.layout == prog.layout
+  assert len(jax.tree.leaves(zeros)) == len(jax.tree.leaves(params)) == 4 * 2 + 2
+  blocks = [zeros.layout.buffer_names(b) for b in range(8)]
+  assert all({n.split(".")[1] for n in names} == {str(b // 2)} for b, names in enumerate(blocks))
+  assert len(set(zeros.layout.sizes[:8:2])) == 1 and len(set(zeros.layout.sizes[1:8:2])) == 1
   g = jax.device_put(jnp.float32(1.0), device)
   _, grads = prog.backward_fused(res, saved, params, g, zeros)
   # The same gradients from JAX's own differentiation of the stage's loss.
@@ -235,25 +240,27 @@ def test_a_ring_that_lost_a_member_cuts_into_its_members():
   with bitwise the same sum, in the ring's fixed order, and sending the bytes the simulator
   prices (`ring.bytes_sent`)."""
   from resilient_jax.runtime.multiprocess import ProcessTransport
+  from resilient_jax.runtime.transport import pieces
   from resilient_jax.schedule import ring
 
   devices, procs, elements = jax.devices()[:3], [0, 2, 3], 1001
   rng = np.random.default_rng(5)
   parts = [rng.standard_normal(elements).astype(np.float32) for _ in procs]
   fake, out = _Ring(4), {}
+  cut, join = pieces(elements, 3)  # a piece in its ring's chunks, as `_ring_programs` cuts it
 
   def run(r):
     t = object.__new__(ProcessTransport)
     t.cluster, t.step, t.attempt, t.pause, t.doomed = fake.member(procs[r]), 3, 0, None, []
     partial = jax.device_put(parts[r], devices[r])
-    out[r] = t._ring(0, procs, [partial], [devices[r]])
+    out[r] = t._ring(0, procs, [tuple(cut(partial))], [devices[r]])
 
   threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
   for t in threads:
     t.start()
   for t in threads:
     t.join(timeout=120)
-  sums = [np.asarray(out[r][0]) for r in range(3)]
+  sums = [np.asarray(join(*out[r][0])) for r in range(3)]
   for s in sums[1:]:
     np.testing.assert_array_equal(s, sums[0])
   size = ring.piece_elements(elements, 3)

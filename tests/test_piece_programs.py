@@ -21,7 +21,7 @@ from tests.helpers import assert_close, tiny_config
 
 def test_a_micro_batch_in_pieces_gives_its_loss_and_gradients():
   from resilient_jax.model.check import token_batch
-  from resilient_jax.programs.stages import build_stage_programs
+  from resilient_jax.programs.shared import build_stage_programs
   from resilient_jax.recipe import make_model, make_optimizer
 
   cfg = tiny_config(mesh__dp=1, mesh__pp=2)

@@ -13,7 +13,7 @@ import pytest
 from resilient_jax import data as data_lib
 from resilient_jax.model.check import token_batch
 from resilient_jax.programs.compiled import BuildCounter, OnEachDevice
-from resilient_jax.programs.stages import (
+from resilient_jax.programs.shared import (
   build_stage_programs,
   clear_shared_programs,
   model_signature,

@@ -14,7 +14,7 @@ from resilient_jax import checkpoint as ckpt
 from resilient_jax.config import ConfigError
 from resilient_jax.model.check import token_batch
 from resilient_jax.model.sharding import target, worker_mesh
-from resilient_jax.programs.stages import build_stage_programs, clear_shared_programs
+from resilient_jax.programs.shared import build_stage_programs, clear_shared_programs
 from resilient_jax.schedule.core import F, Op
 from resilient_jax.spec.placement import process_slots
 from resilient_jax.training.faults import FaultEvent
@@ -45,8 +45,10 @@ def _stage_outputs(progs, stage, where, tokens, targets, edit=lambda params: par
   owned = prog.norm_weights(prog.param_names, where)
   stepped, opt, sumsq = prog.optimizer_step(params, prog.init_opt_state(params, where), acc,
                                             owned)
-  grads = {n: acc[n] for n in prog.param_names}  # packed on one device: by name, to compare
-  return params, out, dx, grads, stepped, opt, sumsq
+  # Packed on one device: by name (and universal key), to compare.
+  grads = {n: acc[n] for n in prog.param_names}
+  stepped = {n: stepped[n] for n in prog.param_names}
+  return params, out, dx, grads, stepped, dict(prog.opt_entries(opt)), sumsq, opt
 
 
 @pytest.mark.parametrize("family,stage", [
@@ -73,7 +75,7 @@ def test_sharded_stage_matches_unsharded(family, stage):
   down = f"{block}.mlp.proj.kernel" if family == "gpt" else f"{block}.mlp.down.kernel"
 
   def compare(ref, got):
-    for a, b in zip(jax.tree.leaves(ref[1:]), jax.tree.leaves(got[1:]), strict=True):
+    for a, b in zip(jax.tree.leaves(ref[1:7]), jax.tree.leaves(got[1:7]), strict=True):
       assert_close(b, a)
 
   ref = _stage_outputs(one, stage, devs[0], tokens, targets)
@@ -83,10 +85,10 @@ def test_sharded_stage_matches_unsharded(family, stage):
   # all-reduce (one device's half of the sum) moves outputs and gradients far past it.
   half = ref[0][down].shape[0] // 2
   missing_sum = _stage_outputs(one, stage, devs[0], tokens, targets,
-                               lambda p: {**p, down: p[down].at[half:].set(0.0)})
+                               lambda p: p.replace({down: p[down].at[half:].set(0.0)}))
   with pytest.raises(AssertionError):
     compare(ref, missing_sum)
-  params, _, dx, grads, stepped, opt, _ = got
+  params, _, dx, grads, stepped, _, _, opt = got
   assert (dx is None) == (stage == 0)  # the first stage's B is empty: all of it is W's
   split = {n: v.sharding.spec for n, v in params.items() if v.sharding.spec != P()}
   assert split[up] == P(None, "tp") and split[down] == P("tp")

@@ -337,6 +337,13 @@ class LossCut:
 
   # -- analysis
 
+  def block_of(self, name: str) -> int:
+    """The block a parameter (global name) belongs to, by its path (`blocks.3.mlp.fc.kernel`:
+    3); -1 for one outside the blocks (embeddings, the head, a final norm)."""
+    head, _, rest = name.partition(self.name + ".") if self.name else ("", "", name)
+    index = rest.split(".", 1)[0]
+    return int(index) if not head and rest and index.isdigit() else -1
+
   def _recomputable(self) -> set[Any]:
     """Variables that depend only on the batch, the seeds and constants, through no matmul."""
     flat = self._flat

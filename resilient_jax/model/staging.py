@@ -133,7 +133,7 @@ class Binder:
       node = by_path[tuple(path)]
       name = names[id(node)]
       # A parameter's value always comes from `apply`'s or `__call__`'s arguments: not kept,
-      # so programs kept for reuse (`stages.build_stage_programs`) hold no model's weights.
+      # so programs kept for reuse (`shared.build_stage_programs`) hold no model's weights.
       is_param = isinstance(node, nnx.Param)
       self.leaves.append((name, is_param, None if is_param else _on_host(var[...])))
       if isinstance(node, nnx.RngKey):

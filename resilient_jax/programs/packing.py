@@ -58,23 +58,32 @@ class Layout:
   `PACK_MAX_BYTES`, one each for larger ones): built once per set of shapes, compared by value
   (it is part of a program's argument structure, by which its executable is looked up)."""
 
-  __slots__ = ("names", "shapes", "dtypes", "chunks", "groups", "where", "sizes", "_key",
-               "_hash")
+  __slots__ = ("names", "shapes", "dtypes", "chunks", "classes", "groups", "where", "sizes",
+               "buffer_classes", "_key", "_hash")
 
   def __init__(self, names: Sequence[Any], shapes: Sequence[tuple[int, ...]],
-               dtypes: Sequence[Any], chunks: Sequence[int] | None = None):
+               dtypes: Sequence[Any], chunks: Sequence[int] | None = None,
+               classes: Sequence[int] | None = None):
     self.names = tuple(names)
     self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
     self.dtypes = tuple(np.dtype(d) for d in dtypes)
     self.chunks = tuple(chunks) if chunks is not None else (0,) * len(self.names)
     """Each array's chunk (`repeats`): a shared buffer holds one chunk's arrays of one dtype."""
+    self.classes = tuple(classes) if classes is not None else None
+    """A state layout's (`of_state`): each array's optimizer class; every array shares its
+    chunk's buffer of its class and dtype, however large (None: large arrays have their own)."""
     keys: list[Any] = []  # a buffer's (chunk, dtype) (shared), or (dtype, array index) (its own)
     for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
+      if self.classes is not None:
+        keys.append((self.chunks[i], dtype, -1, self.classes[i]))
+        continue
       small = math.prod(shape) * dtype.itemsize <= PACK_MAX_BYTES
       keys.append((self.chunks[i], dtype, -1) if small else (-1, dtype, i))
     buffers = list(dict.fromkeys(keys))
     self.groups = tuple(k[1] for k in buffers)
     """The buffers' dtypes, in the order of their first array."""
+    self.buffer_classes = tuple(k[3] if len(k) > 3 else 0 for k in buffers)
+    """Each buffer's optimizer class (0 where the layout has none)."""
     at = [0] * len(buffers)
     where = []
     index = {k: g for g, k in enumerate(buffers)}
@@ -87,7 +96,8 @@ class Layout:
     """Per array: its buffer, its offset there and its element count."""
     self.sizes = tuple(at)
     """Each buffer's element count."""
-    self._key = (self.names, self.shapes, tuple(str(d) for d in self.dtypes), self.chunks)
+    self._key = (self.names, self.shapes, tuple(str(d) for d in self.dtypes), self.chunks,
+                 self.classes)
     self._hash = hash(self._key)
 
   @classmethod
@@ -104,6 +114,25 @@ class Layout:
       for i in span:
         chunks[i] = c
     return _layout(names, shapes, dtypes, tuple(chunks))
+
+  @classmethod
+  def of_state(cls, tree: Mapping[Any, Any], classes: Mapping[Any, int],
+               blocks: Mapping[Any, int]) -> Layout:
+    """The layout of a stage's state (parameters, gradients, optimizer moments): arrays in
+    sorted-name order, one buffer per block (`blocks`, by name: the model's block an array
+    belongs to, -1 for those outside them), dtype and optimizer class (`classes`, by name:
+    `programs.flat_optimizer`), large arrays too, so a program passes a few buffers a block
+    whatever the arrays in it, and identical blocks read identical offsets of identical
+    buffers (their kernels compile once)."""
+    names = tuple(sorted(tree))
+    shapes = tuple(tuple(tree[n].shape) for n in names)
+    dtypes = tuple(str(np.dtype(tree[n].dtype)) for n in names)
+    return _layout(names, shapes, dtypes, tuple(blocks[n] for n in names),
+                   tuple(classes[n] for n in names))
+
+  def buffer_names(self, b: int) -> tuple[Any, ...]:
+    """The names of the arrays buffer `b` holds, in their order there."""
+    return _buffer_names(self)[b]
 
   @classmethod
   def of_avals(cls, avals: Sequence[Any]) -> Layout:
@@ -147,8 +176,17 @@ class Layout:
 
 
 @functools.cache
-def _layout(names: tuple, shapes: tuple, dtypes: tuple, chunks: tuple | None = None) -> Layout:
-  return Layout(names, shapes, dtypes, chunks)
+def _layout(names: tuple, shapes: tuple, dtypes: tuple, chunks: tuple | None = None,
+            classes: tuple | None = None) -> Layout:
+  return Layout(names, shapes, dtypes, chunks, classes)
+
+
+@functools.cache
+def _buffer_names(layout: Layout) -> tuple[tuple[Any, ...], ...]:
+  out: list[list[Any]] = [[] for _ in layout.groups]
+  for name, (g, _, _) in zip(layout.names, layout.where, strict=True):
+    out[g].append(name)
+  return tuple(tuple(x) for x in out)
 
 
 @functools.cache
@@ -180,7 +218,14 @@ class Packed(Mapping):
     return cls(layout, buffers)
 
   def __getitem__(self, name: Any) -> Any:
-    return self.layout.slice(self.buffers, self.layout.index(name))
+    i = self.layout.index(name)
+    if isinstance(self.buffers[0], jax.core.Tracer):
+      return self.layout.slice(self.buffers, i)
+    g, at, size = self.layout.where[i]  # eagerly: one program per shape, not per offset
+    buf = self.buffers[g]
+    if size == buf.shape[0]:
+      return buf.reshape(self.layout.shapes[i])
+    return _read(buf, np.int32(at), size, self.layout.shapes[i])
 
   def __iter__(self) -> Iterator[Any]:
     return iter(self.layout.names)
@@ -206,6 +251,13 @@ class Packed(Mapping):
 
   def __repr__(self) -> str:
     return f"Packed({self.layout!r})"
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _read(buf: jax.Array, at: jax.Array, size: int, shape: tuple[int, ...]) -> jax.Array:
+  """One array of a buffer, outside a trace: its offset an argument, so reading every array
+  of a stage compiles a program per distinct shape, not one per array."""
+  return jax.lax.dynamic_slice(buf, (at,), (size,)).reshape(shape)
 
 
 def repeats(keys: Sequence[Any]) -> list[range]:

@@ -114,6 +114,7 @@ class Residuals:
     def kept(half: str) -> Kept:
       _, arrays, names = self._recipes[half]
       return Kept(tuple(packs.get(p) for p in PACKS[half]), tuple(value(a) for a in arrays),
+                  (params if names else {}) if isinstance(params, packing.Packed) else
                   {n: params[n] for n in names})
 
     return [value(src) for src in self.sources[:self.n_out]], kept("b"), kept("w")

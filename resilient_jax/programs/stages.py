@@ -43,14 +43,11 @@ on how the model was cut.
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import functools
-import hashlib
 import math
-import threading
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -69,6 +66,7 @@ from resilient_jax.model.staging import flat_params, variable_names
 from resilient_jax.programs import packing
 from resilient_jax.programs.compiled import OnEachDevice
 from resilient_jax.programs.residuals import Call, Residuals
+from resilient_jax.programs.state import FlatEntries, StateLayout, params_of, sumsq_of
 
 Array = jax.Array
 Params = dict[str, Array]
@@ -136,15 +134,15 @@ class StagePrograms:
     self.uses_rng: bool = seg.reads_seeds
     """Whether the stage reads the per-sample seeds (it draws random numbers)."""
     self.microbatch = cut.microbatch
-    self._init_parameters(model, names, seg.param_names)
+    self._init_parameters(model, names, seg.param_names, cut)
     apply, arg_specs = self._stage_function(cut, global_batch)
     self.output_spec: jax.ShapeDtypeStruct = jax.eval_shape(apply, *arg_specs)
     closed, out_tree = self._split_backward(apply, arg_specs)
     self._build_forward(closed, out_tree)
     self._build_backward_and_optimizer()
 
-  def _init_parameters(self, model: nnx.Module, names: dict[int, str], used: Sequence[str]
-                       ) -> None:
+  def _init_parameters(self, model: nnx.Module, names: dict[int, str], used: Sequence[str],
+                       cut: LossCut) -> None:
     """The stage's initial parameter values (those of `used`, the parameters its equations
     read), their shapes, and how they and the optimizer state split over a worker's
     sub-mesh."""
@@ -156,7 +154,18 @@ class StagePrograms:
     self.param_specs = sharding.partition_specs({n: axes[n] for n in shapes}, shapes, self.tp)
     """Each parameter's split over the worker's sub-mesh (all replicated when `tp` is 1)."""
     self.opt_template = jax.eval_shape(self.optimizer.init, self.abstract_params())
-    """The optimizer state's structure, shapes and dtypes."""
+    """The optimizer state's structure, shapes and dtypes (of the parameters as a tree: what
+    checkpoints hold, by universal key, whatever the layout in memory)."""
+    self.state: StateLayout | None = StateLayout(
+      self._abstract, self.optimizer, {n: cut.block_of(n) for n in shapes}) \
+      if self.packed else None
+    """On one device, how the stage's parameters, gradients and optimizer state lie in a few
+    flat buffers (`programs.state`)."""
+    self.layout: packing.Layout | None = self.state.layout if self.state else None
+    self.flat_opt = self.state.flat if self.state else None
+    """The optimizer on flat buffers (`programs.flat_optimizer`), where its traced update says
+    that is exact; None: it runs per tensor (inside OPT, on the buffers' views)."""
+    self.opt_keys: tuple[str, ...] = tuple(universal.flatten_state(self.opt_template))
     self.opt_specs = universal.unflatten_state(self.opt_template, {
       k: sharding.opt_entry_spec(k, v.shape, self.param_specs, shapes)
       for k, v in universal.flatten_state(self.opt_template).items()})
@@ -250,7 +259,12 @@ class StagePrograms:
     out_def = jax.tree.structure(out_tree)
     n_params = len(self.param_names)
 
+    layout = self.layout
+    n_buf = len(layout.groups) if layout is not None else 0
+
     def stage_forward(*inputs):
+      if layout is not None:  # the parameters' views of their buffers
+        inputs = (*layout.unpack(inputs[:n_buf]), *inputs[n_buf:])
       return kept.outputs(forward_all(*inputs))
 
     forward_program = OnEachDevice(_scoped("F", stage_forward))
@@ -269,7 +283,10 @@ class StagePrograms:
     def forward(params, x, batch, seeds=None):
       inputs = jax.tree.leaves((params, x, {k: batch[k] for k in keys},
                                 seeds if self.uses_rng else None))
-      out, residuals, saved = kept.kept_for(inputs, params, *forward_program(*inputs))
+      outs = forward_program(*inputs)
+      if layout is not None:  # F's inputs as its jaxpr numbers them (parameters by name)
+        inputs = [None] * n_params + inputs[n_buf:]
+      out, residuals, saved = kept.kept_for(inputs, params, *outs)
       return jax.tree.unflatten(out_def, out), residuals, saved
 
     self.forward: Callable = forward
@@ -286,7 +303,7 @@ class StagePrograms:
     split, optimizer, tp = self.split, self.optimizer, self.tp
     pin = self._pin  # outputs constrained to the sub-mesh split (identity when tp is 1)
     names = self.param_names
-    grad_layout = packing.Layout.of(self._abstract)
+    grad_layout = self.layout
 
     def accumulate(acc, grads):
       if not self.packed:
@@ -320,9 +337,8 @@ class StagePrograms:
       # The sum of squares of the gradients `owned` weighs 1 (this slot's share of the global
       # norm) in the same program, so the gradients are read once; a traced weight, not a
       # static name list, so every replica of a stage shares one compiled program.
-      if isinstance(grads, packing.Packed):
-        grads = grads.unpacked()
-        owned = {n: owned[i] for i, n in enumerate(names)}
+      if self.packed:
+        return self.state.step(optimizer, params, opt_state, grads, owned, scale)
       sumsq = sum(owned[n] * jnp.sum(jnp.square(g.astype(jnp.float32))) for n, g in grads.items())
       if scale is not None:  # the global-norm clip factor (`Interpreter`)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -343,22 +359,57 @@ class StagePrograms:
     self.backward_fused: Callable = Call(
       bw_program, lambda kept_b, kept_w, params, g, acc: (
         kept_b._replace(params={}), kept_w._replace(params={}),
-        {**kept_b.params, **kept_w.params}, g, acc))
+        params_of(kept_b.params, kept_w.params), g, acc))
     # Not donated: a step whose worker dies after some optimizer steps ran is re-run from the
     # committed parameters, so the old ones must survive until the step commits.
     self.optimizer_step: Callable = OnEachDevice(scoped("OPT", optimizer_step))
+    self._build_state_programs()
+
+  def _build_state_programs(self) -> None:
+    """The optimizer-state and zero-gradient initializers, and on one device the programs that
+    pack another layout's state into this one's."""
+    optimizer, tp, pin, layout = self.optimizer, self.tp, self._pin, self.layout
     # On a sub-mesh they run there and make their outputs split (`keep_unused`); on one device
     # they stay the programs they were (their outputs are placed afterwards).
     self._init_opt = OnEachDevice(_on_submesh(
-      lambda p: pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1)
+      lambda p: self.state.opt_from_entries(universal.flatten_state(optimizer.init(p.unpacked())))
+      if self.packed else pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1)
+    if self.packed:  # state from other layouts (a checkpoint, another split's slots)
+      self._pack = OnEachDevice(lambda d: packing.Packed(
+        layout, layout.pack([d[n] for n in layout.names])))
+      self._pack_opt = OnEachDevice(self.state.opt_from_entries)
     # Kept arguments on one device too: its zeros then come back committed to the slot's
     # device, made there, instead of on the default device and copied (`zero_grads` runs for
     # every slot at every step, and placing a whole tree cost milliseconds of host time). On
-    # one device it reads one parameter (to be placed with it) and makes the packed buffers.
-    zeros = (lambda _: packing.Packed(grad_layout, [jnp.zeros((n,), d) for n, d in zip(
-      grad_layout.sizes, grad_layout.groups, strict=True)])) if self.packed else \
+    # one device it reads one buffer (to be placed with it) and makes the packed buffers.
+    zeros = (lambda _: packing.Packed(layout, [jnp.zeros((n,), d) for n, d in zip(
+      layout.sizes, layout.groups, strict=True)])) if self.packed else \
       _on_submesh(lambda p: pin(jax.tree.map(jnp.zeros_like, p), self.param_specs), tp)
     self._zeros = OnEachDevice(zeros, keep_unused=True)
+
+  def opt_entries(self, opt_state: Any) -> Mapping[str, Any]:
+    """`opt_state`'s entries by universal key (`checkpoint.universal`), whatever the layout;
+    a flat state's are read lazily, each when asked for."""
+    return universal.flatten_state(opt_state) if self.state is None else \
+      self.state.opt_entries(opt_state)
+
+  def state_from(self, params: Mapping[str, Any], entries: Mapping[str, Any], where: Where
+                 ) -> tuple[Any, Any]:
+    """The stage's parameters and optimizer state at `where` from another holder's
+    (`params` by name, `entries` by universal key, any layout: another split's, a
+    checkpoint's): one copy of the buffers when the holder's layout is this one, else
+    gathered by name and packed here."""
+    if not self.packed:
+      raise ValueError("a sub-mesh's state is placed by name (`Interpreter.place`)")
+    if isinstance(params, packing.Packed) and params.layout == self.layout:
+      p = jax.device_put(params, where)
+    else:
+      p = self._pack(jax.device_put({n: params[n] for n in self.param_names}, where))
+    if isinstance(entries, FlatEntries) and entries.layout == self.layout:
+      opt = jax.device_put(entries.state, where)
+    else:
+      opt = self._pack_opt(jax.device_put({k: entries[k] for k in self.opt_keys}, where))
+    return p, opt
 
   def _pin(self, tree: Any, specs: Any) -> Any:
     """`tree` constrained to `specs` on a sub-mesh; unchanged when `tp` is 1."""
@@ -387,12 +438,18 @@ class StagePrograms:
   # `where` is a worker's `model.sharding.Where`: its device (tp=1), or its sub-mesh, over
   # which whole arrays are replicated and parameter-shaped ones split by `param_specs`.
 
-  def param_shardings(self, where: Where) -> dict[str, Where]:
-    """Where each parameter (and its gradient) lives on the worker at `where`."""
+  def param_shardings(self, where: Where) -> Any:
+    """Where each parameter (and its gradient) lives on the worker at `where` (one device:
+    `where`, for every buffer)."""
+    if self.packed:
+      return where
     return {n: sharding.sharding_of(where, s) for n, s in self.param_specs.items()}
 
   def opt_shardings(self, where: Where) -> Any:
-    """Where each optimizer state leaf lives on the worker at `where` (a tree like the state)."""
+    """Where each optimizer state leaf lives on the worker at `where` (a tree like the state;
+    one device: `where`)."""
+    if self.packed:
+      return where
     return jax.tree.map(lambda s: sharding.sharding_of(where, s), self.opt_specs,
                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
@@ -404,8 +461,12 @@ class StagePrograms:
     return sharding.sharding_of(
       where, sharding.opt_entry_spec(key, shape, self.param_specs, self._shapes))
 
-  def initial_params(self, where: Where) -> Params:
-    return jax.device_put(self._initial, self.param_shardings(where))
+  def initial_params(self, where: Where) -> Any:
+    """The model's initial values, at `where`: packed (`layout`) on one device, packed on the
+    host (no program), then copied."""
+    if not self.packed:
+      return jax.device_put(self._initial, self.param_shardings(where))
+    return jax.device_put(self.state.pack_host(self._initial), where)
 
   # Outputs that do not depend on input values come back uncommitted; placing them on the
   # worker's device keeps every later call on the same compiled program.
@@ -416,15 +477,25 @@ class StagePrograms:
     """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm (one
     vector in `param_names` order on one device, a weight per name on a sub-mesh)."""
     names = set(owned)
-    if self.packed:
-      return jax.device_put(np.array([n in names for n in self.param_names], np.float32), where)
+    if self.packed:  # a weight per buffer (`StateLayout.norm_weights`)
+      return jax.device_put(self.state.norm_weights(names), where)
     return {n: jax.device_put(jnp.float32(n in names), where) for n in self.param_names}
+
+  def owned_apart(self, owned: Iterable[str]) -> tuple[str, ...]:
+    """`StateLayout.owned_apart` (none on a sub-mesh, whose weights are per name)."""
+    return self.state.owned_apart(owned) if self.packed else ()
+
+  def sumsq_of(self, grads: Any, names: tuple[str, ...]) -> jax.Array:
+    """The sum of squares of `names`' gradients (one program per set of names)."""
+    return sumsq_of(names)(grads)
 
   def zero_grads(self, params: Params, where: Where) -> Any:
     """Zero gradients for `params` (which live at `where`), made on their device: packed
     (`packing.Packed`) on one device, shaped and split as `params` on a sub-mesh."""
     if self.packed:  # one parameter says where; committed there already
-      return self._zeros(next(iter(params.values())) if params else
+      first = params.buffers[0] if isinstance(params, packing.Packed) and params.buffers else \
+        next(iter(params.values()), None)
+      return self._zeros(first if first is not None else
                          jax.device_put(np.float32(0), where))
     return jax.device_put(self._zeros(params), self.param_shardings(where))
 
@@ -455,141 +526,3 @@ def _on_submesh(fn: Callable, tp: int) -> Callable:
       return fn(*args)
 
   return on_submesh
-
-
-def build_stage_programs(
-  model: Any,
-  partition: Sequence[range],
-  batch: Mapping[str, Any],
-  optimizer: optax.GradientTransformation,
-  global_batch: int,
-  tp: int = 1,
-  optimizer_key: Hashable | None = None,
-  remat: str = "none",
-  layers: str = "",
-  loss_fn: Callable | None = None,
-) -> list[StagePrograms]:
-  """Programs for every stage of a layer split, each a segment of the model's loss traced on
-  one micro-batch (`batch`: its entries' shapes) and cut at its blocks (`cut.LossCut`);
-  `loss_fn`: the user's `loss_fn(model, batch)` (None: the model's own, `default_loss_fn`);
-  `tp`: devices of each worker's sub-mesh; `remat`: each block's rematerialisation
-  (`model.remat`); `layers`: the dotted path of the model's blocks ("": found).
-
-  With `optimizer_key` (a hashable description of everything `optimizer` computes with, e.g.
-  `recipe.optimizer_key`), the programs are shared by every caller of this process that asks
-  for the same stages of a model of the same `model_signature`: a second trainer of the same
-  configuration (a test suite, a notebook, a sweep, `benchmarks/`) neither traces, lowers nor
-  loads its programs again, it only reads its own initial parameter values. The last
-  `SHARED_PROGRAMS` distinct requests are kept; `clear_shared_programs` drops them.
-  """
-  names = variable_names(model)
-  key = None
-  if optimizer_key is not None:
-    key = (model_signature(model), tuple((r.start, r.stop) for r in partition),
-           _batch_key(batch), global_batch, tp, optimizer_key, remat, layers, loss_fn)
-    try:
-      hash(key)
-    except TypeError:  # a static attribute of the model that cannot be hashed: not shared
-      key = None
-  if key is not None:
-    with _shared_lock:
-      shared = _shared.get(key)
-      if shared is not None:
-        _shared.move_to_end(key)
-    if shared is not None:
-      return [prog.for_model(model, names) for prog in shared]
-  cut = loss_cut(model, batch, loss_fn, layers, remat)
-  split = tuple(partition)
-  programs = [StagePrograms(model, StageInfo(s, len(split), layers_, split), cut, optimizer,
-                            global_batch, names, tp)
-              for s, layers_ in enumerate(split)]
-  if key is not None:
-    with _shared_lock:
-      # Kept without this model's initial values: a kept entry holds compiled programs and
-      # traced functions, not a copy of any model's parameters.
-      _shared[key] = [_without_initial(p) for p in programs]
-      while len(_shared) > SHARED_PROGRAMS:
-        _shared.popitem(last=False)
-  return programs
-
-
-def loss_cut(model: Any, batch: Mapping[str, Any], loss_fn: Callable | None = None,
-             layers: str = "", remat: str = "none") -> LossCut:
-  """The model's loss traced on one micro-batch's shapes (`cut.LossCut`), once per process for
-  a model of the same `model_signature`, batch shapes, loss, blocks and remat (the last
-  `SHARED_PROGRAMS` kept): every split of the layers cuts the same trace."""
-  key = (model_signature(model), _batch_key(batch), loss_fn, layers, remat)
-  try:
-    hash(key)
-  except TypeError:
-    key = None
-  with _shared_lock:
-    cut = _cuts.get(key) if key is not None else None
-  if cut is None:
-    cut = LossCut(model, loss_fn, batch, layers, remat)
-    if key is not None:
-      with _shared_lock:
-        _cuts[key] = cut
-        while len(_cuts) > SHARED_PROGRAMS:
-          _cuts.popitem(last=False)
-  return cut
-
-
-def _batch_key(batch: Mapping[str, Any]) -> tuple:
-  """A micro-batch's entries, shapes and dtypes, hashable (what its trace depends on)."""
-  return tuple(sorted((k, tuple(np.shape(v)), str(np.dtype(v.dtype))) for k, v in batch.items()))
-
-
-SHARED_PROGRAMS = 8
-"""How many distinct stage-program requests a process keeps for reuse (`build_stage_programs`).
-
-Few: each holds its programs' executables loaded on every device that ran them, and on
-XLA:CPU every loaded executable maps memory of its own, against Linux's limit of 65530 maps
-per process (`vm.max_map_count`). With 32 kept, the test suite's process crashed (SIGSEGV)
-loading an executable late in the suite, its map count growing past 24k halfway; with 8 it
-peaks at 36k maps (2026-11-25)."""
-_shared: collections.OrderedDict[Hashable, list[StagePrograms]] = collections.OrderedDict()
-_cuts: collections.OrderedDict[Hashable, LossCut] = collections.OrderedDict()
-_shared_lock = threading.Lock()
-
-
-def clear_shared_programs() -> None:
-  """Drops the stage programs kept for reuse (their compiled executables go with the last
-  trainer that holds them)."""
-  with _shared_lock:
-    _shared.clear()
-    _cuts.clear()
-
-
-def _without_initial(prog: StagePrograms) -> StagePrograms:
-  kept = copy.copy(prog)
-  kept._initial = {}
-  return kept
-
-
-def model_signature(model: Any) -> Hashable:
-  """What a stage's programs depend on of `model`, short of tracing it.
-
-  Its structure (`nnx.graphdef`: module classes, their static attributes, which variables are
-  shared), and every variable's path, type, shape, dtype and metadata (the logical axes that
-  split it over a sub-mesh). Parameter values are arguments of every program, so they are left
-  out; the values of the other variables (RNG stream keys and counts, which the programs read
-  as constants) are in, by digest. `flax.nnx.jit` keys its own traces on the graphdef the same
-  way.
-  """
-  parts = []
-  try:
-    for path, node in nnx.iter_graph(model):
-      if not isinstance(node, nnx.Variable):
-        continue
-      value = node[...]
-      meta = repr(sorted(node.get_metadata().items()))
-      part = (path, type(node).__name__, tuple(np.shape(value)), str(value.dtype), meta)
-      if not isinstance(node, nnx.Param):
-        data = jax.random.key_data(value) if jnp.issubdtype(value.dtype, jax.dtypes.prng_key) \
-          else value
-        part += (hashlib.sha256(np.asarray(data).tobytes()).hexdigest(),)
-      parts.append(part)
-    return nnx.graphdef(model), tuple(parts)
-  except (AttributeError, TypeError, ValueError):  # a variable holding something unusual:
-    return object()  # a signature equal to no other, so its programs are its own

@@ -143,6 +143,9 @@ class Interpreter(StateHandover):
     self.owned: dict[Slot, dict[str, jax.Array]] = {
       s: self.program(s).norm_weights(owned.get(s, ()), self.device(s)) for s in self.local_slots
     }
+    self.owned_apart: dict[Slot, tuple[str, ...]] = {
+      s: self.program(s).owned_apart(owned.get(s, ())) for s in self.local_slots}
+    """Per slot, the names it counts into the norm apart from its OPT (`owned_apart`)."""
 
   def loss_seed(self, where: Where) -> jax.Array:
     """The loss's own gradient, 1, at `where` (the last stage's backward starts from it); made
@@ -214,17 +217,16 @@ class Interpreter(StateHandover):
 
   def sources(self, dead_nodes: set[int] = frozenset()) -> list[Source]:
     """Every state held on a live local node: the slots' own and the replicas."""
-    from resilient_jax.checkpoint import universal
-
     out: list[Source] = []
     for slot in self.local_slots:
       if self.node(slot) in dead_nodes:
         continue
       dev = self.device(slot)
-      out.append((dev, self.params[slot], universal.flatten_state(self.opt_state[slot])))
+      out.append((dev, self.params[slot], self.program(slot).opt_entries(self.opt_state[slot])))
       if slot in self.replicas:
         params, opt = self.replicas[slot]
-        out.append((dev, params, universal.flatten_state(opt)))
+        p = self.step_program.slots[slot]
+        out.append((dev, params, self.programs(p.split)[p.replica].opt_entries(opt)))
     return out
 
   def place(
@@ -273,12 +275,21 @@ class Interpreter(StateHandover):
       copies.append((into, key, value, prog.param_sharding(key, dev) if table == 1 else
                      prog.opt_entry_sharding(key, value.shape, dev)))
 
+    whole: dict[Slot, tuple[Any, Any]] = {}
     for slot in self.local_slots:
       prog, dev = self.program(slot), self.device(slot)
+      if prog.packed:  # a holder of the same layout: its buffers, copied whole if at all
+        same = [src for src in sources if _same_layout(src, prog)]
+        src = next((x for x in same if x[0] == dev), same[0] if same else None)
+        if src is not None:
+          if src[0] is not None and src[0] != dev:
+            copied += sum(b.nbytes for b in jax.tree.leaves((src[1], src[2].state)))
+          whole[slot] = prog.state_from(src[1], src[2], dev)
+          continue
       params[slot] = dict.fromkeys(prog.param_names)
       for n in prog.param_names:
         pick(n, dev, 1, prog, params[slot])
-      entries[slot] = dict.fromkeys(universal.flatten_state(prog.opt_template))
+      entries[slot] = dict.fromkeys(prog.opt_keys)
       for k in entries[slot]:
         pick(k, dev, 2, prog, entries[slot])
     # Every copy in one call: a call per array cost tens of microseconds each (a stage's
@@ -286,10 +297,18 @@ class Interpreter(StateHandover):
     placed = jax.device_put([c[2] for c in copies], [c[3] for c in copies]) if copies else []
     for (into, key, _, _), value in zip(copies, placed, strict=True):
       into[key] = value
-    self.params = params
-    self.opt_state = {slot: universal.unflatten_state(self.program(slot).opt_template, e,
-                                                      what="optimizer state")
-                      for slot, e in entries.items()}
+    self.params, self.opt_state = {}, {}
+    for slot in self.local_slots:
+      prog = self.program(slot)
+      if slot in whole:
+        self.params[slot], self.opt_state[slot] = whole[slot]
+      elif prog.packed:
+        self.params[slot], self.opt_state[slot] = prog.state_from(
+          params[slot], entries[slot], self.device(slot))
+      else:
+        self.params[slot] = params[slot]
+        self.opt_state[slot] = universal.unflatten_state(prog.opt_template, entries[slot],
+                                                         what="optimizer state")
     self.refresh_replicas(tag, channel=1)
     return copied
 
@@ -333,7 +352,7 @@ class Interpreter(StateHandover):
         continue
       _, params, entries = arrived
       prog = self.programs(p.split)[p.replica]
-      self.replicas[slot] = (
+      self.replicas[slot] = prog.state_from(params, entries, dev) if prog.packed else (
         {n: params[n] for n in prog.param_names},
         universal.unflatten_state(prog.opt_template, entries, what="replica state"),
       )
@@ -343,18 +362,21 @@ class Interpreter(StateHandover):
                    opt_of: Mapping[Slot, Any] | None = None,
                    ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
     """This process's parameters by global name and optimizer entries (universal layout), one
-    holder each; arrays stay on their devices. `slots`, `params_of`, `opt_of`: a state noted
-    earlier (`training/local_copies.py`), instead of the current one."""
+    holder each; arrays stay on their devices. `slots`, `params_of`, `opt_of` (each slot's
+    optimizer entries, `StagePrograms.opt_entries`): a state noted earlier
+    (`training/local_copies.py`), instead of the current one."""
     from resilient_jax.checkpoint import universal
 
     slots = self.local_slots if slots is None else slots
     params_of = self.params if params_of is None else params_of
-    opt_of = self.opt_state if opt_of is None else opt_of
+    if opt_of is None:
+      opt_of = {s: self.program(s).opt_entries(self.opt_state[s]) for s in slots}
     params: dict[str, jax.Array] = {}
     opt: list[dict[str, Any]] = []
     for slot in slots:
-      params.update({k: v for k, v in params_of[slot].items() if k not in params})
-      opt.append(universal.flatten_state(opt_of[slot]))
+      held = params_of[slot]
+      params.update({k: held[k] for k in held if k not in params})
+      opt.append(dict(opt_of[slot]))
     return params, universal.merge(opt)
 
   def import_state(self, params: Mapping[str, Any], opt_entries: Mapping[str, Any]) -> None:
@@ -466,6 +488,17 @@ class Interpreter(StateHandover):
     run.begin()
     dispatch(run)
     return run.conclude()
+
+
+def _same_layout(src: Source, prog: StagePrograms) -> bool:
+  """Whether `src` holds `prog`'s state in `prog`'s own layout (its buffers serve as they are)."""
+  from resilient_jax.programs.packing import Packed
+  from resilient_jax.programs.stages import FlatEntries
+
+  params, entries = src[1], src[2]
+  return (isinstance(params, Packed) and params.layout == prog.layout
+          and (isinstance(entries, FlatEntries) and entries.layout == prog.layout
+               if prog.flat_opt is not None else False))
 
 
 class ForwardOnly:

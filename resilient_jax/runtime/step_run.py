@@ -50,6 +50,7 @@ class Holder(Protocol):
   opt_state: dict[Slot, Any]
   replicas: dict[Slot, tuple[Params, Any]]
   owned: dict[Slot, dict[str, jax.Array]]
+  owned_apart: dict[Slot, tuple[str, ...]]
   groups: list[ReductionGroup]
   local_slots: list[Slot]
   dispatch_lists: dict[Slot, DispatchList]
@@ -277,10 +278,13 @@ class StepRun:
     grads = self.grads_of(slot)
     if (self.step, self.sp.slots[slot].stage) in ip.nonfinite:
       grads = _make_nan(grads)
-    stepped, opt_state, share = ip.program(slot).optimizer_step(
+    prog = ip.program(slot)
+    stepped, opt_state, share = prog.optimizer_step(
       ip.params[slot], ip.opt_state[slot], grads, ip.owned[slot])
     self.new_state[slot] = (stepped, opt_state)
     self.sumsq.append(share)
+    if ip.owned_apart[slot]:  # names of buffers it owns in part (`StagePrograms.owned_apart`)
+      self.sumsq.append(prog.sumsq_of(grads, ip.owned_apart[slot]))
     return stepped, share
 
   def run_op(self, slot: Slot, op: Op) -> None:

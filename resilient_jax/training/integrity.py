@@ -37,6 +37,7 @@ import numpy as np
 from resilient_jax.config import RunConfig
 from resilient_jax.observe.events import Corrupt
 from resilient_jax.programs.compiled import OnEachDevice
+from resilient_jax.programs.packing import Packed
 from resilient_jax.schedule.plan import Slot
 from resilient_jax.training.failures import Failures
 from resilient_jax.training.hooks import StepInfo
@@ -46,11 +47,11 @@ _MIX = 0x9E3779B1  # odd: multiplying by it (mod 2**32) loses no bit
 
 
 @functools.cache
-def _digest_program(names: tuple[str, ...]) -> Callable:
-  def digest(params: Mapping[str, jax.Array]) -> jax.Array:
+def _digest_program() -> Callable:
+  def digest(arrays: Sequence[jax.Array]) -> jax.Array:
     total = jnp.uint32(0)
-    for i, n in enumerate(names):
-      raw = jax.lax.bitcast_convert_type(params[n], jnp.uint8).reshape(-1).astype(jnp.uint32)
+    for i, a in enumerate(arrays):
+      raw = jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(-1).astype(jnp.uint32)
       weights = jnp.arange(raw.shape[0], dtype=jnp.uint32) * jnp.uint32(_MIX) + jnp.uint32(1)
       total = total + jnp.sum(raw * weights, dtype=jnp.uint32) * jnp.uint32(2 * i + 1)
     return total
@@ -59,10 +60,13 @@ def _digest_program(names: tuple[str, ...]) -> Callable:
 
 
 def state_digest(params: Mapping[str, jax.Array]) -> jax.Array:
-  """A 32-bit digest of `params` (a uint32 scalar on their device): a weighted sum of every
+  """A 32-bit digest of `params` (a uint32 scalar on their device; packed, of its buffers,
+  which replicas of a stage lay out alike): a weighted sum of every
   byte, in wrapping integer arithmetic, so it is the same whatever order a device sums in, and
   any one flipped bit changes it (its weight is odd)."""
-  return _digest_program(tuple(sorted(params)))(params)
+  arrays = list(params.buffers) if isinstance(params, Packed) else \
+    [params[n] for n in sorted(params)]  # a stage's buffers as they are, or its arrays by name
+  return _digest_program()(arrays)
 
 
 def odd_replicas(digests: Mapping[Slot, int], groups: Sequence[Sequence[Slot]]
@@ -160,4 +164,7 @@ def _flip_a_bit(ip, worker: tuple[int, int]) -> None:
   host = np.array(value)
   bits = host.reshape(-1).view(np.uint8)
   bits[0] ^= 1
-  params[name] = jax.device_put(host, value.sharding)
+  if isinstance(params, Packed):  # its buffers are immutable: a new state with the bit flipped
+    ip.params[slot] = jax.device_put(params.replace({name: host}), value.sharding)
+  else:
+    params[name] = jax.device_put(host, value.sharding)

@@ -78,7 +78,9 @@ class LocalCopies:
       return
     ip = self.run.interpreter
     with self._lock:
-      self._noted = (step, dict(ip.params), dict(ip.opt_state), list(ip.local_slots))
+      self._noted = (step, dict(ip.params),
+                     {s: ip.program(s).opt_entries(ip.opt_state[s]) for s in ip.local_slots},
+                     list(ip.local_slots))
 
   def forget(self) -> None:
     """The state no longer is the noted step's (a restore is under way)."""

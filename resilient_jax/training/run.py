@@ -34,7 +34,8 @@ from resilient_jax.observe.goodput import GoodputLog
 from resilient_jax.observe.tensorboard import Board
 from resilient_jax.policy import RunCoordinator
 from resilient_jax.programs.compiled import BuildCounter
-from resilient_jax.programs.stages import StagePrograms, build_stage_programs
+from resilient_jax.programs.shared import build_stage_programs
+from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.recipe import (
   make_data,
   make_model,
