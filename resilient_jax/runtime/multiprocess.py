@@ -67,7 +67,7 @@ from resilient_jax.runtime.transport import (
   _add,
   _owners,
   _reduce_programs,
-  pieces,
+  _sum,
 )
 from resilient_jax.schedule import ring
 from resilient_jax.spec import placement as placement_lib
@@ -261,7 +261,7 @@ class ProcessTransport(Transport):
     # the ring of its pieces with their owners in the other processes, and the members gather
     # the totals (`all_gather`).
     mine = [d for d in devices if d in local]
-    cut, join = self.programs_for(local, devices)
+    cut, join = self._ring_programs(local, devices)
     sums = self.scatter_sum(mine, {d: cut(local[d]) for d in mine})
     totals = self._ring(index, procs, sums, _owners(mine, len(sums)))
     if totals is None:
@@ -288,12 +288,13 @@ class ProcessTransport(Transport):
   def is_local_where(self, where: Where) -> bool:
     return _process_of(where) == self.cluster.process_id
 
-  def _ring(self, index: int, procs: list[int], partials: list[jax.Array],
-            owners: list[Where]) -> list[jax.Array] | None:
-    """The sum over `procs` of each one's `partials` (piece j of this process's sum, a flat
-    buffer on its owner `owners[j]`), by a ring per piece: a reduce-scatter, then an all-gather,
-    every piece's ring run by its owners in step (without spreading, one piece on the first
-    member). A piece is cut into P equal chunks (P = len(procs); the hops are `schedule.ring`'s,
+  def _ring(self, index: int, procs: list[int], partials: list[tuple[jax.Array, ...]],
+            owners: list[Where]) -> list[tuple[jax.Array, ...]] | None:
+    """The sum over `procs` of each one's `partials` (piece j of this process's sum, as its P
+    chunks on its owner `owners[j]`, cut from the gradients' buffers by `_ring_programs`), by a
+    ring per piece: a reduce-scatter, then an all-gather, every piece's ring run by its owners
+    in step (without spreading, one piece on the first member); returns each piece's summed
+    chunks. A piece is P equal chunks (P = len(procs); the hops are `schedule.ring`'s,
     which the simulator's cost model prices): each process sends and receives 2 (P - 1) / P
     buffers' bytes whatever P is (a gather of every member's buffer was P - 1), through each
     owner's device its share. The chunks follow the members, not the job's process count: with a
@@ -309,8 +310,7 @@ class ProcessTransport(Transport):
     me, n = self.cluster.process_id, len(procs)
     r = procs.index(me)
     prev = procs[(r - 1) % n]
-    cut, join = pieces(partials[0].shape[0], n)
-    own = [list(cut(p)) for p in partials]
+    own = [list(p) for p in partials]  # each piece already in its n chunks (`_ring_programs`)
     chunks = [list(o) for o in own]
     spec = jax.ShapeDtypeStruct(own[0][0].shape, own[0][0].dtype)
     watch = [q for q in procs if q != me]
@@ -330,27 +330,33 @@ class ProcessTransport(Transport):
         return None
       for j, (x,) in enumerate(got):
         chunks[j][recv] = x if gather else _add(x, own[j][recv])
-    return [join(*piece) for piece in chunks]
+    return [tuple(piece) for piece in chunks]
 
-  def programs_for(self, local: PerDevice, devices: Devices) -> tuple[Callable, Callable]:
-    """`Transport.programs_for`; for a group across processes, always one float32 buffer in
-    pieces, which the rings cut further."""
-    if len({_process_of(d) for d in devices}) == 1:
-      return super().programs_for(local, devices)
-    return _reduce_programs(local, self.pieces_for(list(local), devices))
+  def _ring_programs(self, local: PerDevice, devices: Devices) -> tuple[Callable, Callable]:
+    """`(cut, join)` of a group across processes: `cut` reads the gradients (their buffers)
+    and writes each of the k pieces of `pieces_for` as the n chunks of its ring (n: the member
+    processes) in one program, `join` writes the k x n reduced chunks back into the gradients'
+    layout in one program: no flat copy of the whole gradient between them, and no program per
+    piece."""
+    k = self.pieces_for(list(local), devices)
+    n = len({_process_of(d) for d in devices})
+    cut, join = _reduce_programs(local, k * n)
+    return ((lambda g: _in_pieces(cut(g), n)),
+            (lambda *parts: join(*[c for part in parts for c in part])))
 
   def prepare_reduce(self, local: PerDevice, devices: Devices) -> list[jax.Array]:
     """`Transport.prepare_reduce`, and for a group across processes the ring's own programs
     (cut, add, join)."""
-    outs = super().prepare_reduce(local, devices)
     procs = len({_process_of(d) for d in devices})
     if procs == 1:
-      return outs
-    cut, _ = self.programs_for(local, devices)
-    piece = cut(next(iter(local.values())))[0]
-    cut_ring, join_ring = pieces(piece.shape[0], procs)
-    chunks = cut_ring(piece)
-    outs += [_add(chunks[0], chunks[0]), join_ring(*chunks)]
+      return super().prepare_reduce(local, devices)
+    members = sum(self.is_local_where(d) for d in devices)
+    cut, join = self._ring_programs(local, devices)
+    outs = []
+    for g in local.values():
+      parts = cut(g)
+      outs += jax.tree.leaves(_sum(members)(*[parts[0]] * members))
+      outs += [_add(parts[0][0], parts[0][0]), *jax.tree.leaves(join(*parts))]
     return outs
 
   def _ring_id(self, index: int, hop: int, piece: int = 0) -> int:
@@ -562,6 +568,11 @@ def _split(entries: Mapping[str, Any], decision: str) -> tuple[Any | None, dict[
 def _attempt_key(step: int, attempt: int) -> str:
   """Where an attempt's statuses and decisions live in the key-value store."""
   return f"step/{step}/{attempt}"
+
+
+def _in_pieces(chunks: Sequence[jax.Array], n: int) -> list[tuple[jax.Array, ...]]:
+  """k x n chunks as k pieces of n chunks each (piece c: chunks c n .. c n + n - 1)."""
+  return [tuple(chunks[c:c + n]) for c in range(0, len(chunks), n)]
 
 
 def _process_of(where: Where) -> int:
