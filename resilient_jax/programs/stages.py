@@ -387,6 +387,15 @@ class StagePrograms:
       _on_submesh(lambda p: pin(jax.tree.map(jnp.zeros_like, p), self.param_specs), tp)
     self._zeros = OnEachDevice(zeros, keep_unused=True)
 
+  def abstract_state(self) -> tuple[packing.Packed, Any]:
+    """The shapes and dtypes of the stage's packed parameters and optimizer state (one
+    device)."""
+    if not hasattr(self, "_abstract_state"):
+      params = packing.Packed(self.layout, [jax.ShapeDtypeStruct((n,), d) for n, d in zip(
+        self.layout.sizes, self.layout.groups, strict=True)])
+      self._abstract_state = (params, jax.eval_shape(self._init_opt._jit, params))
+    return self._abstract_state
+
   def opt_entries(self, opt_state: Any) -> Mapping[str, Any]:
     """`opt_state`'s entries by universal key (`checkpoint.universal`), whatever the layout;
     a flat state's are read lazily, each when asked for."""
@@ -407,6 +416,9 @@ class StagePrograms:
       p = self._pack(jax.device_put({n: params[n] for n in self.param_names}, where))
     if isinstance(entries, FlatEntries) and entries.layout == self.layout:
       opt = jax.device_put(entries.state, where)
+    elif self.flat_opt is None:  # the optimizer's own tree: placed as it is, no program
+      opt = jax.device_put(universal.unflatten_state(self.opt_template, entries,
+                                                     what="optimizer state"), where)
     else:
       opt = self._pack_opt(jax.device_put({k: entries[k] for k in self.opt_keys}, where))
     return p, opt

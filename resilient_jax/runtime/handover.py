@@ -10,6 +10,7 @@ refreshed the same way after every step.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,6 +19,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from resilient_jax.model.sharding import Where, abstract_mesh, opt_entry_spec
+from resilient_jax.programs.packing import Packed
+from resilient_jax.programs.state import FlatEntries
 from resilient_jax.schedule.pipelines import LayerRange
 from resilient_jax.schedule.plan import Slot, StepProgram
 
@@ -26,10 +29,33 @@ Source = tuple[Where | None, Mapping[str, Any], Mapping[str, Any]]
 parameters and flat optimizer entries."""
 
 
+def _layout_prefix(split: tuple[LayerRange, ...], stage: int) -> str:
+  """The key prefix of a packed stage's buffers: the same in every process."""
+  return "L" + hashlib.sha1(repr((tuple(split), stage)).encode()).hexdigest()[:12]
+
+
+def same_layout(src: Source, prog: Any) -> bool:
+  """Whether `src` holds `prog`'s state in `prog`'s own layout (its buffers serve as they are)."""
+  return isinstance(src[1], Packed) and src[1].layout == prog.layout and (
+    isinstance(src[2], FlatEntries) and src[2].layout == prog.layout
+    if prog.flat_opt is not None else True)
+
+
+def _opt_state(prog: Any, entries: Mapping[str, Any]) -> Any:
+  """The optimizer state as `prog` holds it, from a same-layout holder's entries."""
+  if isinstance(entries, FlatEntries):
+    return entries.state
+  from resilient_jax.checkpoint import universal
+
+  return universal.unflatten_state(prog.opt_template, entries, what="optimizer state")
+
+
 class StateHandover:
   """The hand-over part of `Interpreter` (which provides `programs`, `transport`,
   `step_program` and `_specs`)."""
 
+  _layouts: dict[str, tuple[tuple[LayerRange, ...], int]]
+  """Each packed stage's key prefix (`_layout_prefix`) -> its (split, stage)."""
   handed_over: list[tuple[int, int, int]] = []
   """The last hand-over's transfers between processes: (source node, destination node, bytes);
   the same list in every process (what the log and `recovery.json` say about where state came
@@ -56,15 +82,42 @@ class StateHandover:
       specs = {"p/" + n: spec(v, prog.param_specs[n]) for n, v in params.items()}
       specs.update({"o/" + k: spec(v, opt_entry_spec(k, v.shape, prog.param_specs, shapes))
                     for k, v in opt.items()})
+      if prog.packed:  # the stage's buffers as they are, for a holder of the same layout
+        prefix = _layout_prefix(split, stage)
+        self._layouts[prefix] = key
+        packed, opt_state = prog.abstract_state()
+        specs.update({f"{prefix}/p{b}": spec(v, PartitionSpec())
+                      for b, v in enumerate(packed.buffers)})
+        specs.update({f"{prefix}/o{i}": spec(v, PartitionSpec())
+                      for i, v in enumerate(jax.tree.leaves(opt_state))})
       self._specs[key] = specs
     return self._specs[key]
 
+  def _keys(self, split: tuple[LayerRange, ...], stage: int, whole: bool) -> set[str]:
+    """A stage's state keys: its buffers' (`whole`, a packed stage), else by name."""
+    layout = whole and self.programs(split)[stage].packed
+    return {k for k in self._state_specs(split, stage) if k.startswith("L") == layout}
+
   def _slot_keys(self, sp: StepProgram, slot: Slot, replica: bool = True) -> set[str]:
+    """Every key `slot` holds: by name, and its buffers' where packed."""
     p = sp.slots[slot]
     keys = set(self._state_specs(p.split, p.stage))
     if replica and p.replica is not None:
       keys |= set(self._state_specs(p.split, p.replica))
     return keys
+
+  def _wanted(self, slot: Slot, held: Mapping[int, set[str]]) -> set[str]:
+    """The keys `slot` of the current plan lacks on its node: none when the node holds its
+    stage's state (in its layout or by name); a holder's buffers whole when a live node holds
+    the same layout (no program reads or packs them); else by name."""
+    p = self.step_program.slots[slot]
+    have = held.get(p.node, set())
+    whole, names = self._keys(p.split, p.stage, True), self._keys(p.split, p.stage, False)
+    if names <= have or (whole and whole <= have):
+      return set()
+    if whole and any(whole <= keys for keys in held.values()):
+      return whole - have
+    return names - have
 
   def _exchange(
     self, transfers: list[tuple[int, int, list[str]]], sources: Sequence[Source],
@@ -75,16 +128,35 @@ class StateHandover:
     `Transport.exchange`)."""
 
     def lookup(node: int, key: str) -> jax.Array:
-      dev, table = self.transport.device(node), (1 if key.startswith("p/") else 2)
+      dev = self.transport.device(node)
+      if key.startswith("L"):  # a buffer of a holder of that layout
+        prefix, what = key.split("/", 1)
+        split, stage = self._layouts[prefix]
+        prog = self.programs(split)[stage]
+        src = next(src for src in sources if src[0] == dev and same_layout(src, prog))
+        if what[0] == "p":
+          return src[1].buffers[int(what[1:])]
+        return jax.tree.leaves(_opt_state(prog, src[2]))[int(what[1:])]
+      table = 1 if key.startswith("p/") else 2
       return next(src[table][key[2:]] for src in sources if src[0] == dev and key[2:] in src[table])
 
     received = self.transport.exchange(transfers, lookup, specs, channel, tag, lost_ok)
-    return [
-      (self.transport.device(node),
-       {k[2:]: v for k, v in got.items() if k.startswith("p/")},
-       {k[2:]: v for k, v in got.items() if k.startswith("o/")})
-      for node, got in sorted(received.items())
-    ]
+    out: list[Source] = []
+    for node, got in sorted(received.items()):
+      dev = self.transport.device(node)
+      by_name = ({k[2:]: v for k, v in got.items() if k.startswith("p/")},
+                 {k[2:]: v for k, v in got.items() if k.startswith("o/")})
+      if by_name[0] or by_name[1]:
+        out.append((dev, *by_name))
+      for prefix in sorted({k.split("/", 1)[0] for k in got if k.startswith("L")}):
+        split, stage = self._layouts[prefix]
+        prog = self.programs(split)[stage]
+        packed, opt_state = prog.abstract_state()
+        params = Packed(prog.layout, [got[f"{prefix}/p{b}"] for b in range(len(packed.buffers))])
+        leaves = [got[f"{prefix}/o{i}"] for i in range(len(jax.tree.leaves(opt_state)))]
+        out.append((dev, params, prog.opt_entries(jax.tree.unflatten(
+          jax.tree.structure(opt_state), leaves))))
+    return out
 
   def _handover(
     self, old: StepProgram, dead: set[int], sources: Sequence[Source], tag: tuple[int, int]
@@ -122,8 +194,7 @@ class StateHandover:
                                                             replica=source not in dead))
     wanted: dict[tuple[int, int], set[str]] = {}
     for slot, p in sorted(self.step_program.slots.items()):
-      for key in sorted(self._slot_keys(self.step_program, slot, replica=False)
-                        - held.get(p.node, set())):
+      for key in sorted(self._wanted(slot, held)):
         owners = sorted(n for n, keys in held.items() if key in keys)
         if owners:  # none: `place` reports the missing key
           wanted.setdefault((owners[0], p.node), set()).add(key)

@@ -48,7 +48,7 @@ from resilient_jax.observe.logs import info
 from resilient_jax.observe.records import StepResult
 from resilient_jax.programs.stages import StagePrograms
 from resilient_jax.runtime.dispatch import dispatch
-from resilient_jax.runtime.handover import Source, StateHandover
+from resilient_jax.runtime.handover import Source, StateHandover, same_layout
 from resilient_jax.runtime.step_run import (
   AfterOp,
   DispatchList,
@@ -108,6 +108,7 @@ class Interpreter(StateHandover):
     self.opt_state: dict[Slot, Any] = {}
     self.replicas: dict[Slot, tuple[Params, Any]] = {}
     self._specs: dict[tuple, dict[str, Any]] = {}
+    self._layouts = {}
     self._loss_seeds: dict[Where, jax.Array] = {}
     self._forward: ForwardOnly | None = None
     self._piece_programs: dict[tuple, StagePrograms] = {}
@@ -279,7 +280,7 @@ class Interpreter(StateHandover):
     for slot in self.local_slots:
       prog, dev = self.program(slot), self.device(slot)
       if prog.packed:  # a holder of the same layout: its buffers, copied whole if at all
-        same = [src for src in sources if _same_layout(src, prog)]
+        same = [src for src in sources if same_layout(src, prog)]
         src = next((x for x in same if x[0] == dev), same[0] if same else None)
         if src is not None:
           if src[0] is not None and src[0] != dev:
@@ -331,9 +332,8 @@ class Interpreter(StateHandover):
         self.replicas[slot] = (jax.device_put(self.params[src], rep.param_shardings(dev)),
                                jax.device_put(self.opt_state[src], rep.opt_shardings(dev)))
       elif self.transport.is_local(p.node) or self.transport.is_local(src_node):
-        keys = self._state_specs(p.split, p.replica)
-        specs.update(keys)
-        remote.append((src_node, p.node, sorted(keys)))
+        specs.update(self._state_specs(p.split, p.replica))
+        remote.append((src_node, p.node, sorted(self._keys(p.split, p.replica, whole=True))))
     if not remote:
       return
     # A source process that died after the step committed and before serving its state leaves
@@ -428,6 +428,8 @@ class Interpreter(StateHandover):
       if everything:
         _, grads = prog.backward_fused(res, saved, params, g, prog.zero_grads(params, dev))
         outs.append(prog.optimizer_step(params, self.opt_state[slot], grads, self.owned[slot]))
+        if self.owned_apart[slot]:
+          outs.append(prog.sumsq_of(grads, self.owned_apart[slot]))
         for group in self.groups:  # the gradient all-reduce's own programs
           members = tuple(sorted({self.device(h) for h in group.holders}, key=where_key))
           if slot in group.holders and len(members) > 1:
@@ -488,17 +490,6 @@ class Interpreter(StateHandover):
     run.begin()
     dispatch(run)
     return run.conclude()
-
-
-def _same_layout(src: Source, prog: StagePrograms) -> bool:
-  """Whether `src` holds `prog`'s state in `prog`'s own layout (its buffers serve as they are)."""
-  from resilient_jax.programs.packing import Packed
-  from resilient_jax.programs.stages import FlatEntries
-
-  params, entries = src[1], src[2]
-  return (isinstance(params, Packed) and params.layout == prog.layout
-          and (isinstance(entries, FlatEntries) and entries.layout == prog.layout
-               if prog.flat_opt is not None else False))
 
 
 class ForwardOnly:
