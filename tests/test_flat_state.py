@@ -86,11 +86,11 @@ def test_an_optimizer_that_is_not_elementwise_runs_per_tensor(name):
   assert FlatOptimizer.of(PER_TENSOR[name], big if name == "adafactor" else abstract) is None
 
 
-def test_a_stage_holds_a_buffer_per_block_and_optimizer_class():
-  """The tiny GPT's whole model on one device at 4 and at 16 layers: its state is two buffers a
-  block (what AdamW decays, what it does not) and two for the rest, whatever the arrays in a
-  block; the optimizer runs flat; the optimizer state reads back by universal key as optax's
-  own initial state."""
+def test_a_stage_holds_a_buffer_per_block_with_a_region_per_optimizer_class():
+  """The tiny GPT's whole model on one device at 4 and at 16 layers: its state is a buffer a
+  block and one for the rest, whatever the arrays in a block, each buffer a region per
+  optimizer class (what AdamW decays, what it does not); the optimizer runs flat; the
+  optimizer state reads back by universal key as optax's own initial state."""
   from resilient_jax.model.check import token_batch
   from resilient_jax.programs.shared import build_stage_programs
   from resilient_jax.recipe import make_model, make_optimizer
@@ -101,13 +101,16 @@ def test_a_stage_holds_a_buffer_per_block_and_optimizer_class():
                                    token_batch(cfg.model.seq_len, cfg.microbatch_size),
                                    make_optimizer(cfg), cfg.step_batch)
     assert prog.flat_opt is not None
-    assert len(prog.layout.groups) == 2 * layers + 2
+    assert len(prog.layout.groups) == layers + 1
     blocks: dict[str, int] = {}
     for b in range(len(prog.layout.groups)):
       (block,) = {n.split(".")[1] if n.startswith("blocks.") else "-" for n in
                   prog.layout.buffer_names(b)}
       blocks[block] = blocks.get(block, 0) + 1
-    assert blocks == {**{str(i): 2 for i in range(layers)}, "-": 2}
+      if block != "-":  # vectors first (not decayed), then the matrices
+        (c0, lo0, hi0), (c1, lo1, hi1) = prog.layout.regions[b]
+        assert c0 != c1 and lo0 == 0 and hi0 == lo1 and hi1 == prog.layout.sizes[b]
+    assert blocks == {**{str(i): 1 for i in range(layers)}, "-": 1}
   device = jax.devices()[0]
   params = prog.initial_params(device)
   opt = prog.init_opt_state(params, device)
@@ -136,8 +139,8 @@ def test_a_slot_that_owns_part_of_a_buffer_counts_those_names_apart():
   grads = jax.device_put(params.replace({}), device)  # the parameters as stand-in gradients
   owned = [n for n in prog.param_names if n != "blocks.1.ln1.scale"]
   apart = prog.owned_apart(owned)
-  assert "blocks.1.ln1.bias" in apart and "blocks.1.ln1.scale" not in apart
-  assert all(n.startswith("blocks.1.") for n in apart)
+  assert "blocks.1.ln1.bias" in apart and "blocks.1.mlp.fc.kernel" in apart
+  assert "blocks.1.ln1.scale" not in apart and all(n.startswith("blocks.1.") for n in apart)
   _, _, share = prog.optimizer_step(params, prog.init_opt_state(params, device), grads,
                                     prog.norm_weights(owned, device))
   total = float(share) + float(prog.sumsq_of(grads, apart))

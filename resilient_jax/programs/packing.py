@@ -59,7 +59,7 @@ class Layout:
   (it is part of a program's argument structure, by which its executable is looked up)."""
 
   __slots__ = ("names", "shapes", "dtypes", "chunks", "classes", "groups", "where", "sizes",
-               "buffer_classes", "_key", "_hash")
+               "order", "regions", "_key", "_hash")
 
   def __init__(self, names: Sequence[Any], shapes: Sequence[tuple[int, ...]],
                dtypes: Sequence[Any], chunks: Sequence[int] | None = None,
@@ -71,31 +71,40 @@ class Layout:
     """Each array's chunk (`repeats`): a shared buffer holds one chunk's arrays of one dtype."""
     self.classes = tuple(classes) if classes is not None else None
     """A state layout's (`of_state`): each array's optimizer class; every array shares its
-    chunk's buffer of its class and dtype, however large (None: large arrays have their own)."""
-    keys: list[Any] = []  # a buffer's (chunk, dtype) (shared), or (dtype, array index) (its own)
-    for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
-      if self.classes is not None:
-        keys.append((self.chunks[i], dtype, -1, self.classes[i]))
-        continue
-      small = math.prod(shape) * dtype.itemsize <= PACK_MAX_BYTES
-      keys.append((self.chunks[i], dtype, -1) if small else (-1, dtype, i))
-    buffers = list(dict.fromkeys(keys))
+    chunk's buffer of its dtype, however large, each class a region of its own in it (None:
+    large arrays have buffers of their own)."""
+    n = len(self.names)
+    self.order = tuple(sorted(range(n), key=lambda i: (self.classes[i], i))) \
+      if self.classes is not None else tuple(range(n))
+    """The arrays in the order they lie in their buffers (class by class in a state layout)."""
+    keys: list[Any] = [None] * n  # a buffer's (chunk, dtype) (shared), or (dtype, index) (own)
+    for i in self.order:
+      shape, dtype = self.shapes[i], self.dtypes[i]
+      small = self.classes is not None or math.prod(shape) * dtype.itemsize <= PACK_MAX_BYTES
+      keys[i] = (self.chunks[i], dtype, -1) if small else (-1, dtype, i)
+    buffers = list(dict.fromkeys(keys[i] for i in self.order))
     self.groups = tuple(k[1] for k in buffers)
     """The buffers' dtypes, in the order of their first array."""
-    self.buffer_classes = tuple(k[3] if len(k) > 3 else 0 for k in buffers)
-    """Each buffer's optimizer class (0 where the layout has none)."""
     at = [0] * len(buffers)
-    where = []
+    where: list[Any] = [None] * n
     index = {k: g for g, k in enumerate(buffers)}
-    for shape, key in zip(self.shapes, keys, strict=True):
-      g = index[key]
-      size = math.prod(shape)
-      where.append((g, at[g], size))
+    regions: list[list[tuple[int, int, int]]] = [[] for _ in buffers]
+    for i in self.order:
+      g = index[keys[i]]
+      size = math.prod(self.shapes[i])
+      where[i] = (g, at[g], size)
+      c = self.classes[i] if self.classes is not None else 0
+      if regions[g] and regions[g][-1][0] == c:
+        regions[g][-1] = (c, regions[g][-1][1], at[g] + size)
+      else:
+        regions[g].append((c, at[g], at[g] + size))
       at[g] += size
     self.where = tuple(where)
     """Per array: its buffer, its offset there and its element count."""
     self.sizes = tuple(at)
     """Each buffer's element count."""
+    self.regions = tuple(tuple(r) for r in regions)
+    """Per buffer, its runs of one optimizer class: (class, start, stop)."""
     self._key = (self.names, self.shapes, tuple(str(d) for d in self.dtypes), self.chunks,
                  self.classes)
     self._hash = hash(self._key)
@@ -159,8 +168,11 @@ class Layout:
     """`leaves` (in `names` order) as one flat buffer per dtype (traceable; a dtype holding
     one array is that array reshaped, no copy)."""
     parts: list[list[Any]] = [[] for _ in self.groups]
-    for (g, _, _), leaf in zip(self.where, leaves, strict=True):
-      parts[g].append(jnp.ravel(leaf))
+    leaves = list(leaves)
+    if len(leaves) != len(self.names):
+      raise ValueError(f"{len(leaves)} arrays for a layout of {len(self.names)}")
+    for i in self.order:
+      parts[self.where[i][0]].append(jnp.ravel(leaves[i]))
     return tuple(p[0] if len(p) == 1 else jnp.concatenate(p) if p else
                  jnp.zeros((0,), self.groups[g]) for g, p in enumerate(parts))
 
@@ -184,8 +196,8 @@ def _layout(names: tuple, shapes: tuple, dtypes: tuple, chunks: tuple | None = N
 @functools.cache
 def _buffer_names(layout: Layout) -> tuple[tuple[Any, ...], ...]:
   out: list[list[Any]] = [[] for _ in layout.groups]
-  for name, (g, _, _) in zip(layout.names, layout.where, strict=True):
-    out[g].append(name)
+  for i in layout.order:
+    out[layout.where[i][0]].append(layout.names[i])
   return tuple(tuple(x) for x in out)
 
 
@@ -219,13 +231,10 @@ class Packed(Mapping):
 
   def __getitem__(self, name: Any) -> Any:
     i = self.layout.index(name)
-    if isinstance(self.buffers[0], jax.core.Tracer):
+    g, at, size = self.layout.where[i]
+    if isinstance(self.buffers[g], jax.core.Tracer):
       return self.layout.slice(self.buffers, i)
-    g, at, size = self.layout.where[i]  # eagerly: one program per shape, not per offset
-    buf = self.buffers[g]
-    if size == buf.shape[0]:
-      return buf.reshape(self.layout.shapes[i])
-    return _read(buf, np.int32(at), size, self.layout.shapes[i])
+    return read(self.buffers[g], at, size, self.layout.shapes[i])
 
   def __iter__(self) -> Iterator[Any]:
     return iter(self.layout.names)
@@ -251,6 +260,14 @@ class Packed(Mapping):
 
   def __repr__(self) -> str:
     return f"Packed({self.layout!r})"
+
+
+def read(buf: jax.Array, at: int, size: int, shape: tuple[int, ...]) -> jax.Array:
+  """`size` elements of `buf` from `at`, shaped `shape`, outside a trace: one program per
+  shape, not per offset (`_read`); the buffer itself when it is all of it."""
+  if size == buf.shape[0]:
+    return buf.reshape(shape)
+  return _read(buf, np.int32(at), size, shape)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

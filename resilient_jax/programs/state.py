@@ -57,6 +57,13 @@ class StateLayout:
     classes = self.flat.classes if self.flat is not None else dict.fromkeys(abstract, 0)
     self.layout = packing.Layout.of_state(abstract, classes, block_of)
     self.buffers = len(self.layout.groups)
+    self.regions: list[tuple[int, int, int, int]] = [
+      (b, c, lo, hi) for b in range(self.buffers) for c, lo, hi in self.layout.regions[b]]
+    """Every buffer's runs of one optimizer class, (buffer, class, start, stop): a flat state
+    holds a buffer per region and role."""
+    at = {n: self.layout.where[self.layout.index(n)] for n in abstract}
+    self._region_of = {n: next(r for r, (b, _, lo, hi) in enumerate(self.regions)
+                               if b == at[n][0] and lo <= at[n][1] < hi) for n in abstract}
 
   def names(self, b: int) -> tuple[str, ...]:
     return self.layout.buffer_names(b)
@@ -75,9 +82,14 @@ class StateLayout:
       return universal.unflatten_state(self.opt_template, entries, what="optimizer state")
     return {"shared": {k: entries[k] for k in flat.shared},
             "buffers": [{role: jnp.concatenate([jnp.ravel(entries[role + n])
-                                                for n in self.names(b)])
-                         for role in flat.roles[self.layout.buffer_classes[b]]}
-                        for b in range(self.buffers)]}
+                                                for n in self.region_names(r)])
+                         for role in flat.roles[c]}
+                        for r, (_, c, _, _) in enumerate(self.regions)]}
+
+  def region_names(self, r: int) -> list[str]:
+    """The names of region `r`'s arrays, in their order there."""
+    b, _, lo, hi = self.regions[r]
+    return [n for n in self.names(b) if lo <= self.layout.where[self.layout.index(n)][1] < hi]
 
   def opt_entries(self, opt_state: Any) -> Mapping[str, Any]:
     """`opt_state`'s entries by universal key; a flat state's are read when asked for."""
@@ -96,10 +108,17 @@ class StateLayout:
                 for b, g in enumerate(grads.buffers))
     buffers = grads.buffers if scale is None else \
       [g * scale.astype(g.dtype) for g in grads.buffers]
-    if self.flat is not None:
-      stepped, opt_state = self.flat.update(buffers, params.buffers, layout.buffer_classes,
-                                            opt_state)
-      return packing.Packed(layout, stepped), opt_state, sumsq
+    if self.flat is not None:  # each buffer's class regions, stepped and put back together
+      part = lambda x, lo, hi: x if (lo, hi) == (0, x.shape[0]) else \
+        jax.lax.slice(x, (lo,), (hi,))  # noqa: E731
+      stepped, opt_state = self.flat.update(
+        [part(buffers[b], lo, hi) for b, _, lo, hi in self.regions],
+        [part(params.buffers[b], lo, hi) for b, _, lo, hi in self.regions],
+        [c for _, c, _, _ in self.regions], opt_state)
+      whole = [[x for (b, _, _, _), x in zip(self.regions, stepped, strict=True) if b == g]
+               for g in range(self.buffers)]
+      return packing.Packed(layout, [x[0] if len(x) == 1 else jnp.concatenate(x)
+                                     for x in whole]), opt_state, sumsq
     tree = params.unpacked()
     updates, opt_state = optimizer.update(packing.Packed(layout, buffers).unpacked(), opt_state,
                                           tree)
@@ -130,6 +149,7 @@ class FlatEntries(Mapping):
   def __init__(self, state_layout: StateLayout, state: Any):
     self.layout = state_layout.layout
     self.state = state
+    self._of = state_layout
     self._keys = state_layout.opt_keys
     self._shared = frozenset(state_layout.flat.shared)
 
@@ -139,10 +159,11 @@ class FlatEntries(Mapping):
     name = key.rsplit("/", 1)[-1]
     if name not in self.layout._positions():
       raise KeyError(key)
-    g = self.layout.where[self.layout.index(name)][0]
-    buffers: list[Any] = [None] * len(self.layout.groups)
-    buffers[g] = self.state["buffers"][g][key[:len(key) - len(name)]]
-    return packing.Packed(self.layout, buffers)[name]
+    r = self._of._region_of[name]
+    _, at, size = self.layout.where[self.layout.index(name)]
+    buf = self.state["buffers"][r][key[:len(key) - len(name)]]
+    return packing.read(buf, at - self._of.regions[r][2], size,
+                        self.layout.shapes[self.layout.index(name)])
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._keys)
