@@ -59,6 +59,18 @@ if not {variant!r}.startswith("library") or {jax_cache!r}:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from benchmarks import overhead
 from resilient_jax.programs.compiled import BuildCounter
+from jax._src import compiler
+kernels = []
+_compile = compiler.backend_compile_and_load
+def counted(*a, **k):  # the fused kernels of every program XLA compiles
+  out = _compile(*a, **k)
+  try:
+    kernels.append(sum(line.lstrip().startswith(("%fused_computation", "fused_computation"))
+                       for m in out.hlo_modules() for line in m.to_string().splitlines()))
+  except Exception:
+    pass
+  return out
+compiler.backend_compile_and_load = counted
 dp, pp, variant = {dp}, {pp}, {variant!r}
 args = overhead.parse_args(["--steps=1", "--warmup=0", "--global_batch={global_batch}"])
 t0, c0 = time.perf_counter(), time.process_time()
@@ -71,7 +83,7 @@ with BuildCounter().counting() as counts:
     step = overhead.PlainPipeline(overhead.make_cfg(args, dp, pp), jax.devices())
   step(1)
 print(json.dumps(dict(seconds=time.perf_counter() - t0, cpu=time.process_time() - c0,
-                      xla=counts.xla,
+                      xla=counts.xla, kernels=sum(kernels),
                       compiled=counts.compiled, loaded=counts.loaded)))
 """
 
@@ -132,9 +144,9 @@ def main(argv: list[str] | None = None) -> None:
   figures: dict[str, float | int] = {}
   for run in ("cold", "warm") if args.warm else ("cold",):
     print(f"\n{run} start (a fresh process{' on the cache the cold one filled' * (run == 'warm')})")
-    print("| grid | variant | first step (median s) | CPU s (median) | XLA compilations | stage "
-          "programs compiled / loaded | library / plain-dp (wall, CPU) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| grid | variant | first step (median s) | CPU s (median) | XLA compilations | fused "
+          "kernels compiled | stage programs compiled / loaded | library / plain-dp (wall, CPU) |")
+    print("|---|---|---|---|---|---|---|---|")
     for dp, pp, variant in cases:
       rs = [x[run] for x in runs[(dp, pp, variant)]]
       t = statistics.median(x["seconds"] for x in rs)
@@ -143,10 +155,18 @@ def main(argv: list[str] | None = None) -> None:
       plain_cpu = statistics.median(x[run]["cpu"] for x in runs[(dp, pp, "plain-dp")])
       ratio = f"{t / plain:.2f}, {cpu / plain_cpu:.2f}" if variant.startswith("library") else ""
       own = f"{rs[0]['compiled']} / {rs[0]['loaded']}" if variant.startswith("library") else ""
-      print(f"| {dp}x{pp} | {variant} | {t:.2f} | {cpu:.2f} | {rs[0]['xla']} | {own} | {ratio} |")
+      kernels = rs[0].get("kernels", "")
+      print(f"| {dp}x{pp} | {variant} | {t:.2f} | {cpu:.2f} | {rs[0]['xla']} | {kernels} | "
+            f"{own} | {ratio} |")
       key = f"{run}_{dp}x{pp}_{variant.replace('-', '_')}"
       figures.update({f"{key}_first_step_s": round(t, 2), f"{key}_cpu_s": round(cpu, 2),
-                      f"{key}_xla_compilations": rs[0]["xla"]})
+                      f"{key}_xla_compilations": rs[0]["xla"], f"{key}_kernels": kernels})
+  for dp, pp, variant in cases:  # the headline: the library's cold CPU, plain JAX's as 1
+    if variant == "library":
+      plain = statistics.median(x["cold"]["cpu"] for x in runs[(dp, pp, "plain-dp")])
+      ratio = statistics.median(x["cold"]["cpu"] for x in runs[(dp, pp, variant)]) / plain
+      figures[f"cold_cpu_ratio_{dp}x{pp}"] = round(ratio, 3)
+      print(f"cold_cpu_ratio_{dp}x{pp}: {ratio:.3f}")
   if args.warm:
     print("\nwarm / cold first step (medians):")
     for c in cases:
