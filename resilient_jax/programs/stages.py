@@ -64,7 +64,7 @@ from resilient_jax.model.sharding import Where
 from resilient_jax.model.split import split_backward
 from resilient_jax.model.staging import flat_params, variable_names
 from resilient_jax.programs import packing
-from resilient_jax.programs.compiled import OnEachDevice
+from resilient_jax.programs.compiled import RUN_ONCE, OnEachDevice
 from resilient_jax.programs.residuals import Call, Residuals
 from resilient_jax.programs.state import FlatEntries, StateLayout, params_of, sumsq_of
 
@@ -373,11 +373,12 @@ class StagePrograms:
     # they stay the programs they were (their outputs are placed afterwards).
     self._init_opt = OnEachDevice(_on_submesh(
       lambda p: self.state.opt_from_entries(universal.flatten_state(optimizer.init(p.unpacked())))
-      if self.packed else pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1)
-    if self.packed:  # state from other layouts (a checkpoint, another split's slots)
+      if self.packed else pin(optimizer.init(p), self.opt_specs), tp), keep_unused=tp > 1,
+      compiler_options=RUN_ONCE)
+    if self.packed:  # state from other layouts (a checkpoint, another split's slots): rare
       self._pack = OnEachDevice(lambda d: packing.Packed(
-        layout, layout.pack([d[n] for n in layout.names])))
-      self._pack_opt = OnEachDevice(self.state.opt_from_entries)
+        layout, layout.pack([d[n] for n in layout.names])), compiler_options=RUN_ONCE)
+      self._pack_opt = OnEachDevice(self.state.opt_from_entries, compiler_options=RUN_ONCE)
     # Kept arguments on one device too: its zeros then come back committed to the slot's
     # device, made there, instead of on the default device and copied (`zero_grads` runs for
     # every slot at every step, and placing a whole tree cost milliseconds of host time). On
@@ -385,7 +386,7 @@ class StagePrograms:
     zeros = (lambda _: packing.Packed(layout, [jnp.zeros((n,), d) for n, d in zip(
       layout.sizes, layout.groups, strict=True)])) if self.packed else \
       _on_submesh(lambda p: pin(jax.tree.map(jnp.zeros_like, p), self.param_specs), tp)
-    self._zeros = OnEachDevice(zeros, keep_unused=True)
+    self._zeros = OnEachDevice(zeros, keep_unused=True, compiler_options=RUN_ONCE)  # a memset
 
   def abstract_state(self) -> tuple[packing.Packed, Any]:
     """The shapes and dtypes of the stage's packed parameters and optimizer state (one
