@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--tree", default="", help="import resilient_jax from this checkout")
   p.add_argument("--no_gc_freeze", action="store_true",
                  help="leave the set-up's objects in the garbage collector (as before)")
+  p.add_argument("--deep", type=int, default=4,
+                 help="also count arrays per op at 8x1 for the model with this many times its "
+                      "layers (0: not)")
   return p.parse_args(argv)
 
 
@@ -171,7 +174,31 @@ def main(argv: list[str] | None = None) -> None:
           print(f"{'':5} {mode}/{modes[-1]} {what}: {med:.3f} (per round {per_round:.3f})")
       equal = all([x[0] for x in rows[f"{g} {m}"]] == [x[0] for x in b] for m in modes)
       print(f"{'':5} losses bitwise equal across modes: {equal}")
+  key = f"8x1_{modes[-1]}"
+  if f"8x1 {modes[-1]}" in trainers:
+    figures["host_cpu_ms_per_op_8x1"] = figures[f"{key}_dispatch_cpu_ms_per_op"]
+    figures["args_per_op_8x1"] = round(arrays[f"8x1 {modes[-1]}"] / ops_of(trainers[
+      f"8x1 {modes[-1]}"]), 1)
+    if "2x4 serial" in trainers:
+      two = figures[f"2x4_{modes[-1]}_dispatch_cpu_ms_per_op"]
+      figures["host_cpu_8x1_over_2x4"] = round(figures[f"{key}_dispatch_cpu_ms_per_op"] / two, 3)
+    if args.deep:  # the same model with more layers: the arrays a program passes per op
+      deep = argparse.Namespace(**{**vars(overhead_args),
+                                   "layers": cfg.model.num_layers * args.deep})
+      with tempfile.TemporaryDirectory(prefix="dispatch_") as workdir:
+        trainer = Trainer(make_cfg(deep, 8, 1), workdir, devices=jax.devices(), log=lambda _: None)
+        trainer.run_step(1)
+        figures[f"args_per_op_8x1_{args.deep}x_layers"] = round(
+          arrays_per_op(trainer, 2) / ops_of(trainer), 1)
+    for name in ("host_cpu_ms_per_op_8x1", "host_cpu_8x1_over_2x4", "args_per_op_8x1",
+                 f"args_per_op_8x1_{args.deep}x_layers"):
+      if name in figures:
+        print(f"{name}: {figures[name]}")
   record("dispatch", figures)
+
+
+def ops_of(trainer) -> int:
+  return sum(len(s.ops) for s in trainer.interpreter.step_program.slots.values())
 
 
 def arrays_per_op(trainer, step: int) -> int:

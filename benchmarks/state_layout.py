@@ -10,11 +10,12 @@ program (what a whole-model stage's F and BW compile), the gradients written in 
 layout, for four layouts of the parameters:
 
   - arrays:  one argument per parameter (a stage's programs before its state was packed);
-  - blocks:  a buffer per block and optimizer class (`programs/state.py`: the library's);
+  - blocks:  a buffer per block (`programs/state.py`: the library's; what AdamW decays and what
+    it does not are two regions of it);
   - blocks+matrices: each matrix a buffer of its own (read without a slice), a block's
-    vectors a buffer per class;
-  - one:     one buffer per dtype and class: arguments the same at any depth;
-  - stacked: the blocks' buffers stacked into one [blocks, n] array per class (also constant).
+    vectors one buffer;
+  - one:     one buffer: arguments the same at any depth;
+  - stacked: the blocks' buffers stacked into one [blocks, n] array (also constant).
 
 Printed per layout and depth: arguments, XLA compile CPU seconds (a fresh trace and compile
 each repeat, interleaved, median) and run milliseconds (median of 20 calls). XLA:CPU compiles
@@ -59,7 +60,12 @@ def main(argv: list[str] | None = None) -> None:
       names = list(variants)
       for name in names[r % len(names):] + names[:r % len(names)]:
         fn, call_args = variants[name]
-        lowered = jax.jit(fn).lower(*call_args)
+
+        def fresh(*a, _fn=fn):
+          return _fn(*a)
+
+        fresh.__name__ = f"{name.replace('+', '_')}_{r}"  # another module: JAX's cache misses
+        lowered = jax.jit(fresh).lower(*call_args)
         c0 = time.process_time()
         compiled = lowered.compile()
         times[name].append(time.process_time() - c0)
@@ -114,9 +120,9 @@ def _variants(layers: int) -> dict:
 
   decays = decay_mask(cfg)(dict(zip(names, leaves, strict=True)))
   block = [int(n.split(".")[1]) if n.startswith("blocks.") else -1 for n in names]
-  groups: dict[tuple, list[int]] = {}
-  for i, n in enumerate(names):
-    groups.setdefault((block[i], bool(decays[n])), []).append(i)
+  groups: dict[int, list[int]] = {}  # a block's arrays, what decays after what does not
+  for i in sorted(range(len(names)), key=lambda i: (bool(decays[names[i]]), i)):
+    groups.setdefault(block[i], []).append(i)
   sizes = [int(np.prod(x.shape)) for x in leaves]
 
   def cut(buffers: list, spans: list[list[int]]) -> list:
@@ -140,21 +146,17 @@ def _variants(layers: int) -> dict:
   per_block = list(groups.values())
   matrices = [[i] for span in per_block for i in span if leaves[i].ndim >= 2] + \
     [small for span in per_block if (small := [i for i in span if leaves[i].ndim < 2])]
-  one = [[i for i in range(len(leaves)) if bool(decays[names[i]]) == d] for d in (False, True)]
-  stack_keys = sorted({k for k in groups if k[0] >= 0}, key=lambda k: (k[1], k[0]))
-  rows = {d: [groups[k] for k in stack_keys if k[1] == d] for d in (False, True)}
-  others = [groups[k] for k in groups if k[0] < 0]
+  one = [[i for span in per_block for i in span]]
+  rows = [groups[k] for k in sorted(k for k in groups if k >= 0)]
+  others = [groups[k] for k in groups if k < 0]
 
-  def stacked(arrays, rest_bufs):
-    spans = [s for d in (False, True) for s in rows[d]] + others
-    bufs = [arrays[d][j] for d in (0, 1) for j in range(arrays[d].shape[0])] + list(rest_bufs)
-    value, grads = jax.value_and_grad(loss)(cut(bufs, spans))
-    g = packed(grads, spans)
-    k0, k1 = len(rows[False]), len(rows[True])
-    return value, (jnp.stack(g[:k0]), jnp.stack(g[k0:k0 + k1]), g[k0 + k1:])
+  def stacked(array, rest_bufs):
+    bufs = [array[j] for j in range(array.shape[0])] + list(rest_bufs)
+    value, grads = jax.value_and_grad(loss)(cut(bufs, rows + others))
+    g = packed(grads, rows + others)
+    return value, (jnp.stack(g[:len(rows)]), g[len(rows):])
 
-  stacked_args = ([jnp.stack([jnp.concatenate([leaves[i].ravel() for i in s]) for s in rows[d]])
-                   for d in (False, True)],
+  stacked_args = (jnp.stack([jnp.concatenate([leaves[i].ravel() for i in s]) for s in rows]),
                   [jnp.concatenate([leaves[i].ravel() for i in s]) for s in others])
   return {
     "arrays": (lambda arrays: jax.value_and_grad(loss)(arrays), (leaves,)),
