@@ -150,13 +150,15 @@ def test_a_slot_that_owns_part_of_a_buffer_counts_those_names_apart():
 
 def test_a_per_tensor_optimizer_trains_on_the_buffers_as_one_device_does(tmp_path):
   """Adafactor (per tensor: its moments are factored) steps on the buffers' views inside OPT
-  and trains what one device trains, on two stages with a failure."""
+  and trains what one device trains, on two stages with a failure that Bamboo's replica takes
+  over (its state placed whole, the optimizer's own tree with it)."""
   from resilient_jax.schedule.core import B, Op
   from resilient_jax.training.faults import FaultEvent
   from resilient_jax.training.loop import Trainer
   from tests.helpers import assert_matches_reference
 
-  cfg = tiny_config(mesh__dp=2, mesh__pp=2, optimizer__name="adafactor")
+  cfg = tiny_config(mesh__dp=2, mesh__pp=2, optimizer__name="adafactor",
+                    resilience__policy="bamboo")
   result = Trainer(cfg, tmp_path, log=lambda _: None,
                    faults=[FaultEvent(2, (1, 0), after_op=Op(B, 3))]).run()
   assert result.interpreter.program(result.interpreter.local_slots[0]).flat_opt is None

@@ -27,7 +27,9 @@ on its own device, and the compile count does not grow with data parallelism.
 - `optimizer_step(params, opt_state, grads, owned, scale=None) -> (params, opt_state, sumsq)`:
   this stage's optax update, of the gradients times `scale` (the global clip factor) when given,
   and the sum of squares of the gradients whose `owned` weight is 1 (its share of the norm).
-  The optimizer sees the gradients unpacked: its own names and shapes.
+  On one device the parameters, gradients and optimizer state are flat buffers
+  (`programs/state.py`): the optimizer steps each buffer as one loop where its traced update
+  allows (`programs/flat_optimizer.py`), else per tensor on the buffers' views.
 
 Each program traces under a named scope of its op (`F`, `B`, `W`, `BW`, `OPT`): its compiled ops
 carry the name, so a `jax.profiler` trace shows which kind of op a device was running; the stage
@@ -296,10 +298,10 @@ class StagePrograms:
     """B, W, BW and OPT, and the optimizer-state and zero-gradient initializers, each compiled
     once for the stage and loaded on every replica's device.
 
-    On one device the gradients are `packing.Packed` (a buffer per block and dtype, one per
-    large array: W and BW pass a few arrays for them, not one per parameter) and `owned` one
-    weight per parameter in a vector; OPT unpacks them inside its trace, so the optimizer sees
-    the parameters' own shapes and names."""
+    On one device the parameters and gradients are `packing.Packed` in the stage's state layout
+    (`programs/state.py`: a buffer per block and dtype) and `owned` a weight per buffer; OPT
+    steps the buffers (`StateLayout.step`).
+    """
     split, optimizer, tp = self.split, self.optimizer, self.tp
     pin = self._pin  # outputs constrained to the sub-mesh split (identity when tp is 1)
     names = self.param_names
@@ -487,8 +489,9 @@ class StagePrograms:
     return jax.device_put(self._init_opt(params), self.opt_shardings(where))
 
   def norm_weights(self, owned: Iterable[str], where: Where) -> Any:
-    """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm (one
-    vector in `param_names` order on one device, a weight per name on a sub-mesh)."""
+    """`optimizer_step`'s `owned`: 1 for the names this slot counts into the global norm (a
+    weight per buffer on one device, `owned_apart` the rest; a weight per name on a
+    sub-mesh)."""
     names = set(owned)
     if self.packed:  # a weight per buffer (`StateLayout.norm_weights`)
       return jax.device_put(self.state.norm_weights(names), where)

@@ -284,7 +284,7 @@ class Interpreter(StateHandover):
         src = next((x for x in same if x[0] == dev), same[0] if same else None)
         if src is not None:
           if src[0] is not None and src[0] != dev:
-            copied += sum(b.nbytes for b in jax.tree.leaves((src[1], src[2].state)))
+            copied += sum(b.nbytes for b in jax.tree.leaves((src[1], dict(src[2]))))
           whole[slot] = prog.state_from(src[1], src[2], dev)
           continue
       params[slot] = dict.fromkeys(prog.param_names)
