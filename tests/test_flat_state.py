@@ -27,7 +27,7 @@ def _global_scale(lr):
 
   def update(updates, state, params=None):
     del params
-    norm = optax.global_norm(updates)
+    norm = optax.tree.norm(updates)
     return jax.tree.map(lambda g: -lr * g / (norm + 1.0), updates), state
 
   return optax.GradientTransformation(init, update)
