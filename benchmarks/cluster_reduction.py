@@ -20,7 +20,6 @@ as its byte count says; above it, by latency, hops in series or host time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.reduction import _CHILD  # noqa: E402
+from benchmarks.reduction import _CHILD, collect  # noqa: E402
 from benchmarks.results import record  # noqa: E402
 from launch.cluster_box import ClusterBox, missing  # noqa: E402
 
@@ -44,12 +43,7 @@ def measure(dp: int, rate_mbit: float, floats: int, repeats: int) -> dict:
     procs = [box.popen(p + 1, [sys.executable, "-c", code, str(p), address], cwd=ROOT, env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for p in range(dp)]
-    rows = []
-    for p in procs:
-      out, err = p.communicate(timeout=600)
-      if p.returncode != 0:
-        raise SystemExit(f"a process exited {p.returncode}: {err.strip()[-1500:]}")
-      rows.append(json.loads(out.strip().splitlines()[-1]))
+    rows = collect(procs)
   grad = 4 * floats
   sent = max(statistics.median(r["sent"]) for r in rows)
   received = max(statistics.median(r["received"]) for r in rows)

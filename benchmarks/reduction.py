@@ -137,6 +137,18 @@ def measure_local(ks: list[int], floats: int, repeats: int, tree: str) -> dict:
   return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
+def collect(procs: list[subprocess.Popen], what: str = "") -> list[dict]:
+  """Each child's last line (its JSON row), in order; a child that failed ends the run with
+  its error's tail."""
+  rows = []
+  for p in procs:
+    out, err = p.communicate(timeout=600)
+    if p.returncode != 0:
+      raise SystemExit(f"{what}a process exited {p.returncode}: {err.strip()[-1500:]}")
+    rows.append(json.loads(out.strip().splitlines()[-1]))
+  return rows
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -152,12 +164,7 @@ def measure(dp: int, floats: int, repeats: int, tree: str) -> dict:
   procs = [subprocess.Popen([sys.executable, "-c", code, str(p), address], cwd=tree, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for p in range(dp)]
-  rows = []
-  for p in procs:
-    out, err = p.communicate(timeout=600)
-    if p.returncode != 0:
-      raise SystemExit(f"dp={dp}: a process exited {p.returncode}: {err.strip()[-1500:]}")
-    rows.append(json.loads(out.strip().splitlines()[-1]))
+  rows = collect(procs, f"dp={dp}: ")
   grad_bytes = 4 * floats
   return {
     "dp": dp,

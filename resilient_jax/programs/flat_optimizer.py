@@ -197,14 +197,17 @@ class FlatOptimizer:
 
   @classmethod
   def of(cls, optimizer: optax.GradientTransformation,
-         abstract: Mapping[str, jax.ShapeDtypeStruct]) -> FlatOptimizer | None:
+         abstract: Mapping[str, jax.ShapeDtypeStruct], template: Any = None
+         ) -> FlatOptimizer | None:
     """The flat form of `optimizer` on parameters shaped as `abstract` (a dict by name), or
-    None where its update is not the same elementwise function on each element of a class."""
+    None where its update is not the same elementwise function on each element of a class;
+    `template`: `optimizer.init`'s state for `abstract` where the caller has it."""
     names = sorted(abstract)
     if not names:
       return None
     try:
-      template = jax.eval_shape(optimizer.init, dict(abstract))
+      if template is None:
+        template = jax.eval_shape(optimizer.init, dict(abstract))
       entries = universal.flatten_state(template)
       closed, out_shape = jax.make_jaxpr(optimizer.update, return_shape=True)(
         dict(abstract), template, dict(abstract))

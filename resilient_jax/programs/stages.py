@@ -159,8 +159,8 @@ class StagePrograms:
     """The optimizer state's structure, shapes and dtypes (of the parameters as a tree: what
     checkpoints hold, by universal key, whatever the layout in memory)."""
     self.state: StateLayout | None = StateLayout(
-      self._abstract, self.optimizer, {n: cut.block_of(n) for n in shapes}) \
-      if self.packed else None
+      self._abstract, self.optimizer, {n: cut.block_of(n) for n in shapes},
+      self.opt_template) if self.packed else None
     """On one device, how the stage's parameters, gradients and optimizer state lie in a few
     flat buffers (`programs.state`)."""
     self.layout: packing.Layout | None = self.state.layout if self.state else None

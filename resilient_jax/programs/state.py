@@ -47,13 +47,15 @@ class StateLayout:
     abstract: the stage's parameters' shapes and dtypes, by name.
     optimizer: the stage's optax transformation.
     block_of: the model's block each parameter belongs to (-1: outside the blocks).
+    opt_template: `optimizer.init`'s state for `abstract` (shapes and dtypes).
   """
 
   def __init__(self, abstract: Mapping[str, jax.ShapeDtypeStruct],
-               optimizer: optax.GradientTransformation, block_of: Mapping[str, int]):
-    self.opt_template = jax.eval_shape(optimizer.init, dict(abstract))
-    self.opt_keys: tuple[str, ...] = tuple(universal.flatten_state(self.opt_template))
-    self.flat: FlatOptimizer | None = FlatOptimizer.of(optimizer, abstract)
+               optimizer: optax.GradientTransformation, block_of: Mapping[str, int],
+               opt_template: Any):
+    self.opt_template = opt_template
+    self.opt_keys: tuple[str, ...] = tuple(universal.flatten_state(opt_template))
+    self.flat: FlatOptimizer | None = FlatOptimizer.of(optimizer, abstract, opt_template)
     classes = self.flat.classes if self.flat is not None else dict.fromkeys(abstract, 0)
     self.layout = packing.Layout.of_state(abstract, classes, block_of)
     self.buffers = len(self.layout.groups)
@@ -151,6 +153,7 @@ class FlatEntries(Mapping):
     self.state = state
     self._of = state_layout
     self._keys = state_layout.opt_keys
+    self._key_set = frozenset(state_layout.opt_keys)
     self._shared = frozenset(state_layout.flat.shared)
 
   def __getitem__(self, key: str) -> Any:
@@ -170,6 +173,9 @@ class FlatEntries(Mapping):
 
   def __len__(self) -> int:
     return len(self._keys)
+
+  def __contains__(self, key: object) -> bool:  # by key: `Mapping`'s would read the entry
+    return key in self._key_set
 
 
 @functools.cache
